@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh clone: `make demo` and `make test`.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed
+PIP_ARGS  ?=
+# On a machine whose pip does not already find the CPU build of torch, use e.g.
+#   make demo PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install demo test bench clean-demo lock
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip==26.3"
+	$(PY) -m pip install --quiet $(PIP_ARGS) -c constraints.txt -e ".[dev]"
+	$(PY) -c "import torch, prefect.server.api.server, deepspeed, mlflow; assert torch.version.cuda is None, "a CUDA build of torch was installed""
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lifecycle run deploy/configs/demo.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean-demo:
+	rm -rf runs/demo
+
+# Re-pin the whole environment after changing dependencies in pyproject.toml.
+lock:
+	$(PY) -m pip freeze --exclude-editable | sed -e 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > constraints.txt

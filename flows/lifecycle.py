@@ -1,0 +1,138 @@
+"""The lifecycle flow: wires the eight stages together. It computes nothing itself.
+
+collect -> filter -> dedup -> scrub -> tokenize -> train -> evaluate -> checkpoint (+ register)
+
+Each stage returns a small reference (a `DatasetRef`, a `TrainResult`, metrics); rows stay in Parquet.
+Every stage is logged to its own nested MLflow run under one parent run per flow run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.context import get_run_context
+
+from flows.stage_tasks import plain_task, stage_task
+from lifecycle.config import STAGES, PipelineConfig
+from lifecycle.dataset import DatasetRef
+from lineage.tracking import Tracker
+from tasks import checkpoint as ckpt_mod
+from tasks import model as model_mod
+from tasks import train_loop as loop_mod
+from tasks.collect import resolve_inputs, run_collect
+from tasks.dedup import run_dedup
+from tasks.evaluate import run_evaluate
+from tasks.filter import run_filter
+from tasks.package import package_model
+from tasks.scrub import run_scrub
+from tasks.tokenizer import run_tokenize
+from tasks.train import run_train
+
+
+def funnel_metrics(ref: DatasetRef) -> dict[str, float]:
+    stats = ref.manifest().get("stats") or {}
+    out = {k: stats[k] for k in ("rows_in", "rows_kept", "rows_rejected", "bytes_in", "bytes_out") if k in stats}
+    out.update({f"rejected.{k}": v for k, v in stats.get("rejected_by_reason", {}).items()})
+    out.update({f"count.{k}": v for k, v in stats.get("counters", {}).items()})
+    return out
+
+
+def _outcome(state, value: Any) -> str:
+    if state.name == "Cached":
+        return "cached"
+    if getattr(value, "reused", False) or getattr(value, "launched", True) is False:
+        return "reused"
+    return "computed"
+
+
+def _call(task_fn, *args, **kwargs) -> tuple[Any, str]:
+    """Run a stage task; if Prefect's cache points at a dataset that is gone, refresh it."""
+    state = task_fn(*args, return_state=True, **kwargs)
+    value = state.result()
+    if state.name == "Cached" and isinstance(value, DatasetRef) and not value.manifest_path.exists():
+        state = task_fn.with_options(refresh_cache=True)(*args, return_state=True, **kwargs)
+        value = state.result()
+    return value, _outcome(state, value)
+
+
+@flow(name="lifecycle", log_prints=True)
+def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
+    cfg, wd = config, config.workdir
+    Path(wd).mkdir(parents=True, exist_ok=True)
+    orch = cfg.orchestration
+    stop_after = STAGES.index(until) if until else len(STAGES) - 1
+    flow_run = get_run_context().flow_run
+    tracker = Tracker(cfg.tracking, wd, cfg.name)
+    run_id = tracker.start(
+        run_name=flow_run.name,
+        config=cfg,
+        tags={"prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": wd, "lifecycle.until": until or "end"},
+    )
+    summary: dict[str, Any] = {"status": "running", "workdir": wd, "mlflow_run_id": run_id,
+                               "mlflow_tracking_uri": tracker.uri, "prefect_flow_run_id": str(flow_run.id),
+                               "datasets": {}, "stages": {}, "checkpoint": None, "model": None, "metrics": {}}
+
+    def data_stage(stage: str, fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
+        t = stage_task(fn, stage, orch, orch.data_retries)
+        args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
+        ref, outcome = _call(t, *args, **kw)
+        tracker.log_stage(stage, stage_cfg, outcome, inputs=[parent] if parent else [], outputs=[ref],
+                          raw_inputs=kw.get("inputs", ()), metrics=funnel_metrics(ref))
+        summary["datasets"][stage] = str(ref.manifest_path)
+        summary["stages"][stage] = outcome
+        print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
+        return ref
+
+    def done(stage: str) -> bool:
+        return STAGES.index(stage) >= stop_after
+
+    try:
+        inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
+        ref = data_stage("collect", run_collect, None, cfg.collect, inputs=inputs)
+        for stage, fn in (("filter", run_filter), ("dedup", run_dedup), ("scrub", run_scrub),
+                          ("tokenize", run_tokenize)):
+            if done(STAGES[STAGES.index(stage) - 1]):
+                break
+            ref = data_stage(stage, fn, ref, getattr(cfg, stage))
+        tokens = ref
+        if not done("tokenize"):
+            train_t = stage_task(run_train, "train", orch, orch.train_retries,
+                                 extra_modules=(model_mod, loop_mod, ckpt_mod))
+            result, outcome = _call(train_t, tokens, cfg.train, wd)
+            rows = [json.loads(l) for l in Path(result.metrics_path).read_text().splitlines() if l.strip()]
+            tracker.log_stage("train", cfg.train, outcome, inputs=[tokens],
+                              metrics={"final_loss": result.final_loss, "steps": result.steps},
+                              tags={"lifecycle.checkpoint": result.checkpoint_dir,
+                                    "lifecycle.resumed_from": str(result.resumed_from)})
+            tracker.log_series("train", rows, [k for k in ("loss", "lr", "val_loss") if any(k in r for r in rows)])
+            summary["stages"]["train"] = outcome
+            summary["checkpoint"] = result.checkpoint_dir
+            summary["metrics"].update({"train_loss": result.final_loss, "train_steps": result.steps})
+            print(f"[train] {outcome}: step {result.steps}, loss {result.final_loss:.4f} -> {result.checkpoint_dir}")
+        if not done("train"):
+            eval_t = stage_task(run_evaluate, "evaluate", orch, orch.data_retries, extra_modules=(model_mod,))
+            metrics, outcome = _call(eval_t, result.checkpoint_dir, tokens, cfg.evaluate)
+            tracker.log_stage("evaluate", cfg.evaluate, outcome, inputs=[tokens], metrics=metrics)
+            summary["stages"]["evaluate"] = outcome
+            summary["metrics"].update(metrics)
+            print(f"[evaluate] {outcome}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        if not done("evaluate"):
+            pkg_t = stage_task(package_model, "checkpoint", orch, orch.data_retries, extra_modules=(ckpt_mod,))
+            model_ref, outcome = _call(pkg_t, result.checkpoint_dir, tokens, wd)
+            tracker.log_stage("checkpoint", {"checkpoint_dir": result.checkpoint_dir}, outcome, inputs=[tokens],
+                              outputs=[model_ref])
+            summary["datasets"]["checkpoint"] = str(model_ref.manifest_path)
+            summary["stages"]["checkpoint"] = outcome
+            name, version = tracker.register_or_reuse(model_ref, summary["metrics"])
+            summary["model"] = {"name": name, "version": version}
+            print(f"[checkpoint] {outcome}: registered {name} version {version}")
+        tracker.log_parent_metrics({k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))})
+        summary["status"] = "completed"
+        tracker.end("FINISHED")
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    return summary

@@ -1,0 +1,83 @@
+"""The one place where plain stage functions become Prefect tasks.
+
+Cache keys come from content, never from the flow-run id: a stage's key is a sha256 over its name, its
+code version and its parameters, where a `DatasetRef` counts by its content sha256. Results are persisted
+as JSON under the work dir, so a new flow run with the same inputs finds them (`Cached`), and if a
+result is ever missing the stage function itself finds its committed dataset (`reused`) without
+recomputing. Where results are stored is Prefect's setting `PREFECT_RESULTS_LOCAL_STORAGE_PATH`, which the
+CLI points at `<workdir>/.prefect-results`; keys include the work dir, so two work dirs never share a result.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+from pydantic import BaseModel
+
+from lifecycle.config import ConfigError, OrchestrationConfig
+from lifecycle.dataset import AccountingError, DatasetRef, code_version, sha256_json
+from tasks.collect import InputError
+
+# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity.
+PERMANENT_ERRORS = (ConfigError, InputError, AccountingError)
+
+
+def _identity(value: Any) -> Any:
+    if isinstance(value, DatasetRef):
+        return {"dataset": value.stage, "sha256": value.sha256}
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [_identity(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _identity(v) for k, v in value.items()}
+    return value
+
+
+def content_cache_key(stage: str, code: str) -> Callable:
+    def key(_ctx, parameters: dict[str, Any]) -> str:
+        return f"{stage}-{sha256_json({'code': code, 'params': _identity(parameters)})}"
+
+    return key
+
+
+def _retry_unless_permanent(_task, _task_run, state) -> bool:
+    try:
+        state.result()
+    except PERMANENT_ERRORS:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def stage_task(
+    fn: Callable,
+    stage: str,
+    orchestration: OrchestrationConfig,
+    retries: int,
+    extra_modules: tuple = (),
+):
+    """Wrap a plain stage function as a Prefect task with content-keyed caching and retries."""
+    code = code_version(sys.modules[fn.__module__], *extra_modules)
+    return task(
+        fn,
+        name=stage,
+        cache_key_fn=content_cache_key(stage, code),
+        persist_result=True,
+        result_serializer="json",
+        retries=retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=orchestration.retry_backoff_s),
+        retry_jitter_factor=orchestration.retry_jitter,
+        retry_condition_fn=_retry_unless_permanent,
+    )
+
+
+def plain_task(fn: Callable, name: str):
+    """A task that must run every time (it reads or writes run-specific state)."""
+    return task(fn, name=name, cache_policy=NO_CACHE, persist_result=False)

@@ -1,0 +1,90 @@
+"""The `lifecycle` command line.
+
+    lifecycle run [CONFIG] [--set KEY=VALUE ...] [--until STAGE] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from lifecycle.config import DEFAULT_CONFIG, STAGES, ConfigError, PipelineConfig, load_config
+
+
+def _prefect_env(cfg: PipelineConfig) -> None:
+    """Embedded defaults: without a configured Prefect API, keep Prefect's home (its SQLite database and the
+    ephemeral server it starts) inside the work dir, and give the ephemeral server time to start on 2 cores."""
+    if not os.environ.get("PREFECT_API_URL"):
+        home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(cfg.workdir) / ".prefect")))
+        home.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    # task results (the small references stages return) live beside the data they point to
+    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(Path(cfg.workdir) / ".prefect-results"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.set or [])
+    except ConfigError as e:
+        print(f"lifecycle: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"status": "invalid_config", "error": str(e)}))
+        return 2
+    _prefect_env(cfg)
+    from flows.lifecycle import lifecycle_flow
+
+    t0 = time.time()
+    try:
+        summary = lifecycle_flow(config=cfg, until=args.until)
+    except Exception as e:  # the flow has logged the traceback; report and fail
+        print(f"lifecycle: run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}))
+        return 1
+    summary["elapsed_s"] = round(time.time() - t0, 1)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(summary)
+    return 0
+
+
+def print_summary(s: dict) -> None:
+    print(f"\nlifecycle run {s['status']} in {s['elapsed_s']} s")
+    print(f"  work dir:        {s['workdir']}")
+    for stage, outcome in s["stages"].items():
+        where = s["datasets"].get(stage) or (s["checkpoint"] if stage == "train" else "")
+        print(f"  {stage:<10} {outcome:<9} {where}")
+    if s.get("model"):
+        print(f"  model:           {s['model']['name']} version {s['model']['version']}")
+    for k, v in s["metrics"].items():
+        print(f"  {k:<16} {v:.4g}" if isinstance(v, float) else f"  {k:<16} {v}")
+    print(f"  MLflow run:      {s['mlflow_run_id']}")
+    print(f"\nOpen the MLflow UI on these results:\n  .venv/bin/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
+          f" --host 127.0.0.1 --port 5000\nQuery the data with DuckDB, e.g.:\n"
+          f"  .venv/bin/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
+          f"read_parquet('{s['workdir']}/datasets/*/*/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.strip().splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="Run the whole lifecycle (or up to --until) as one Prefect flow.")
+    run.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="Override a config field by dotted path; VALUE is parsed as YAML. Repeatable.")
+    run.add_argument("--until", choices=STAGES, help="Stop after this stage.")
+    run.add_argument("--json", action="store_true", help="Print one JSON summary object as the last line.")
+    run.set_defaults(func=cmd_run)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

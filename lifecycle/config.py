@@ -1,0 +1,114 @@
+"""`PipelineConfig`: one typed, validated config composed of the per-stage sections defined beside their code.
+
+YAML files hold values only. `--set a.b.c=VALUE` overrides any field by its dotted path, VALUE parsed as
+YAML. Validation happens before any work starts; an error names the field and the file.
+Secrets never live here (see `lifecycle.settings`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from lineage.tracking import TrackingConfig
+from tasks.collect import CollectConfig
+from tasks.dedup import DedupConfig
+from tasks.evaluate import EvaluateConfig
+from tasks.filter import FilterConfig
+from tasks.scrub import ScrubConfig
+from tasks.tokenizer import TokenizeConfig
+from tasks.train import TrainConfig
+
+STAGES = ("collect", "filter", "dedup", "scrub", "tokenize", "train", "evaluate", "checkpoint")
+DEFAULT_CONFIG = "deploy/configs/demo.yaml"
+
+
+class OrchestrationConfig(BaseModel):
+    """How Prefect runs the stages."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    data_retries: int = Field(2, ge=0, description="Retries of a data stage that raised (not for bad config).")
+    retry_backoff_s: float = Field(2.0, gt=0, description="First retry delay; each next retry doubles it.")
+    retry_jitter: float = Field(0.5, ge=0, description="Random jitter factor added to each retry delay.")
+    train_retries: int = Field(1, ge=0, description="Retries of the train stage; each resumes from the last commit.")
+
+
+class PipelineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("lifecycle", description="Name of this pipeline (MLflow experiment default, Prefect run name).")
+    workdir: str = Field("runs/demo", description="Where every dataset, checkpoint and the local MLflow store live.")
+    collect: CollectConfig
+    filter: FilterConfig = FilterConfig()
+    dedup: DedupConfig = DedupConfig()
+    scrub: ScrubConfig = ScrubConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        return str(Path(v).expanduser().resolve())
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded or does not validate; the message names the field."""
+
+
+def set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: `{k}` is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+    key, raw = item.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value is not valid YAML: {e}") from e
+
+
+def format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        got = e.get("input")
+        shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"[:120]
+        lines.append(f"  field `{field}`: {e['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:
+    path = Path(path or DEFAULT_CONFIG)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    for item in overrides:
+        set_dotted(data, *parse_override(item))
+    return validate_config(data, origin=str(path))
+
+
+def validate_config(data: dict, origin: str = "config") -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, origin)) from None

@@ -1,0 +1,236 @@
+"""The only module that talks to MLflow.
+
+One parent run per lifecycle run, one nested child run per stage. Each child logs its stage config as
+params, its funnel numbers as metrics, and its input and output datasets with their full sha256 (MLflow's
+own dataset digest is 8 hex chars of MD5 over the first rows: too weak for lineage; its digest field holds at
+most 36 characters, so the full sha256 also goes into the dataset profile and an input tag) and the manifest
+path as source. The trained model is registered in the MLflow model registry with the lineage digests as tags.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lifecycle.dataset import DatasetRef, RawFile, sha256_json
+
+MAX_PARAM_LEN = 6000
+MLFLOW_DIGEST_LEN = 36  # mlflow.utils.validation.MAX_DATASET_DIGEST_SIZE
+
+
+class TrackingConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI. Default: a SQLite store `mlflow.db` in the work dir."
+    )
+    experiment: str | None = Field(None, description="MLflow experiment. Default: the pipeline name.")
+    model_name: str = Field("lifecycle-gpt", description="Registered model name in the MLflow model registry.")
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(d, BaseModel):
+        d = d.model_dump(mode="json")
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    value = json.dumps(d) if isinstance(d, (list, tuple)) else str(d)
+    return {prefix.rstrip("."): value[:MAX_PARAM_LEN]}
+
+
+def git_commit(cwd: str | Path | None = None) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Tracker:
+    """Logs one lifecycle run. Runtime object: passed around, never part of the config."""
+
+    def __init__(self, cfg: TrackingConfig, workdir: str, default_experiment: str):
+        import mlflow
+        from mlflow import MlflowClient
+
+        self.workdir = Path(workdir)
+        self.uri = cfg.tracking_uri or f"sqlite:///{self.workdir / 'mlflow.db'}"
+        self.cfg = cfg
+        mlflow.set_tracking_uri(self.uri)
+        self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        name = cfg.experiment or default_experiment
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            artifacts = (self.workdir / "mlartifacts").resolve().as_uri() if cfg.tracking_uri is None else None
+            self.experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
+        else:
+            self.experiment_id = exp.experiment_id
+        self.parent_id: str | None = None
+        self.stage_runs: dict[str, str] = {}
+
+    # -------------------------------------------------------------------------------- runs
+    def start(self, run_name: str, config: BaseModel, tags: dict[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={
+            "lifecycle.config_sha256": sha256_json(config.model_dump(mode="json")),
+            "lifecycle.git_commit": git_commit(), **tags})
+        self.parent_id = run.info.run_id
+        self.client.log_text(self.parent_id, json.dumps(config.model_dump(mode="json"), indent=2), "config.json")
+        return self.parent_id
+
+    def end(self, status: str = "FINISHED") -> None:
+        for rid in self.stage_runs.values():
+            if self.client.get_run(rid).info.status == "RUNNING":
+                self.client.set_terminated(rid, status)
+        if self.parent_id:
+            self.client.set_terminated(self.parent_id, status)
+
+    def stage_run(self, stage: str) -> str:
+        if stage not in self.stage_runs:
+            run = self.client.create_run(self.experiment_id, run_name=stage, tags={
+                "mlflow.parentRunId": self.parent_id, "lifecycle.stage": stage})
+            self.stage_runs[stage] = run.info.run_id
+        return self.stage_runs[stage]
+
+    # -------------------------------------------------------------------------------- stages
+    def log_stage(
+        self,
+        stage: str,
+        config: BaseModel | dict,
+        outcome: str,
+        inputs: Iterable[DatasetRef] = (),
+        outputs: Iterable[DatasetRef] = (),
+        raw_inputs: Iterable[RawFile] = (),
+        metrics: dict[str, float] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> str:
+        """Log one stage into its child run; `outcome` is computed, reused (committed dataset found) or cached."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        rid = self.stage_run(stage)
+        params = [Param(k, v) for k, v in flatten(config).items()]
+        all_tags = [RunTag("lifecycle.outcome", outcome)] + [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        for ref in outputs:
+            all_tags.append(RunTag("lifecycle.output_sha256", ref.sha256))
+            all_tags.append(RunTag("lifecycle.output_manifest", str(ref.manifest_path)))
+        for i in range(0, len(params), 100):
+            self.client.log_batch(rid, params=params[i : i + 100])
+        self.client.log_batch(rid, tags=all_tags)
+        if metrics:
+            self.log_metrics(stage, metrics)
+        self._log_datasets(rid, inputs, "input")
+        self._log_datasets(rid, outputs, "output")
+        if raw_inputs:
+            raw = [r.model_dump() for r in raw_inputs]
+            self.client.log_text(rid, json.dumps(raw, indent=2), "raw_inputs.json")
+        return rid
+
+    def log_metrics(self, stage: str, metrics: dict[str, float], step: int = 0) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        rid = self.stage_run(stage)
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(rid, metrics=batch[i : i + 500])
+
+    def log_series(self, stage: str, rows: list[dict], keys: Iterable[str]) -> None:
+        """Per-step metrics (e.g. train loss) with their step numbers."""
+        import time
+
+        from mlflow.entities import Metric
+
+        rid = self.stage_run(stage)
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(r[k]), now, int(r["step"])) for r in rows for k in keys if r.get(k) is not None]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(rid, metrics=batch[i : i + 500])
+
+    def _log_datasets(self, rid: str, refs: Iterable[DatasetRef], context: str) -> None:
+        """MLflow caps a dataset digest at 36 characters, so the digest is the first 36 hex chars of our
+        sha256 and the full sha256 goes into the dataset profile and an input tag."""
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = []
+        for ref in refs:
+            with warnings.catch_warnings():  # two registered local-file sources match; both are the same class
+                warnings.simplefilter("ignore", UserWarning)
+                source = resolve_dataset_source(ref.manifest_path.resolve().as_uri())
+            ds = Dataset(
+                name=f"{ref.stage}-{ref.fingerprint[:12]}",
+                digest=ref.sha256[:MLFLOW_DIGEST_LEN],
+                source_type=source._get_source_type(),
+                source=source.to_json(),
+                profile=json.dumps({"sha256": ref.sha256, "num_rows": ref.num_rows, "stage": ref.stage,
+                                    "fingerprint": ref.fingerprint}),
+            )
+            tags = [InputTag("mlflow.data.context", context), InputTag("lifecycle.sha256", ref.sha256)]
+            inputs.append(DatasetInput(ds, tags=tags))
+        if inputs:
+            self.client.log_inputs(rid, datasets=inputs)
+
+    def log_parent_metrics(self, metrics: dict[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+
+    # -------------------------------------------------------------------------------- registry
+    def register_model(self, model_dir: str | Path, tags: dict[str, str], description: str = "") -> tuple[str, str]:
+        """Log the packaged model files to the parent run and register them as a new model version."""
+        from mlflow.exceptions import MlflowException
+
+        self.client.log_artifacts(self.parent_id, str(model_dir), "model")
+        name = self.cfg.model_name
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as e:
+            if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
+                raise
+        source = f"{self.client.get_run(self.parent_id).info.artifact_uri}/model"
+        mv = self.client.create_model_version(name, source=source, run_id=self.parent_id, tags=tags,
+                                              description=description)
+        self.client.set_tag(self.parent_id, "lifecycle.model_version", f"{name}/{mv.version}")
+        return name, str(mv.version)
+
+    def register_or_reuse(self, model_ref: DatasetRef, metrics: dict[str, Any]) -> tuple[str, str]:
+        """Register the packaged model once; a rerun that produced the same package reuses its version."""
+        name = self.cfg.model_name
+        try:
+            for mv in self.client.search_model_versions(f"name = '{name}'"):
+                if mv.tags.get("lifecycle.model_package_sha256") == model_ref.sha256:
+                    self.client.set_tag(self.parent_id, "lifecycle.model_version", f"{name}/{mv.version}")
+                    return name, str(mv.version)
+        except Exception as e:  # no registered model yet
+            if "RESOURCE_DOES_NOT_EXIST" not in str(e):
+                raise
+        lineage = json.loads((model_ref.dir / "lineage.json").read_text())
+        parent_tags = self.client.get_run(self.parent_id).data.tags
+        tags = {
+            "lifecycle.model_package_sha256": model_ref.sha256,
+            "lifecycle.checkpoint_marker_sha256": lineage["checkpoint_marker_sha256"],
+            "lifecycle.checkpoint_dir": lineage["checkpoint_dir"],
+            "lifecycle.tokenizer_sha256": str(lineage.get("tokenizer_sha256")),
+            "lifecycle.config_sha256": parent_tags.get("lifecycle.config_sha256", ""),
+            "lifecycle.git_commit": parent_tags.get("lifecycle.git_commit", ""),
+            "lifecycle.raw_inputs": json.dumps(
+                sorted({r["path"]: r["sha256"] for d in lineage["datasets"] for r in d["inputs"]}.items()))[:7900],
+        }
+        for d in lineage["datasets"]:
+            tags[f"lifecycle.dataset.{d['stage']}.sha256"] = d["sha256"]
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                tags[f"metric.{k}"] = f"{v:.6g}"
+        return self.register_model(model_ref.dir, tags, description=f"lineage: {model_ref.manifest_path}")

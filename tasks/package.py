@@ -1,0 +1,70 @@
+"""checkpoint (publish): verify the committed training checkpoint and package it as a model dataset.
+
+The package is a dataset directory like any other (manifest written last), holding the consolidated
+weights (`model.safetensors`), `model_config.json`, the `tokenizer.json` the model was trained with, the
+checkpoint's commit marker, and `lineage.json`: the chain of datasets (sha256 and manifest) from the token
+shards back to the raw input files. The registry entry points at this package.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from lifecycle.dataset import DatasetRef, DatasetWriter, code_version, materialize, sha256_file
+from tasks.checkpoint import MARKER, read_marker, verify
+
+STAGE = "checkpoint"
+MODEL_FILES = ("model.safetensors", "model_config.json")
+
+
+def dataset_chain(ref: DatasetRef) -> list[dict]:
+    """Every dataset from `ref` back to collect, following manifest parents, with the raw input files."""
+    chain, manifest_path = [], ref.manifest_path
+    seen = set()
+    stack = [Path(manifest_path)]
+    while stack:
+        mp = stack.pop()
+        if str(mp) in seen:
+            continue
+        seen.add(str(mp))
+        m = json.loads(mp.read_text())
+        chain.append({"stage": m["stage"], "sha256": m["sha256"], "fingerprint": m["fingerprint"],
+                      "num_rows": m["num_rows"], "manifest": str(mp), "inputs": m.get("inputs", [])})
+        stack.extend(Path(p["manifest"]) for p in m.get("parents", []))
+    return chain
+
+
+def package_model(checkpoint_dir: str, tokens: DatasetRef, workdir: str) -> DatasetRef:
+    ckpt = Path(checkpoint_dir)
+    problem = verify(ckpt)  # every file listed in the commit marker, re-hashed
+    if problem:
+        raise RuntimeError(f"checkpoint {ckpt} is not a valid committed checkpoint: {problem}")
+    marker = read_marker(ckpt)
+    marker_sha = sha256_file(ckpt / MARKER)
+    tok_manifest = tokens.manifest()
+    config = {"checkpoint_marker_sha256": marker_sha, "tokens_sha256": tokens.sha256}
+
+    def build(writer: DatasetWriter) -> dict:
+        for name in MODEL_FILES:
+            shutil.copyfile(ckpt / name, writer.path(name))
+            writer.add_file(name)
+        shutil.copyfile(ckpt / MARKER, writer.path(MARKER))
+        writer.add_file(MARKER)
+        shutil.copyfile(tokens.dir / "tokenizer.json", writer.path("tokenizer.json"))
+        writer.add_file("tokenizer.json")
+        lineage = {
+            "checkpoint_dir": str(ckpt),
+            "checkpoint_step": marker.get("step"),
+            "checkpoint_marker_sha256": marker_sha,
+            "tokenizer_sha256": tok_manifest.get("tokenizer_sha256"),
+            "datasets": dataset_chain(tokens),
+        }
+        writer.path("lineage.json").write_text(json.dumps(lineage, indent=2))
+        writer.add_file("lineage.json")
+        return {"num_rows": 0, "extra": {"checkpoint_marker_sha256": marker_sha,
+                                         "tokenizer_sha256": tok_manifest.get("tokenizer_sha256")}}
+
+    return materialize(workdir, STAGE, config, code_version(sys.modules[__name__]), build, parents=[tokens])

@@ -1,0 +1,306 @@
+"""Train task: write a launch config, run `deepspeed --module tasks.train_loop` on CPU ranks, supervise it.
+
+One run directory `<workdir>/train/<fingerprint[:20]>/` per trajectory: config.json (read by every rank),
+ds_config.json, train.log (appended per launch), metrics.jsonl (rank 0), checkpoints/step_<8 digits>/.
+
+The fingerprint covers what determines the trajectory: token dataset, code, model and optimisation
+fields. It leaves out where the run stops (`max_steps`) and how it is operated (checkpoint cadence,
+logging, port, timeout). So a larger `max_steps` resumes from the last committed checkpoint of the same
+directory, and the same config again launches nothing. The cosine horizon is `decay_steps`: set it to extend a
+run later; left null it follows `max_steps`, so a longer run is a new run (its lr curve differs).
+
+No torch here (the CLI imports this module for its config): the ranks import it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lifecycle import dataset as ds
+from tasks import checkpoint as ckpt
+from tasks.tokenizer import token_shards
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Fields that do not change the trajectory, so they are not part of the run fingerprint.
+OPERATIONAL = {"max_steps", "checkpoint_every", "keep_last", "eval_every", "eval_batches", "log_every",
+               "master_port", "timeout_s", "threads_per_rank"}
+
+
+class ModelConfig(BaseModel):
+    """Architecture of the decoder in tasks.model (kept here, torch-free). Every field is in the run fingerprint."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    vocab_size: int | None = Field(None, ge=2)
+    """Vocabulary size. Left null in a training config: the train task fills it from the tokenizer."""
+    n_layer: int = Field(4, ge=1)
+    """Number of transformer blocks."""
+    n_head: int = Field(4, ge=1)
+    """Attention heads per block; must divide `n_embd`."""
+    n_embd: int = Field(128, ge=8)
+    """Residual stream width."""
+    seq_len: int = Field(128, ge=2)
+    """Context length in tokens (the longest sequence `forward` accepts)."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalisation before each sublayer and before the output head."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """Feed-forward type. SwiGLU uses a hidden width of 8/3·n_embd (rounded up to 32) to match GELU's 4·n_embd in parameters."""
+    pos: Literal["rope", "learned"] = "rope"
+    """Position encoding: rotary (applied to q and k in attention) or a learned absolute table."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on attention weights and residual branches (0 for short pretraining runs)."""
+    init: Literal["normal", "gpt2_scaled"] = "gpt2_scaled"
+    """normal: N(0, 0.02) everywhere; gpt2_scaled: residual output projections get 0.02/sqrt(2·n_layer) (GPT-2)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head (see module docstring)."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """Epsilon of the norm layers."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos='rope' needs an even head dim, got n_embd/n_head = {self.n_embd // self.n_head}")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.mlp == "gelu":
+            return 4 * self.n_embd
+        return 32 * math.ceil(8 * self.n_embd / 3 / 32)
+
+
+class TrainConfig(BaseModel):
+    """Training hyperparameters and how the DeepSpeed ranks are run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    model: ModelConfig = ModelConfig()
+    """Architecture. `model.vocab_size` null = take it from the tokenizer at run time."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per rank per forward/backward."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step. Global batch = micro_batch_size·grad_accum·num_ranks."""
+    max_steps: int = Field(200, ge=1)
+    """Optimizer steps to reach. Not part of the run fingerprint: raising it extends the run."""
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = Field(1e-4, ge=0)
+    """Learning rate at the end of the cosine decay and after it."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warmup steps: lr = lr·(step+1)/(warmup_steps+1)."""
+    decay_steps: int | None = Field(None, ge=1)
+    """Step at which the cosine reaches min_lr. Null = max_steps (see the module docstring)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW decoupled weight decay on matrices (2-D weights); norms and biases get none."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip (DeepSpeed `gradient_clipping`); 0 disables it."""
+    zero_stage: int = Field(2, ge=0, le=3)
+    """DeepSpeed ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 weights/activations with fp32 master weights. fp16 does not run on CPU."""
+    num_ranks: int = Field(2, ge=1)
+    """Data-parallel processes started by the deepspeed launcher on this machine."""
+    threads_per_rank: int | None = Field(None, ge=1)
+    """OMP/torch threads per rank. Null = CPU cores // num_ranks (at least 1)."""
+    checkpoint_every: int = Field(100, ge=1)
+    """Commit a checkpoint every this many steps; one is always committed at max_steps."""
+    keep_last: int = Field(3, ge=1)
+    """Committed checkpoints kept (K newest); older ones are deleted after each commit."""
+    seed: int = 1337
+    """Seeds the initial weights (same on every rank) and the batch sampler (seed, step, rank, micro)."""
+    eval_every: int = Field(0, ge=0)
+    """Validation loss every this many steps during training (0 = never; the evaluate task does it after)."""
+    eval_batches: int = Field(4, ge=1)
+    """Micro-batches per rank for each in-training validation."""
+    log_every: int = Field(10, ge=1)
+    """Append a metrics record (rank-averaged loss) every this many steps, and at the first and last."""
+    master_port: int | None = Field(None, ge=1024, le=65535)
+    """torch.distributed rendezvous port; null = pick a free one at launch."""
+    timeout_s: float | None = Field(None, gt=0)
+    """Kill the ranks and fail after this many seconds (null = no limit)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.warmup_steps >= self.horizon:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below decay_steps/max_steps ({self.horizon})")
+        return self
+
+    @property
+    def horizon(self) -> int:
+        return self.decay_steps or self.max_steps
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of update `step` (0-based): linear warmup, cosine to min_lr at `horizon`, then flat."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / (self.warmup_steps + 1)
+        if step >= self.horizon:
+            return self.min_lr
+        ratio = (step - self.warmup_steps) / (self.horizon - self.warmup_steps)
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (self.lr - self.min_lr)
+
+    def run_key(self) -> dict:
+        """The config part of the run fingerprint (operational fields out, cosine horizon resolved)."""
+        key = self.model_dump(mode="json", exclude=OPERATIONAL)
+        key["decay_steps"] = self.horizon
+        return key
+
+
+class TrainResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    checkpoint_dir: str
+    """The committed checkpoint at `steps` (tag directory with COMMITTED.json and model.safetensors)."""
+    steps: int
+    final_loss: float | None
+    """Rank-averaged training loss of the last step, from the commit marker."""
+    metrics_path: str
+    resumed_from: int | None
+    """Step the launched ranks resumed from; None for a fresh start or when nothing was launched."""
+    launched: bool
+    run_dir: str
+    log_path: str
+
+
+def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool) -> TrainResult:
+    marker = ckpt.read_marker(tag_dir)
+    return TrainResult(checkpoint_dir=str(tag_dir), steps=marker["step"], final_loss=marker.get("loss"),
+                       metrics_path=str(run_dir / "metrics.jsonl"), resumed_from=resumed_from,
+                       launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"))
+
+
+class _MetricsTail:
+    """Feeds complete new metrics.jsonl records past the resume step to a callback, each (kind, step) once."""
+
+    def __init__(self, path: Path, after_step: int, callback: Callable[[dict], None] | None):
+        self.path, self.after, self.callback, self.offset, self.seen = path, after_step, callback, 0, set()
+
+    def poll(self) -> None:
+        if self.callback is None or not self.path.exists():
+            return
+        if self.path.stat().st_size < self.offset:  # rank 0 truncated it to the resume step
+            self.offset = 0
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        data = data[: data.rfind(b"\n") + 1]
+        self.offset += len(data)
+        for rec in map(json.loads, data.splitlines()):
+            if rec["step"] > self.after and (rec["kind"], rec["step"]) not in self.seen:
+                self.seen.add((rec["kind"], rec["step"]))
+                self.callback(rec)
+
+
+def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
+              on_metrics: Callable[[dict], None] | None = None) -> TrainResult:
+    """Train to `cfg.max_steps` (resuming from the run's last committed checkpoint) and return the final one.
+
+    `on_metrics(record)` is called from this process for each new metrics record while the ranks run."""
+    meta = token_shards(tokens)
+    if cfg.model.vocab_size is None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": meta.vocab_size})})
+    elif cfg.model.vocab_size < meta.vocab_size:
+        raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
+    need = cfg.model.seq_len + 1
+    for split in ("train", "val") if cfg.eval_every else ("train",):
+        if meta.num_tokens[split] < need:
+            raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
+                             f"{need}" + (" (set eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
+    here = Path(__file__).resolve().parent
+    code = ds.code_version(*(here / f for f in ("train.py", "train_loop.py", "model.py", "checkpoint.py")))
+    fp = ds.fingerprint("train", cfg.run_key(), code, [tokens])
+    run_dir = Path(workdir).resolve() / "train" / fp[:20]
+    ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "w") as lock:
+        try:  # one supervisor per run directory; the OS drops the lock if this process dies
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another run_train is supervising {run_dir}") from None
+        latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
+        if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
+            return _result(latest, run_dir, None, launched=False)
+        resumed_from = ckpt.step_of(latest) if latest is not None else None
+        config_path = run_dir / "config.json"
+        ds.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
+                                           "run_dir": str(run_dir), "tokens": meta.model_dump(),
+                                           "token_dataset": tokens.path})
+        with socket.socket() as s:  # a free port, unless one is configured
+            s.bind(("127.0.0.1", 0))
+            port = cfg.master_port or s.getsockname()[1]
+        launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+        if launcher is None:
+            raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
+        cmd = [launcher, "--num_gpus", str(cfg.num_ranks), "--master_port", str(port),
+               "--module", "--no_local_rank", "tasks.train_loop", "--config", str(config_path)]
+        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.num_ranks)
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+               "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            start = time.monotonic()
+            try:
+                while proc.poll() is None:
+                    tail.poll()
+                    if cfg.timeout_s is not None and time.monotonic() - start > cfg.timeout_s:
+                        raise TimeoutError(f"training exceeded timeout_s={cfg.timeout_s}; ranks killed")
+                    time.sleep(0.5)
+            except BaseException as e:
+                _stop(proc)
+                if isinstance(e, TimeoutError):
+                    raise RuntimeError(f"{e}. Last lines of {log_path}:\n{_tail(log_path)}") from e
+                raise
+        tail.poll()
+        if proc.returncode != 0:
+            raise RuntimeError(f"deepspeed exited with code {proc.returncode}. Last lines of {log_path}:\n{_tail(log_path)}")
+        final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
+        if final is None or ckpt.step_of(final) != cfg.max_steps:
+            raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
+        return _result(final, run_dir, resumed_from, launched=True)
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    with open(path, "rb") as f:
+        return b"".join(deque(f, maxlen=n)).decode(errors="replace")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher's process group (launcher and ranks), then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue

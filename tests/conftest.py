@@ -1,0 +1,28 @@
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = sorted((ROOT / "corpus" / "python-docs").glob("*.jsonl.gz"))
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def corpus_records(n: int) -> list[dict]:
+    """The first n records of the bundled (real, human-written) corpus."""
+    out = []
+    with gzip.open(CORPUS[0], "rt", encoding="utf-8") as f:
+        for line in f:
+            out.append(json.loads(line))
+            if len(out) == n:
+                break
+    return out
+
+
+@pytest.fixture
+def lifecycle_cmd():
+    return [sys.executable, "-m", "lifecycle.cli"]

@@ -1,0 +1,82 @@
+"""Stage tasks on a real (temporary) Prefect server: content-keyed caching across flow runs, retries with
+backoff for transient errors, and no retry for errors that cannot heal."""
+
+import json
+
+import pytest
+from prefect import flow
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.stage_tasks import stage_task
+from lifecycle.config import OrchestrationConfig
+from tasks.collect import CollectConfig, InputError, resolve_inputs, run_collect
+
+ORCH = OrchestrationConfig(data_retries=2, retry_backoff_s=0.01, retry_jitter=0)
+CALLS: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server(tmp_path_factory):
+    import os
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp_path_factory.mktemp("results"))
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def flaky(n_failures: int, key: str) -> str:
+    CALLS.append(key)
+    if CALLS.count(key) <= n_failures:
+        raise ConnectionError(f"transient failure {CALLS.count(key)}")
+    return "ok"
+
+
+def bad_input(key: str) -> str:
+    CALLS.append(key)
+    raise InputError("collect.inputs: pattern 'x' matches no file")
+
+
+def test_transient_errors_are_retried_then_succeed():
+    @flow
+    def f():
+        return stage_task(flaky, "flaky", ORCH, retries=ORCH.data_retries)(2, "t1")
+
+    assert f() == "ok" and CALLS.count("t1") == 3
+
+
+def test_retries_are_bounded():
+    @flow
+    def f():
+        return stage_task(flaky, "flaky", ORCH, retries=ORCH.data_retries)(5, "t2")
+
+    with pytest.raises(ConnectionError):
+        f()
+    assert CALLS.count("t2") == 3  # one try + two retries
+
+
+def test_permanent_errors_are_not_retried():
+    @flow
+    def f():
+        return stage_task(bad_input, "bad", ORCH, retries=ORCH.data_retries)("t3")
+
+    with pytest.raises(InputError):
+        f()
+    assert CALLS.count("t3") == 1
+
+
+def test_cache_keys_come_from_content_not_the_flow_run(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "one document"}) + "\n")
+    cfg = CollectConfig(inputs=[str(src)])
+
+    @flow
+    def f():
+        t = stage_task(run_collect, "collect", ORCH, retries=0)
+        state = t(cfg, str(tmp_path / "w"), inputs=resolve_inputs(cfg.inputs), return_state=True)
+        return state.name, state.result()
+
+    name1, ref1 = f()
+    name2, ref2 = f()  # a new flow run with the same content: Prefect's cache answers
+    assert (name1, name2) == ("Completed", "Cached") and ref1 == ref2
+    src.write_text(json.dumps({"text": "changed content"}) + "\n")  # new content: a new key, recomputed
+    name3, ref3 = f()
+    assert name3 == "Completed" and ref3.sha256 != ref1.sha256

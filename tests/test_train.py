@@ -1,0 +1,181 @@
+"""Train config and sampler (fast), then one real 2-rank DeepSpeed ZeRO-2 run on CPU (about a minute).
+
+The first DeepSpeed launch on a machine also JIT-builds DeepSpeed's shared-memory comm op with gcc
+(cached under ~/.cache/torch_extensions afterwards), which adds about 40 s once.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from lifecycle import dataset as ds
+from tasks import checkpoint as ckpt
+from tasks.evaluate import EvaluateConfig, run_evaluate, windows
+from tasks.tokenizer import TokenizeConfig, run_tokenize, token_shards
+from tasks.train import ModelConfig, TrainConfig, run_train
+from tasks.train_loop import ds_config, get_batch
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches and then".split()
+
+
+def make_tokens(workdir, n_docs: int = 1500) -> ds.DatasetRef:
+    """Docs made of 4-word runs of a fixed word list: learnable structure, so the loss must fall."""
+    rng = np.random.default_rng(0)
+    texts = [" ".join(" ".join(WORDS[j : j + 4]) for j in rng.integers(0, len(WORDS) - 4, size=int(rng.integers(3, 12)))) + "."
+             for _ in range(n_docs)]
+    table = pa.table({"doc_id": [f"d{i:05d}" for i in range(n_docs)], "source_id": [f"s:{i}" for i in range(n_docs)],
+                      "text": texts, "source": ["s"] * n_docs, "url": [None] * n_docs, "meta": ["{}"] * n_docs},
+                     schema=ds.DOC_SCHEMA)
+    docs = ds.materialize(workdir, "scrub", {"n": n_docs}, "test", lambda w: w.write_table(table) or {})
+    return run_tokenize(docs, TokenizeConfig(vocab_size=384, val_fraction=0.1), str(workdir))
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return make_tokens(tmp_path_factory.mktemp("tokens"))
+
+
+TINY = ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64)
+CFG = TrainConfig(model=TINY, micro_batch_size=8, max_steps=30, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4,
+                  zero_stage=2, precision="fp32", num_ranks=2, threads_per_rank=1, checkpoint_every=10, keep_last=2,
+                  log_every=5, eval_every=10, eval_batches=2, timeout_s=300)
+
+
+# --------------------------------------------------------------------------------------------------
+# fast
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="min_lr"):
+        TrainConfig(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TrainConfig(max_steps=10, warmup_steps=10)
+    with pytest.raises(ValueError, match="extra"):
+        TrainConfig(zero=2)
+    with pytest.raises(ValueError):
+        TrainConfig(zero_stage=4)
+    with pytest.raises(ValueError):
+        TrainConfig(precision="fp16")
+
+
+def test_lr_schedule_warmup_cosine_then_flat():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=50, decay_steps=100)
+    lrs = [cfg.lr_at(s) for s in range(120)]
+    assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)
+    assert lrs[10] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
+    assert lrs[55] == pytest.approx(1e-4 + 0.5 * 9e-4)  # cosine midpoint
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[100] == lrs[119] == pytest.approx(1e-4)
+
+
+def test_run_key_leaves_out_where_the_run_stops():
+    longer = CFG.model_copy(update={"max_steps": 40, "checkpoint_every": 5, "log_every": 1, "master_port": 29999})
+    assert longer.run_key() == CFG.run_key()
+    assert CFG.model_copy(update={"lr": 1e-3}).run_key() != CFG.run_key()
+    # without an explicit horizon the cosine follows max_steps, so a longer run is a different run
+    plain = TrainConfig(max_steps=30)
+    assert plain.model_copy(update={"max_steps": 40}).run_key() != plain.run_key()
+
+
+def test_ds_config_follows_train_config():
+    c = ds_config(CFG.model_copy(update={"grad_accum": 3, "zero_stage": 3, "precision": "bf16"}))
+    assert c["train_batch_size"] == 8 * 3 * 2 and c["gradient_accumulation_steps"] == 3
+    assert c["zero_optimization"]["stage"] == 3 and c["bf16"]["enabled"] and "fp16" not in c
+
+
+def test_sampler_is_a_pure_function_of_seed_step_rank_micro(tokens):
+    shards = token_shards(tokens)
+    cfg = CFG.model_copy(update={"model": TINY.model_copy(update={"vocab_size": shards.vocab_size})})
+    x, y = get_batch(shards, cfg, step=3, rank=0, micro=0)
+    assert x.shape == y.shape == (8, 64) and x.dtype == torch.int64
+    torch.testing.assert_close(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+    x2, _ = get_batch(shards, cfg, step=3, rank=0, micro=0)
+    assert torch.equal(x, x2)
+    for other in ({"step": 4, "rank": 0, "micro": 0}, {"step": 3, "rank": 1, "micro": 0}, {"step": 3, "rank": 0, "micro": 1}):
+        assert not torch.equal(x, get_batch(shards, cfg, **other)[0])
+    train = np.fromfile(shards.train[0], dtype=shards.dtype)
+    row = x[0].numpy()
+    starts = np.flatnonzero(train[: len(train) - 64] == row[0])
+    assert any(np.array_equal(train[s : s + 64], row) for s in starts)  # a real window of the shard
+
+
+def test_eval_windows_cover_every_prediction_once():
+    assert windows(11, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert windows(9, 4) == [(0, 4), (4, 4)]
+    assert sum(n for _, n in windows(1000, 64)) == 999
+    assert windows(1, 4) == []
+
+
+def test_model_vocab_smaller_than_tokenizer_is_refused(tokens, tmp_path):
+    cfg = CFG.model_copy(update={"model": TINY.model_copy(update={"vocab_size": 100})})
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        run_train(tokens, cfg, str(tmp_path))
+    assert not (tmp_path / "train").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the real thing: 2 ranks, ZeRO-2, CPU
+
+
+def _records(path, kind):
+    return [r for r in map(json.loads, open(path)) if r["kind"] == kind]
+
+
+def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path):
+    workdir = str(tmp_path)
+    seen: list[dict] = []
+    r1 = run_train(tokens, CFG, workdir, on_metrics=seen.append)
+    assert r1.launched and r1.resumed_from is None and r1.steps == 30
+    train = _records(r1.metrics_path, "train")
+    assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]
+    assert train[-1]["loss"] < 0.6 * train[0]["loss"]  # it learns
+    assert r1.final_loss == train[-1]["loss"]
+    assert [r["step"] for r in _records(r1.metrics_path, "eval")] == [10, 20, 30]
+    assert [(r["kind"], r["step"]) for r in seen] == [(r["kind"], r["step"]) for r in map(json.loads, open(r1.metrics_path))]
+    root = Path(r1.checkpoint_dir).parent
+    assert [s for s, _ in ckpt.list_committed(root)] == [20, 30]  # keep_last=2 pruned step 10
+    assert ckpt.verify(r1.checkpoint_dir) is None
+    marker = ckpt.read_marker(r1.checkpoint_dir)
+    assert marker["dataset_sha256"] == tokens.sha256 and marker["world_size"] == 2 and marker["zero_stage"] == 2
+    files = {f["path"] for f in marker["files"]}
+    assert {"model.safetensors", "model_config.json", "mp_rank_00_model_states.pt"} <= files
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= files
+    assert "deepspeed --num_gpus 2" in open(r1.log_path).read()
+
+    # the consolidated weights evaluate to a loss well below uniform, deterministically
+    ev = run_evaluate(r1.checkpoint_dir, tokens, EvaluateConfig(batch_size=4))
+    vocab = token_shards(tokens).vocab_size
+    assert ev["val_loss"] < math.log(vocab) - 2 and ev["val_perplexity"] == pytest.approx(math.exp(ev["val_loss"]))
+    assert ev["val_tokens"] == token_shards(tokens).num_tokens["val"] - 1 and ev["step"] == 30
+    assert run_evaluate(r1.checkpoint_dir, tokens, EvaluateConfig(batch_size=4)) == ev
+    assert run_evaluate(r1.checkpoint_dir, tokens, EvaluateConfig(max_batches=1, batch_size=2))["val_tokens"] == 128
+
+    # a longer run in the same directory resumes from the committed step
+    seen.clear()
+    longer = CFG.model_copy(update={"max_steps": 40})
+    r2 = run_train(tokens, longer, workdir, on_metrics=seen.append)
+    assert r2.launched and r2.resumed_from == 30 and r2.steps == 40 and r2.run_dir == r1.run_dir
+    assert [(r["kind"], r["step"]) for r in seen] == [("train", 31), ("train", 35), ("train", 40), ("eval", 40)]
+    assert [r["step"] for r in _records(r2.metrics_path, "train")] == [1, 5, 10, 15, 20, 25, 30, 31, 35, 40]
+
+    # the same config again: the final checkpoint is committed, nothing is launched
+    r3 = run_train(tokens, longer, workdir)
+    assert not r3.launched and r3.checkpoint_dir == r2.checkpoint_dir and r3.final_loss == r2.final_loss
+
+    # damage the final checkpoint after its commit: the rerun falls back to step 30 and, because batches
+    # and RNG states are restored, reproduces step 40 bit for bit (same weights file, byte for byte)
+    weights_sha = ds.sha256_file(Path(r2.checkpoint_dir) / "model.safetensors")
+    shard = Path(r2.checkpoint_dir) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    r4 = run_train(tokens, longer, workdir)
+    assert r4.launched and r4.resumed_from == 30 and r4.checkpoint_dir == r2.checkpoint_dir
+    assert ckpt.verify(r4.checkpoint_dir) is None
+    assert ds.sha256_file(Path(r4.checkpoint_dir) / "model.safetensors") == weights_sha
+    assert r4.final_loss == r2.final_loss
