@@ -1,6 +1,9 @@
 """The `lifecycle` command line.
 
     lifecycle run [CONFIG] [--set KEY=VALUE ...] [--until STAGE] [--json]
+
+Other subcommands live beside the code they drive: each module in `COMMAND_MODULES` has a
+`register(subparsers)` that adds its parser and sets `func`.
 """
 
 from __future__ import annotations
@@ -72,9 +75,11 @@ def print_summary(s: dict) -> None:
           f"read_parquet('{s['workdir']}/datasets/*/*/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.strip().splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+# Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
+COMMAND_MODULES: list[str] = []
+
+
+def register_run(sub) -> None:
     run = sub.add_parser("run", help="Run the whole lifecycle (or up to --until) as one Prefect flow.")
     run.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -82,6 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--until", choices=STAGES, help="Stop after this stage.")
     run.add_argument("--json", action="store_true", help="Print one JSON summary object as the last line.")
     run.set_defaults(func=cmd_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.strip().splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    register_run(sub)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
