@@ -18,9 +18,17 @@ from pathlib import Path
 from lifecycle.config import DEFAULT_CONFIG, STAGES, ConfigError, PipelineConfig, load_config
 
 
-def _prefect_env(cfg: PipelineConfig) -> None:
-    """Embedded defaults: without a configured Prefect API, keep Prefect's home (its SQLite database and the
-    ephemeral server it starts) inside the work dir, and give the ephemeral server time to start on 2 cores."""
+def _prefect_env(cfg: PipelineConfig) -> str:
+    """Use the work dir's servers when `lifecycle up` started them. Otherwise the embedded defaults: without
+    a configured Prefect API, keep Prefect's home (its SQLite database and the ephemeral server it starts)
+    inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite."""
+    from lifecycle import servers
+
+    live = servers.active(cfg.workdir)
+    if live:
+        os.environ["PREFECT_API_URL"] = live["prefect_api"]
+        os.environ["MLFLOW_TRACKING_URI"] = live["mlflow"]
+    mode = "servers" if live else ("prefect-api" if os.environ.get("PREFECT_API_URL") else "embedded")
     if not os.environ.get("PREFECT_API_URL"):
         home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(cfg.workdir) / ".prefect")))
         home.mkdir(parents=True, exist_ok=True)
@@ -29,6 +37,7 @@ def _prefect_env(cfg: PipelineConfig) -> None:
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(Path(cfg.workdir) / ".prefect-results"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    return mode
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -39,12 +48,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"status": "invalid_config", "error": str(e)}))
         return 2
-    _prefect_env(cfg)
-    from flows.lifecycle import lifecycle_flow
+    from lifecycle.locking import WorkdirBusy, workdir_lock
 
     t0 = time.time()
     try:
-        summary = lifecycle_flow(config=cfg, until=args.until)
+        with workdir_lock(cfg.workdir, wait=args.wait):
+            mode = _prefect_env(cfg)
+            from flows.lifecycle import lifecycle_flow
+
+            summary = lifecycle_flow(config=cfg, until=args.until)
+            summary["orchestration"] = mode
+    except WorkdirBusy as e:
+        print(f"lifecycle: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}))
+        return 3
     except Exception as e:  # the flow has logged the traceback; report and fail
         print(f"lifecycle: run failed: {type(e).__name__}: {e}", file=sys.stderr)
         if args.json:
@@ -76,7 +94,7 @@ def print_summary(s: dict) -> None:
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = ["lifecycle.servers"]
 
 
 def register_run(sub) -> None:
@@ -86,6 +104,8 @@ def register_run(sub) -> None:
                      help="Override a config field by dotted path; VALUE is parsed as YAML. Repeatable.")
     run.add_argument("--until", choices=STAGES, help="Stop after this stage.")
     run.add_argument("--json", action="store_true", help="Print one JSON summary object as the last line.")
+    run.add_argument("--wait", action="store_true",
+                     help="If another run holds the work dir, wait for it instead of refusing.")
     run.set_defaults(func=cmd_run)
 
 

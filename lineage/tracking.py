@@ -10,6 +10,7 @@ path as source. The trained model is registered in the MLflow model registry wit
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import warnings
 from pathlib import Path
@@ -62,14 +63,15 @@ class Tracker:
         from mlflow import MlflowClient
 
         self.workdir = Path(workdir)
-        self.uri = cfg.tracking_uri or f"sqlite:///{self.workdir / 'mlflow.db'}"
+        # explicit config, else the work dir's MLflow server (`lifecycle up` exports it), else SQLite in the work dir
+        self.uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.workdir / 'mlflow.db'}"
         self.cfg = cfg
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
         name = cfg.experiment or default_experiment
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
-            artifacts = (self.workdir / "mlartifacts").resolve().as_uri() if cfg.tracking_uri is None else None
+            artifacts = (self.workdir / "mlartifacts").resolve().as_uri() if self.uri.startswith("sqlite:") else None
             self.experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
         else:
             self.experiment_id = exp.experiment_id
