@@ -1,16 +1,26 @@
 """collect: raw input files into Parquet document shards.
 
 Inputs (matched by glob patterns, read in sorted order):
-- JSONL, plain or `.gz`: one JSON object per line with a required string `text` and optional `id`,
+- JSONL, plain, `.gz` or `.zst`: one JSON object per line with a required string `text` and optional `id`,
   `source`, `url`; every other field is kept in the `meta` JSON column. Blank lines are not records.
 - Parquet with a `text` column (and optional `id`, `source`, `url`; other columns go to `meta`).
 - `.txt`: the whole file is one document.
+- `.html`/`.htm`: one page; its main text is extracted with trafilatura (`tasks/extract.py`).
+- `.warc`/`.warc.gz`: every `response` record is one page (HTML through trafilatura, `text/plain` as is), with
+  `url` = WARC-Target-URI and `source_id` = WARC-Record-ID.
 
 Bad input never stops the stage and never disappears: each bad record becomes a rejected row naming
-the file, the line (or row) and a reason code, while the rest of the file keeps flowing:
-`invalid_utf8`, `invalid_json`, `not_an_object`, `missing_text`, `text_not_string`, `empty_text`,
-`too_large`, `nul_bytes`, `truncated_gzip` (what decompressed before the break is kept), `unreadable_parquet`,
-`missing_text_column`.
+the file, the line (or row, or byte offset) and a reason code, while the rest of the file keeps flowing:
+`invalid_utf8`, `invalid_json`, `json_too_deep`, `not_an_object`, `missing_text`, `text_not_string`,
+`empty_text`, `too_large`, `nul_bytes`, `truncated_gzip` / `truncated_zstd` / `truncated_warc` (what was read
+before the break is kept), `empty_file`, `unreadable_parquet`, `missing_text_column`, `no_main_text`,
+`unsupported_content_type`.
+
+Size rule (memory stays bounded by it, whatever the input): a document whose UTF-8 text is larger than
+`max_doc_bytes` (8 MiB) is rejected as `too_large`. A JSONL line longer than `max_line_bytes` is rejected
+as `too_large` after reading at most `max_line_bytes + 1` bytes of it (the rest of the line is skipped in
+1 MiB chunks, never held); `.txt` and `.html` files and WARC payloads over `max_doc_bytes` are rejected
+by their size, unread.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import io
 import json
 import sys
 import zlib
@@ -26,7 +37,8 @@ from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import zstandard
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lifecycle.dataset import (
     DOC_SCHEMA,
@@ -39,6 +51,7 @@ from lifecycle.dataset import (
     rejected_table,
     sha256_file,
 )
+from tasks import extract
 
 STAGE = "collect"
 KNOWN_FIELDS = ("id", "text", "source", "url")
@@ -47,14 +60,30 @@ KNOWN_FIELDS = ("id", "text", "source", "url")
 class CollectConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    inputs: list[str] = Field(description="Glob patterns of input files (.jsonl, .jsonl.gz, .parquet, .txt).")
+    inputs: list[str] = Field(description=(
+        "Glob patterns of input files (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, .txt, .html, .warc, .warc.gz)."))
     max_doc_bytes: int = Field(
         8 << 20,
         gt=0,
         description="Documents whose UTF-8 text is larger than this are rejected as `too_large` "
         "(8 MiB: far above any real page, small enough to keep a shard in memory).",
     )
+    max_line_bytes: int = Field(
+        32 << 20,
+        gt=0,
+        description="A JSONL line longer than this is rejected as `too_large` without being held in memory "
+        "(32 MiB: room for a max_doc_bytes text with JSON escapes and metadata).",
+    )
+    max_json_depth: int = Field(
+        64, gt=0, description="A JSONL record nested deeper than this (objects/arrays) is rejected as `json_too_deep`."
+    )
     rows_per_shard: int = Field(20_000, gt=0, description="Kept rows per output Parquet file.")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "CollectConfig":
+        if self.max_line_bytes < self.max_doc_bytes:
+            raise ValueError(f"max_line_bytes ({self.max_line_bytes}) must be >= max_doc_bytes ({self.max_doc_bytes})")
+        return self
 
     @field_validator("inputs")
     @classmethod
@@ -70,13 +99,17 @@ class InputError(ValueError):
 
 def file_kind(path: str) -> str:
     p = path.lower()
-    if p.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
+    if p.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz")):
         return "jsonl"
     if p.endswith(".parquet"):
         return "parquet"
     if p.endswith(".txt"):
         return "txt"
-    raise InputError(f"{path}: unsupported input type (expected .jsonl, .jsonl.gz, .parquet or .txt)")
+    if p.endswith((".html", ".htm")):
+        return "html"
+    if p.endswith((".warc", ".warc.gz", ".arc", ".arc.gz")):
+        return "warc"
+    raise InputError(f"{path}: unsupported input type (expected .jsonl[.gz|.zst], .parquet, .txt, .html, .warc[.gz])")
 
 
 def resolve_inputs(patterns: list[str]) -> list[RawFile]:
@@ -122,39 +155,125 @@ def _check_text(obj: dict) -> tuple[str, str] | None:
     return None
 
 
-def read_jsonl(path: str) -> Iterator[tuple]:
-    opener = gzip.open if path.lower().endswith(".gz") else open
+class _ZstdRaw(io.RawIOBase):
+    """A `.zst` stream that raises EOFError when it ends inside a frame (zstandard's reader ends silently)."""
+
+    def __init__(self, f):
+        self.f, self.obj, self.buf, self.in_frame = f, zstandard.ZstdDecompressor().decompressobj(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.buf:
+            chunk = self.f.read(1 << 16)
+            if not chunk:
+                if self.in_frame:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            while chunk:
+                self.in_frame = True
+                self.buf += self.obj.decompress(chunk)
+                chunk = b""
+                if self.obj.eof:  # frame done: a following frame starts a new decompressor
+                    chunk, self.in_frame = self.obj.unused_data, False
+                    self.obj = zstandard.ZstdDecompressor().decompressobj()
+        n = min(len(b), len(self.buf))
+        b[:n], self.buf = self.buf[:n], self.buf[n:]
+        return n
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+def _open(path: str):
+    p = path.lower()
+    if p.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if p.endswith(".zst"):
+        return io.BufferedReader(_ZstdRaw(open(path, "rb")), 1 << 16)
+    return open(path, "rb")
+
+
+def _bounded_lines(f, cap: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, size) per line; line is None when it is longer than `cap` (its bytes are skipped, not held)."""
+    while raw := f.readline(cap + 1):
+        if len(raw) > cap and not raw.endswith(b"\n"):
+            n = len(raw)
+            while chunk := f.readline(1 << 20):
+                n += len(chunk)
+                if chunk.endswith(b"\n"):
+                    break
+            yield None, n
+        else:
+            yield raw, len(raw)
+
+
+def json_depth(obj) -> int:
+    """Nesting depth of objects/arrays (iterative: a hostile record cannot exhaust the stack here)."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in o)
+    return depth
+
+
+def read_jsonl(path: str, cfg: CollectConfig) -> Iterator[tuple]:
     lineno = 0
+    records = 0
+    truncated = "truncated_zstd" if path.lower().endswith(".zst") else "truncated_gzip"
     try:
-        with opener(path, "rb") as f:
-            for raw in f:
+        with _open(path) as f:
+            for raw, size in _bounded_lines(f, cfg.max_line_bytes):
                 lineno += 1
                 sid = f"{path}:{lineno}"
+                if raw is None:
+                    records += 1
+                    yield ("bad", sid, "too_large", f"line {lineno}: {size} bytes > max_line_bytes={cfg.max_line_bytes}")
+                    continue
                 if not raw.strip():
                     continue
+                records += 1
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    yield ("bad", sid, "invalid_utf8", f"byte {e.start}: {e.reason}")
+                    yield ("bad", sid, "invalid_utf8", f"line {lineno} byte {e.start}: {e.reason}")
                     continue
                 try:
                     obj = json.loads(line)
-                except (json.JSONDecodeError, RecursionError) as e:
-                    yield ("bad", sid, "invalid_json", str(e)[:200])
+                except RecursionError:
+                    yield ("bad", sid, "json_too_deep", f"line {lineno}: nesting exceeds the parser's recursion limit")
+                    continue
+                except json.JSONDecodeError as e:
+                    yield ("bad", sid, "invalid_json", f"line {lineno}: {str(e)[:200]}")
                     continue
                 if not isinstance(obj, dict):
-                    yield ("bad", sid, "not_an_object", f"line holds a JSON {type(obj).__name__}")
+                    yield ("bad", sid, "not_an_object", f"line {lineno}: a JSON {type(obj).__name__}")
+                    continue
+                depth = json_depth(obj)
+                if depth > cfg.max_json_depth:
+                    yield ("bad", str(obj.get("id", sid)), "json_too_deep",
+                           f"line {lineno}: depth {depth} > max_json_depth={cfg.max_json_depth}")
                     continue
                 problem = _check_text(obj)
                 if problem:
-                    yield ("bad", str(obj.get("id", sid)), *problem)
+                    yield ("bad", str(obj.get("id", sid)), problem[0], f"line {lineno}: {problem[1]}")
                     continue
                 yield ("ok", _record(obj, sid, path))
-    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
-        yield ("bad", f"{path}:{lineno + 1}", "truncated_gzip", f"stream broke after line {lineno}: {e}")
+    except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, OSError) as e:
+        records += 1
+        yield ("bad", f"{path}:{lineno + 1}", truncated, f"stream broke after line {lineno}: {e}")
+    if not records:
+        yield ("bad", f"{path}:0", "empty_file", "no records (empty file or only blank lines)")
 
 
-def read_parquet(path: str) -> Iterator[tuple]:
+def read_parquet(path: str, cfg: CollectConfig) -> Iterator[tuple]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a damaged footer
@@ -162,6 +281,9 @@ def read_parquet(path: str) -> Iterator[tuple]:
         return
     if "text" not in pf.schema_arrow.names:
         yield ("bad", path, "missing_text_column", f"columns: {pf.schema_arrow.names}")
+        return
+    if pf.metadata.num_rows == 0:
+        yield ("bad", f"{path}:0", "empty_file", "Parquet file has no rows")
         return
     row = 0
     try:
@@ -178,7 +300,14 @@ def read_parquet(path: str) -> Iterator[tuple]:
         yield ("bad", f"{path}:{row + 1}", "unreadable_parquet", f"failed after row {row}: {str(e)[:200]}")
 
 
-def read_txt(path: str) -> Iterator[tuple]:
+def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
+    size = Path(path).stat().st_size
+    if size == 0:
+        yield ("bad", f"{path}:0", "empty_file", "file is empty")
+        return
+    if size > cfg.max_doc_bytes:  # decided on the file size, never read
+        yield ("bad", path, "too_large", f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+        return
     data = Path(path).read_bytes()
     try:
         text = data.decode("utf-8")
@@ -192,7 +321,13 @@ def read_txt(path: str) -> Iterator[tuple]:
     yield ("ok", _record({"text": text}, path, path))
 
 
-READERS = {"jsonl": read_jsonl, "parquet": read_parquet, "txt": read_txt}
+READERS = {
+    "jsonl": read_jsonl,
+    "parquet": read_parquet,
+    "txt": read_txt,
+    "html": lambda path, cfg: extract.read_html(path, cfg.max_doc_bytes),
+    "warc": lambda path, cfg: extract.read_warc(path, cfg.max_doc_bytes),
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,7 +345,7 @@ def collect_files(inputs: list[RawFile], cfg: CollectConfig, writer: DatasetWrit
             kept.clear()
 
     for raw in inputs:
-        for item in READERS[file_kind(raw.path)](raw.path):
+        for item in READERS[file_kind(raw.path)](raw.path, cfg):
             stats.rows_in += 1
             if item[0] == "bad":
                 _, sid, reason, detail = item
@@ -248,4 +383,4 @@ def run_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None =
     def build(writer: DatasetWriter) -> dict:
         return {"stats": collect_files(inputs, cfg, writer)}
 
-    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__]), build, inputs=inputs)
+    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__], extract), build, inputs=inputs)
