@@ -1,4 +1,10 @@
-"""Quality filter: the Gopher quality rules (Rae et al. 2021, "Scaling Language Models: Methods, Analysis &
+"""Quality filter: language ID, Gopher repetition, Gopher quality, C4 and FineWeb rules, in FineWeb's order
+(datatrove `examples/fineweb.py`: LanguageFilter, GopherRepetitionFilter, GopherQualityFilter,
+C4QualityFilter(filter_no_terminal_punct=False), FineWebQualityFilter). The language, repetition, C4 and FineWeb
+rules live in `tasks/quality_rules.py`; each rule has its own reason code, its own threshold field below (null
+disables it) and a family switch. Kept rows gain `lang` and `lang_score` columns.
+
+The Gopher quality rules (Rae et al. 2021, "Scaling Language Models: Methods, Analysis &
 Insights from Training Gopher", https://arxiv.org/abs/2112.11446, appendix A.1.1), as datatrove implements them
 in `src/datatrove/pipeline/filters/gopher_quality_filter.py` (huggingface/datatrove, read at a649de79).
 
@@ -31,15 +37,42 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lifecycle.dataset import DatasetRef, StageStats, code_version, materialize, rejected_table
+from tasks import quality_rules
+from tasks.quality_rules import TERMINAL_PUNCTUATION, c4_reason, detect_language, fineweb_reason, gopher_repetition_reason
 
 STAGE = "filter"
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Gopher A.1.1; datatrove STOP_WORDS
 
 
 class FilterConfig(BaseModel):
-    """Gopher quality rules. Every threshold can be set to null (None) to disable its rule."""
+    """Language, Gopher repetition, Gopher quality, C4 and FineWeb rules. Every threshold can be set to null
+    (None) to disable its rule; each family has an on/off switch."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # ---- language identification (py3langid, model shipped in the package)
+    languages: tuple[str, ...] | None = Field(("en",), description=(
+        "Keep documents whose detected language (ISO 639-1) is one of these; null keeps every language (the "
+        "language is still detected and stored). FineWeb: English only."))
+    lang_threshold: float | None = Field(0.65, ge=0, le=1, description=(
+        "Drop documents whose language probability is below this. FineWeb / datatrove LanguageFilter: 0.65."))
+
+    # ---- Gopher repetition (Rae et al. 2021 table A1; datatrove gopher_repetition_filter.py defaults)
+    gopher_repetition: bool = Field(True, description="Apply the Gopher repetition rules.")
+    dup_para_frac: float | None = Field(0.3, ge=0, description="Max fraction of duplicated paragraphs. Gopher: 0.30.")
+    dup_para_char_frac: float | None = Field(0.2, ge=0, description=(
+        "Max fraction of characters in duplicated paragraphs. Gopher: 0.20."))
+    dup_line_frac: float | None = Field(0.3, ge=0, description="Max fraction of duplicated lines. Gopher: 0.30.")
+    dup_line_char_frac: float | None = Field(0.2, ge=0, description=(
+        "Max fraction of characters in duplicated lines. Gopher: 0.20."))
+    top_ngram_char_frac: tuple[tuple[int, float], ...] = Field(((2, 0.2), (3, 0.18), (4, 0.16)), description=(
+        "(n, max fraction of characters covered by the most frequent n-gram). Gopher: 2: 0.20, 3: 0.18, 4: 0.16."))
+    dup_ngram_char_frac: tuple[tuple[int, float], ...] = Field(
+        ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)), description=(
+            "(n, max fraction of characters in duplicated n-grams). Gopher: 5: 0.15 ... 10: 0.10."))
+
+    # ---- Gopher quality (Rae et al. 2021 A.1.1; datatrove gopher_quality_filter.py)
+    gopher_quality: bool = Field(True, description="Apply the Gopher quality rules below.")
 
     min_doc_words: int | None = Field(50, ge=0, description=(
         "Drop documents with fewer non-symbol words. Gopher A.1.1 / datatrove: 50."))
@@ -67,6 +100,34 @@ class FilterConfig(BaseModel):
         "that, have, with."))
     bullet_prefixes: tuple[str, ...] = Field(("•", "-"), description=(
         "A line is a bullet line if it starts with one of these after leading whitespace. datatrove: '•', '-'."))
+
+    # ---- C4 (Raffel et al. 2020; datatrove c4_filters.py C4QualityFilter defaults, as FineWeb used them)
+    c4: bool = Field(True, description="Apply the C4 rules (C4QualityFilter); kept lines replace the text.")
+    c4_terminal_punct: bool = Field(False, description=(
+        "Drop lines not ending in . ? ! \" ' (or ending in ...). datatrove default True; FineWeb ran C4 with "
+        "filter_no_terminal_punct=False, which is our default."))
+    c4_min_words_per_line: int | None = Field(3, ge=0, description="Drop lines with fewer words. C4 / datatrove: 3.")
+    c4_max_word_length: int | None = Field(1000, ge=1, description=(
+        "Drop lines with a word longer than this. datatrove (from tensorflow_datasets c4_utils): 1000."))
+    c4_min_sentences: int | None = Field(5, ge=0, description=(
+        "Drop documents with fewer sentences in their kept lines. C4 / datatrove: 5."))
+    c4_lorem_ipsum: bool = Field(True, description="Drop documents containing 'lorem ipsum'. C4.")
+    c4_javascript: bool = Field(True, description="Drop lines containing 'javascript'. C4.")
+    c4_curly_bracket: bool = Field(True, description="Drop documents containing '{'. C4.")
+    c4_policy: bool = Field(True, description="Drop lines with 'terms of use', 'privacy policy', cookie phrases. C4.")
+    c4_remove_citations: bool = Field(True, description="Remove Wikipedia citation marks ([1], [edit]). datatrove.")
+
+    # ---- FineWeb (Penedo et al. 2024; datatrove fineweb_quality_filter.py defaults)
+    fineweb: bool = Field(True, description="Apply the FineWeb quality rules.")
+    fineweb_line_punct_ratio: float | None = Field(0.12, ge=0, le=1, description=(
+        "Drop documents where fewer than this fraction of lines end in terminal punctuation. FineWeb: 0.12."))
+    fineweb_short_line_length: int = Field(30, ge=0, description="A line of at most this many characters is short. FineWeb: 30.")
+    fineweb_short_line_ratio: float | None = Field(0.67, ge=0, le=1, description=(
+        "Drop documents where more than this fraction of lines are short. FineWeb: 0.67."))
+    fineweb_char_dup_ratio: float | None = Field(0.01, ge=0, description=(
+        "Drop documents where more than this fraction of characters are in duplicated lines. FineWeb: 0.01."))
+    fineweb_newline_ratio: float | None = Field(0.3, ge=0, description=(
+        "Drop documents with more than this many newlines per word (lists). FineWeb: 0.3."))
 
     @model_validator(mode="after")
     def _check(self) -> "FilterConfig":
@@ -261,9 +322,9 @@ _SYMBOLS = frozenset(
 # the rules
 
 
-def gopher_reason(text: str, cfg: FilterConfig) -> tuple[str, str] | None:
-    """(reason, detail) for the first rule `text` fails, in datatrove's order; None if it passes them all."""
-    words = split_words(text)
+def gopher_reason(text: str, cfg: FilterConfig, words: list[str] | None = None) -> tuple[str, str] | None:
+    """(reason, detail) for the first Gopher quality rule `text` fails, in datatrove's order; None if it passes."""
+    words = split_words(text) if words is None else words
     n_words = len(words)
     lengths = [len(w) for w in words if any(ch not in _SYMBOLS for ch in w)]
     n = len(lengths)
@@ -318,12 +379,37 @@ DATATROVE_REASONS = {
 }
 
 
+def document_verdict(text: str, cfg: FilterConfig) -> tuple[tuple[str, str] | None, str, str, float]:
+    """(first failing rule as (reason, detail) or None, text after C4's line removal, lang, lang_score)."""
+    lang, score = detect_language(text)
+    if cfg.languages is not None and lang not in cfg.languages:
+        return ("lang_not_kept", f"lang={lang} score={score:.3f}"), text, lang, score
+    if cfg.lang_threshold is not None and score < cfg.lang_threshold:
+        return ("lang_low_score", f"lang={lang} score={score:.3f}"), text, lang, score
+    words = split_words(text)
+    if cfg.gopher_repetition and (v := gopher_repetition_reason(text, words, cfg)):
+        return v, text, lang, score
+    if cfg.gopher_quality and (v := gopher_reason(text, cfg, words)):
+        return v, text, lang, score
+    if cfg.c4:
+        v, new = c4_reason(text, cfg, split_words)
+        if v:
+            return v, text, lang, score
+        if new != text:
+            text, words = new, split_words(new)
+    if cfg.fineweb and (v := fineweb_reason(text, words, cfg, TERMINAL_PUNCTUATION)):
+        return v, text, lang, score
+    return None, text, lang, score
+
+
 def filter_table(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, pa.Table, StageStats]:
-    """(kept rows, rejected rows, stats). Kept rows keep the input schema; the first failing rule is the reason."""
+    """(kept rows, rejected rows, stats). Kept rows keep the input columns (text after C4's line removal) plus
+    `lang` and `lang_score`; the first failing rule is the reason."""
     texts = table.column("text").to_pylist()
     doc_ids = table.column("doc_id").to_pylist()
     source_ids = table.column("source_id").to_pylist()
     keep: list[bool] = []
+    out_texts, langs, scores = [], [], []
     rejected: list[dict] = []
     stats = StageStats(rows_in=table.num_rows)
     for doc_id, source_id, text in zip(doc_ids, source_ids, texts):
@@ -331,15 +417,23 @@ def filter_table(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, pa.Table
             raise ValueError(f"{STAGE}: row doc_id={doc_id!r} source_id={source_id!r} has a null text")
         size = len(text.encode("utf-8"))
         stats.bytes_in += size
-        verdict = gopher_reason(text, cfg)
+        verdict, new_text, lang, score = document_verdict(text, cfg)
         keep.append(verdict is None)
         if verdict is None:
-            stats.bytes_out += size
+            out_texts.append(new_text)
+            langs.append(lang)
+            scores.append(score)
+            stats.bytes_out += len(new_text.encode("utf-8"))
+            stats.counters["c4_lines_removed_docs"] += new_text != text
         else:
             rejected.append({"doc_id": doc_id, "source_id": source_id, "reason": verdict[0], "detail": verdict[1]})
             stats.rejected[verdict[0]] += 1
     stats.rows_kept = sum(keep)
     kept = table.filter(pa.array(keep, type=pa.bool_())) if table.num_rows else table
+    idx = kept.schema.get_field_index("text")
+    kept = kept.set_column(idx, kept.schema.field(idx), pa.array(out_texts, pa.string()))
+    kept = kept.append_column("lang", pa.array(langs, pa.string()))
+    kept = kept.append_column("lang_score", pa.array(scores, pa.float32()))
     return kept, rejected_table(rejected, STAGE), stats
 
 
@@ -360,4 +454,4 @@ def run_filter(parent: DatasetRef, cfg: FilterConfig, workdir: str) -> DatasetRe
             stats = stats + part
         return {"stats": stats}
 
-    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__]), build, parents=[parent])
+    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__], quality_rules), build, parents=[parent])

@@ -9,9 +9,11 @@ import pytest
 from pydantic import ValidationError
 
 from lifecycle.dataset import DOC_SCHEMA, StageStats, materialize
-from tasks.filter import FilterConfig, filter_table, gopher_reason, run_filter, split_words
+from tasks.filter import FilterConfig, document_verdict, filter_table, gopher_reason, run_filter, split_words
 
 CFG = FilterConfig()
+# the Gopher quality rules alone (the literal documents below are repetitive on purpose)
+GQ = FilterConfig(languages=None, lang_threshold=None, gopher_repetition=False, c4=False, fineweb=False)
 
 
 def doc(n: int) -> str:
@@ -176,8 +178,9 @@ def test_disabled_symbol_rule_does_not_fire():
 
 def test_all_rules_disabled_keeps_even_empty_text():
     off = FilterConfig(**{k: None for k, f in FilterConfig.model_fields.items() if f.default is not None
-                          and not isinstance(f.default, tuple)})
-    assert reason("", off) is None
+                          and not isinstance(f.default, (tuple, bool)) and k != "fineweb_short_line_length"},
+                       gopher_repetition=False, c4=False, fineweb=False, languages=None)
+    assert document_verdict("", off)[0] is None
     assert reason("", FilterConfig(min_doc_words=None)) == "gopher_alpha_ratio"  # no words: ratio 0, no crash
 
 
@@ -207,8 +210,9 @@ def test_config_is_validated_frozen_and_closed():
 
 def test_filter_table_splits_rows_and_counts():
     texts = [doc(50), doc(5), doc(50) + " 123" * 20, doc(60)]
-    kept, rejected, stats = filter_table(docs_table(texts), CFG)
-    assert kept.schema == DOC_SCHEMA
+    kept, rejected, stats = filter_table(docs_table(texts), GQ)
+    assert kept.schema.names == DOC_SCHEMA.names + ["lang", "lang_score"]
+    assert kept.column("lang").to_pylist() == ["en", "en"]
     assert kept.column("doc_id").to_pylist() == ["d0", "d3"]
     assert rejected.column("doc_id").to_pylist() == ["d1", "d2"]
     assert rejected.column("source_id").to_pylist() == ["src-d1", "src-d2"]
@@ -224,7 +228,7 @@ def test_filter_table_splits_rows_and_counts():
 def test_filter_table_rejects_null_text_by_name():
     table = docs_table([doc(50)]).set_column(2, "text", pa.array([None], pa.string()))
     with pytest.raises(ValueError, match="doc_id='d0'"):
-        filter_table(table, CFG)
+        filter_table(table, GQ)
 
 
 def make_collect(workdir, tables: list[pa.Table]):
@@ -242,7 +246,7 @@ def test_run_filter_accounts_for_every_row_and_reuses(tmp_path):
         docs_table([doc(50), doc(3), "é" + doc(55)], prefix="a"),
         docs_table([doc(2), doc(4)], prefix="b"),  # every row of this file is dropped
     ])
-    ref = run_filter(parent, CFG, str(tmp_path))
+    ref = run_filter(parent, GQ, str(tmp_path))
     assert not ref.reused
     manifest = ref.manifest()
     assert len(manifest["files"]) == 2  # one kept file per input file, even an empty one
@@ -255,9 +259,115 @@ def test_run_filter_accounts_for_every_row_and_reuses(tmp_path):
     assert manifest["stats"]["rejected_by_reason"] == {"gopher_short_doc": 3}
     assert manifest["parents"][0]["sha256"] == parent.sha256
 
-    again = run_filter(parent, CFG, str(tmp_path))
+    again = run_filter(parent, GQ, str(tmp_path))
     assert again.reused and again.path == ref.path and again.sha256 == ref.sha256
 
-    other = run_filter(parent, FilterConfig(min_doc_words=3), str(tmp_path))
+    other = run_filter(parent, GQ.model_copy(update={"min_doc_words": 3}), str(tmp_path))
     assert not other.reused and other.path != ref.path
     assert other.num_rows == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# language ID, Gopher repetition, C4, FineWeb: each rule firing and not firing on literal text
+
+from tasks.quality_rules import count_sentences, dup_ngram_chars, top_ngram_chars  # noqa: E402
+
+EN = ("The committee met on Tuesday to discuss the budget for the coming year. It agreed that the library "
+      "should receive additional funding for new books. Longer opening hours in winter were approved as well. "
+      "Volunteers will help with the reading programme for children. The mayor thanked everyone for coming.")
+DE = ("Der Ausschuss traf sich am Dienstag, um den Haushalt für das kommende Jahr zu besprechen. Er beschloss, "
+      "dass die Bibliothek zusätzliche Mittel für neue Bücher erhalten soll.")
+def only(**family) -> FilterConfig:
+    base = dict(languages=None, lang_threshold=None, gopher_repetition=False, gopher_quality=False, c4=False,
+                fineweb=False)
+    return FilterConfig(**{**base, **family})
+
+
+def verdict(text, cfg):
+    v = document_verdict(text, cfg)[0]
+    return None if v is None else v[0]
+
+
+def test_language_id_rules_and_columns():
+    ONLY_LANG = only(languages=("en",), lang_threshold=0.65)
+    assert verdict(EN, ONLY_LANG) is None
+    assert verdict(DE, ONLY_LANG) == "lang_not_kept"
+    assert verdict(DE, ONLY_LANG.model_copy(update={"languages": ("en", "de")})) is None
+    assert verdict(DE, ONLY_LANG.model_copy(update={"languages": None})) is None
+    assert verdict(EN, ONLY_LANG.model_copy(update={"lang_threshold": 1.0})) == "lang_low_score"
+    _, _, lang, score = document_verdict(DE, ONLY_LANG)
+    assert lang == "de" and 0.9 < score <= 1.0
+
+
+def test_gopher_duplicate_lines_and_paragraphs():
+    cfg = only(gopher_repetition=True)
+    paras = ["The river rose overnight after heavy rain.", "Farmers moved their cattle to higher fields.",
+             "A bridge on the northern road was closed.", "Schools opened late on Monday morning.",
+             "Volunteers filled sandbags near the old mill.", "The mayor asked residents to stay calm.",
+             "Forecasters expect drier weather by Thursday.", "Insurance claims are likely to rise sharply.",
+             "Trains between the two towns were cancelled.", "Shops in the market square reopened at noon."]
+    assert verdict("\n\n".join(paras), cfg) is None
+    # 4 of 10 paragraphs repeat an earlier one: 0.4 > 0.3
+    rep = paras[:6] + [paras[0]] * 4
+    assert verdict("\n\n".join(rep), cfg) == "gopher_dup_para_frac"
+    assert verdict("\n\n".join(rep), cfg.model_copy(update={"dup_para_frac": None})) == "gopher_dup_para_char_frac"
+    lines = "\n".join(paras[:6] + [paras[0]] * 4)  # single newlines: lines, not paragraphs
+    assert verdict(lines, cfg) == "gopher_dup_line_frac"
+    assert verdict(lines, cfg.model_copy(update={"dup_line_frac": None})) == "gopher_dup_line_char_frac"
+    assert verdict(lines, cfg.model_copy(update={"dup_line_frac": None, "dup_line_char_frac": None,
+                                                 "top_ngram_char_frac": (), "dup_ngram_char_frac": ()})) is None
+
+
+def test_gopher_top_and_duplicated_ngrams():
+    assert top_ngram_chars("a b a b a b".split(), 2) == len("a b") * 3
+    assert dup_ngram_chars("x y z x y z".split(), 3) == len("xyz")
+    cfg = only(gopher_repetition=True)
+    text = "cheap shoes " * 12 + EN
+    assert verdict(text, cfg) == "gopher_top_2_gram"
+    assert verdict(text, cfg.model_copy(update={"top_ngram_char_frac": ((2, 0.9), (3, 0.9), (4, 0.9))})) \
+        == "gopher_dup_5_grams"
+    assert verdict(EN, cfg) is None
+
+
+def test_c4_rules():
+    cfg = only(c4=True)
+    assert verdict(EN, cfg) is None
+    assert verdict(EN + "\nLorem ipsum dolor sit amet, consectetur.", cfg) == "c4_lorem_ipsum"
+    assert verdict(EN + "\nThe dict {'a': 1} is built here.", cfg) == "c4_curly_bracket"
+    assert verdict(EN + "\nThe dict {'a': 1} is built here.", cfg.model_copy(update={"c4_curly_bracket": False})) \
+        is None
+    four = "One sentence here. Two sentences here. Three sentences here. Four sentences here."
+    assert verdict(four, cfg) == "c4_too_few_sentences"
+    assert verdict(four + " Five now.", cfg) is None
+    # removed lines do not count towards sentences, and are cut from the kept text
+    noisy = four + "\nPlease enable JavaScript to view this page. Really. Now.\nShort line.\nOur privacy policy applies."
+    assert verdict(noisy, cfg) == "c4_too_few_sentences"
+    _, text, _, _ = document_verdict(EN + "\nPlease enable JavaScript to continue.\nMenu\nSee our privacy policy here.",
+                                     cfg)
+    assert text == EN
+    assert verdict(four + "\nNo end punctuation here five", cfg.model_copy(update={"c4_terminal_punct": True})) \
+        == "c4_too_few_sentences"
+    assert count_sentences(split_words("Hi there. How are you? Fine!")) == 3
+    assert count_sentences(split_words("Version 3.11.2 is out.")) == 1
+
+
+def test_fineweb_rules():
+    cfg = only(fineweb=True)
+    long_lines = [f"This is line number {w} of a document that ends properly." for w in "abcdefgh"]
+    assert verdict("\n".join(long_lines), cfg) is None
+    no_punct = [line.rstrip(".") for line in long_lines]
+    assert verdict("\n".join(no_punct), cfg) == "fineweb_line_punct_ratio"  # 0 / 8 < 0.12
+    assert verdict("\n".join(no_punct[:7] + long_lines[:1]), cfg) is None  # 1 / 8 = 0.125
+    short = ["Short one.", "Tiny.", "Small line."] * 2 + long_lines[:2]
+    assert verdict("\n".join(short), cfg.model_copy(update={"fineweb_char_dup_ratio": None})) \
+        == "fineweb_short_line_ratio"  # 6 / 8 > 0.67
+    assert verdict("\n".join(long_lines + long_lines[:1]), cfg) == "fineweb_char_dup_ratio"
+    listy = "\n".join(f"Item {w}." for w in "abcdefghijkl")  # 1 newline per 3 words > 0.3
+    assert verdict(listy, cfg.model_copy(update={"fineweb_short_line_ratio": None})) == "fineweb_list_ratio"
+    assert verdict(listy, cfg.model_copy(update={"fineweb_short_line_ratio": None,
+                                                 "fineweb_newline_ratio": None})) is None
+
+
+def test_rule_order_follows_fineweb():
+    text = DE + "\n" + "{" * 3
+    assert verdict(text, FilterConfig()) == "lang_not_kept"  # language first, before any quality rule
