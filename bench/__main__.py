@@ -1,7 +1,8 @@
 """Run every benchmark: `make bench` (or `python -m bench`). Each reports ratios against a peer measured
 in the same run; absolute times on a shared machine are noise."""
 
-from bench import minhash_signatures
+from bench import filter_agreement, minhash_signatures
 
 if __name__ == "__main__":
     minhash_signatures.main()
+    filter_agreement.main()
