@@ -1,8 +1,12 @@
-"""Tokenize stage: train a byte-level BPE on the clean documents, then pack them into token shards.
+"""Tokenize stage: train a byte-level BPE on the clean documents (or load a given `tokenizer.json`), then pack
+them into token shards.
 
 Output dataset (one `lifecycle.dataset` directory, manifest written last):
 
 - `tokenizer.json`: the HF `tokenizers` file; its sha256 is the tokenizer digest (`tokenizer_sha256`).
+  With `tokenizer_file` set it is a byte copy of that file (same digest) and no BPE is trained.
+- `tokenizer_config.json`: makes the directory loadable with `transformers`'
+  `PreTrainedTokenizerFast.from_pretrained(dir)` (eos/pad tokens set); see `hf_tokenizer`.
 - `train-00000.bin`, `val-00000.bin`: flat little-endian token ids (uint16 when the vocabulary fits, else
   uint32); every document is followed by the end-of-text id. Read them with `np.memmap(path, dtype)`.
 - kept rows (`part-*.parquet`): one row per packed document, `doc_id, source_id, split, shard,
@@ -64,7 +68,11 @@ class TokenizeConfig(BaseModel):
     eot_token: str = "<|endoftext|>"
     """Appended after every document in the shards."""
     batch_size: int = Field(1024, ge=1)
-    """Documents per `encode_batch` call (the encoder is parallel inside a batch)."""
+    """Documents per `encode_batch` call. `encode_batch` encodes a batch on all cores (the Rust encoder's
+    rayon pool; `TOKENIZERS_PARALLELISM=false` turns that off), so larger batches use the cores better."""
+    tokenizer_file: str | None = None
+    """Path of an existing HF `tokenizer.json` to use instead of training one (vocab_size and min_frequency
+    are then unused). It must know `eot_token`. Its sha256, not its path alone, is part of the fingerprint."""
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizeConfig":
@@ -88,7 +96,8 @@ def split_of(doc_id: str, cfg: TokenizeConfig) -> str:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+    """uint16 when every id (0 .. vocab_size-1) fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
 def new_bpe(cfg: TokenizeConfig):
@@ -131,19 +140,46 @@ def shard_name(split: str, index: int = 0) -> str:
 # the stage
 
 
+def given_tokenizer(cfg: TokenizeConfig) -> ds.RawFile | None:
+    """The configured `tokenizer_file` as a raw input (path + sha256), or None when the BPE is trained."""
+    if cfg.tokenizer_file is None:
+        return None
+    path = Path(cfg.tokenizer_file).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenize.tokenizer_file: {path} does not exist")
+    return ds.RawFile(path=str(path), sha256=ds.sha256_file(path), bytes=path.stat().st_size)
+
+
+def hf_tokenizer_config(cfg: TokenizeConfig) -> dict:
+    """tokenizer_config.json for `PreTrainedTokenizerFast.from_pretrained` (no transformers import needed)."""
+    pad = next((t for t in cfg.special_tokens if "pad" in t), None)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": cfg.eot_token, "bos_token": cfg.eot_token,
+            "pad_token": pad, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
+
+
 def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter) -> dict:
     from tokenizers import Tokenizer
 
     files = parent.files()
-    tok, trainer = new_bpe(cfg)
-    tok.train_from_iterator(train_texts(files, cfg), trainer=trainer)
     tok_path = writer.path("tokenizer.json")
-    tok.save(str(tok_path))
+    given = given_tokenizer(cfg)
+    if given is not None:
+        ds.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
+        if ds.sha256_file(tok_path) != given.sha256:
+            raise RuntimeError(f"tokenize.tokenizer_file {given.path} changed while it was being copied")
+    else:
+        tok, trainer = new_bpe(cfg)
+        tok.train_from_iterator(train_texts(files, cfg), trainer=trainer)
+        tok.save(str(tok_path))
     writer.add_file("tokenizer.json", kind="extra")
     tok = Tokenizer.from_file(str(tok_path))  # encode with exactly what was saved
+    ds.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg))
+    writer.add_file("tokenizer_config.json", kind="extra")
 
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eot_id = tok.token_to_id(cfg.eot_token)
+    if eot_id is None:
+        raise ValueError(f"tokenize.tokenizer_file {cfg.tokenizer_file} has no token {cfg.eot_token!r} (eot_token)")
     dtype = token_dtype(vocab_size)
     shards = {s: shard_name(s) for s in SPLITS}
     outs = {s: open(writer.path(shards[s]), "wb") for s in SPLITS}
@@ -213,7 +249,9 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
 def run_tokenize(parent: ds.DatasetRef, cfg: TokenizeConfig, workdir: str) -> ds.DatasetRef:
     """Return the committed token dataset for (parent, cfg, this code), building it if needed."""
     code = ds.code_version(sys.modules[__name__])
-    return ds.materialize(workdir, STAGE, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent])
+    given = given_tokenizer(cfg)
+    return ds.materialize(workdir, STAGE, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent],
+                          inputs=[given] if given else [])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,3 +305,11 @@ def load_tokenizer(ref: ds.DatasetRef):
         raise ValueError(f"{meta.tokenizer_path}: sha256 {actual} != manifest {meta.tokenizer_sha256}")
     return Tokenizer.from_file(meta.tokenizer_path)
 
+
+
+def hf_tokenizer(ref: ds.DatasetRef):
+    """The dataset's tokenizer as `transformers.PreTrainedTokenizerFast` (digest checked first)."""
+    from transformers import PreTrainedTokenizerFast
+
+    load_tokenizer(ref)  # raises on a digest mismatch
+    return PreTrainedTokenizerFast.from_pretrained(str(ref.dir))

@@ -123,3 +123,72 @@ def test_config_validation():
     with pytest.raises(ValueError, match="extra"):
         TokenizeConfig(vocab=10)
     assert json.loads(CFG.model_dump_json())["vocab_size"] == 300
+
+
+def test_saved_tokenizer_loads_with_transformers(tmp_path):
+    from tasks.tokenizer import hf_tokenizer
+
+    texts = corpus()
+    ref = run_tokenize(make_docs(tmp_path, texts), CFG, str(tmp_path))
+    tok, hf = load_tokenizer(ref), hf_tokenizer(ref)
+    for text in texts[:10] + ["unseen wörds ✓ and <|endoftext|>"]:
+        assert hf.encode(text) == tok.encode(text, add_special_tokens=False).ids
+        assert hf.decode(hf.encode(text)) == text
+    assert hf.eos_token == "<|endoftext|>" and hf.eos_token_id == token_shards(ref).eot_id
+    assert hf.pad_token == "<|pad|>" and len(hf) == token_shards(ref).vocab_size
+    # the digest is checked before handing the tokenizer out
+    (ref.dir / "tokenizer.json").write_text((ref.dir / "tokenizer.json").read_text() + " ")  # still valid JSON
+    with pytest.raises(ValueError, match="sha256"):
+        hf_tokenizer(ref)
+
+
+def word_level_tokenizer(path, n_words: int) -> list[str]:
+    """A given tokenizer.json (WordLevel over a whitespace split) with `n_words` words plus two specials."""
+    from tokenizers import models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(n_words)]
+    vocab = {"<|endoftext|>": 0, "<|pad|>": 1, "[UNK]": 2} | {w: i + 3 for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>", "<|pad|>"])
+    tok.save(str(path))
+    return words
+
+
+def test_given_tokenizer_is_used_as_is_and_large_vocab_packs_uint32(tmp_path):
+    given = tmp_path / "given.json"
+    words = word_level_tokenizer(given, 70_000)  # ids above 65535: shards must be uint32
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words[-200:], size=12)) for _ in range(40)]
+    cfg = CFG.model_copy(update={"tokenizer_file": str(given)})
+    ref = run_tokenize(make_docs(tmp_path, texts), cfg, str(tmp_path / "w"))
+    meta = token_shards(ref)
+    assert meta.tokenizer_sha256 == ds.sha256_file(given)  # a byte copy, not a retrained tokenizer
+    assert meta.dtype == "uint32" and meta.vocab_size == 70_003
+    tok = load_tokenizer(ref)
+    for r in ref.read().to_pylist():
+        arr = np.fromfile(ref.dir / r["shard"], dtype=np.uint32)
+        assert tok.decode(arr[r["token_start"] : r["token_end"]].tolist()) == texts[int(r["doc_id"][1:])]
+    assert max(int(np.fromfile(p, dtype=np.uint32).max()) for p in meta.train) > 65535
+    assert any(i["sha256"] == meta.tokenizer_sha256 for i in ref.manifest()["inputs"])
+    # editing the given file (same path) is a different dataset
+    word_level_tokenizer(given, 69_999)
+    assert run_tokenize(make_docs(tmp_path, texts), cfg, str(tmp_path / "w")).fingerprint != ref.fingerprint
+
+
+def test_given_tokenizer_without_eot_is_refused(tmp_path):
+    from tokenizers import models
+
+    given = tmp_path / "noeot.json"
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(given))
+    with pytest.raises(ValueError, match="eot_token"):
+        run_tokenize(make_docs(tmp_path, corpus(5)), CFG.model_copy(update={"tokenizer_file": str(given)}), str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="tokenizer_file"):
+        run_tokenize(make_docs(tmp_path, corpus(5)), CFG.model_copy(update={"tokenizer_file": str(tmp_path / "x")}),
+                     str(tmp_path))
+
+
+def test_token_dtype_boundary():
+    from tasks.tokenizer import token_dtype
+
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
