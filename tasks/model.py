@@ -65,6 +65,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.qkv.fused = 3  # three d×d matrices in one: their fan-out is n_embd each (ds_init)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.proj.residual_out = True  # scaled at init under gpt2_scaled
         self.resid_drop = nn.Dropout(cfg.dropout)
@@ -88,6 +89,7 @@ class MLP(nn.Module):
         hidden = cfg.mlp_hidden
         # SwiGLU: down(silu(gate(x)) * up(x)); the gate and up projections are fused into one matmul.
         self.up = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=False)
+        self.up.fused = 2 if cfg.mlp == "swiglu" else 1
         self.down = nn.Linear(hidden, cfg.n_embd, bias=False)
         self.down.residual_out = True
         self.drop = nn.Dropout(cfg.dropout)
@@ -100,6 +102,14 @@ class MLP(nn.Module):
         else:
             h = F.gelu(h)
         return self.drop(self.down(h))
+
+
+def ds_init_(weight: torch.Tensor, depth: int, fused: int = 1, alpha: float = 1.0) -> None:
+    """DS-Init (Zhang et al. 2019, eq. 7): U(-γ, γ), γ = α·sqrt(6 / (d_in + d_out)) / sqrt(depth).
+    `fused` matrices stacked along the output dimension each count their own d_out."""
+    d_out, d_in = weight.shape[0] // fused, weight.shape[1]
+    gamma = alpha * math.sqrt(6.0 / (d_in + d_out)) / math.sqrt(depth)
+    nn.init.uniform_(weight, -gamma, gamma)
 
 
 class Block(nn.Module):
@@ -130,6 +140,11 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
+        if cfg.init == "ds_init":
+            for depth, block in enumerate(self.blocks, start=1):
+                for m in block.modules():
+                    if isinstance(m, nn.Linear):
+                        ds_init_(m.weight, depth, getattr(m, "fused", 1))
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

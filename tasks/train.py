@@ -63,8 +63,12 @@ class ModelConfig(BaseModel):
     """Position encoding: rotary (applied to q and k in attention) or a learned absolute table."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on attention weights and residual branches (0 for short pretraining runs)."""
-    init: Literal["normal", "gpt2_scaled"] = "gpt2_scaled"
-    """normal: N(0, 0.02) everywhere; gpt2_scaled: residual output projections get 0.02/sqrt(2·n_layer) (GPT-2)."""
+    init: Literal["normal", "gpt2_scaled", "ds_init"] = "gpt2_scaled"
+    """normal: N(0, 0.02) everywhere; gpt2_scaled: residual output projections get 0.02/sqrt(2·n_layer) (GPT-2);
+    ds_init: depth-scaled init for deep stacks (Zhang, Titov & Sennrich 2019, "Improving Deep Transformer with
+    Depth-Scaled Initialization and Merged Attention", eq. 7): every matrix of block l (1-based) is drawn from
+    U(-γ, γ) with γ = α·sqrt(6 / (d_in + d_out)) / sqrt(l), α = 1, so deeper blocks start with smaller
+    residual updates; embeddings stay N(0, 0.02)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output head (see module docstring)."""
     rope_theta: float = Field(10000.0, gt=0)

@@ -128,3 +128,30 @@ def test_configs_import_without_torch():
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "False"
+
+
+def test_ds_init_scales_each_block_by_its_depth():
+    torch.manual_seed(0)
+    d, layers = 128, 8
+    model = GPT(tiny(n_layer=layers, n_embd=d, n_head=4, init="ds_init"))
+    hidden = model.cfg.mlp_hidden
+    for depth, block in enumerate(model.blocks, start=1):
+        # U(-γ, γ) has std γ/sqrt(3); γ = sqrt(6/(d_in+d_out))/sqrt(depth)
+        for w, d_in, d_out in ((block.attn.qkv.weight, d, d), (block.attn.proj.weight, d, d),
+                               (block.mlp.up.weight, d, hidden), (block.mlp.down.weight, hidden, d)):
+            gamma = math.sqrt(6 / (d_in + d_out)) / math.sqrt(depth)
+            assert w.abs().max().item() <= gamma
+            assert abs(w.std().item() - gamma / math.sqrt(3)) < 0.05 * gamma
+    assert abs(model.wte.weight.std().item() - 0.02) < 0.002  # embeddings keep N(0, 0.02)
+    # deeper blocks start smaller: the scheme's point
+    assert model.blocks[-1].mlp.down.weight.std() < 0.5 * model.blocks[0].mlp.down.weight.std()
+
+
+def test_plan_param_count_matches_the_model():
+    from tasks.plan import flops_per_token, non_embedding_params
+
+    for kw in ({}, {"mlp": "gelu", "norm": "layernorm", "pos": "learned"}, {"tie_embeddings": False}):
+        cfg = tiny(**kw)
+        model = GPT(cfg)
+        assert non_embedding_params(cfg) == model.num_params(exclude_embeddings=True)
+        assert flops_per_token(cfg) == model.flops_per_token()
