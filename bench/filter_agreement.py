@@ -19,7 +19,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from tasks.filter import FilterConfig, document_verdict
+from tasks.filter import FINEWEB, document_verdict
 
 CORPUS = sorted((Path(__file__).resolve().parents[1] / "corpus" / "python-docs").glob("*.jsonl.gz"))
 DTVENV = Path(os.environ.get("DTVENV", "/tmp/dtvenv"))
@@ -69,7 +69,7 @@ def main() -> None:
         print(f"filter agreement: SKIPPED, no datatrove venv at {DTVENV} (create it with bench/make_dtvenv.sh)")
         return
     texts = load_texts()
-    cfg = FilterConfig(languages=None, lang_threshold=None)
+    cfg = FINEWEB.model_copy(update={"languages": None, "lang_threshold": None})
     ours = [document_verdict(t, cfg)[0] for t in texts]
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "docs.jsonl", Path(d) / "verdicts.json"

@@ -2,7 +2,8 @@
 (datatrove `examples/fineweb.py`: LanguageFilter, GopherRepetitionFilter, GopherQualityFilter,
 C4QualityFilter(filter_no_terminal_punct=False), FineWebQualityFilter). The language, repetition, C4 and FineWeb
 rules live in `tasks/quality_rules.py`; each rule has its own reason code, its own threshold field below (null
-disables it) and a family switch. Kept rows gain `lang` and `lang_score` columns.
+disables it) and a family switch (language ID and Gopher quality are on by default; Gopher repetition, C4 and
+FineWeb are opt-in: `FINEWEB` below is the full FineWeb recipe). Kept rows gain `lang` and `lang_score` columns.
 
 The Gopher quality rules (Rae et al. 2021, "Scaling Language Models: Methods, Analysis &
 Insights from Training Gopher", https://arxiv.org/abs/2112.11446, appendix A.1.1), as datatrove implements them
@@ -58,7 +59,7 @@ class FilterConfig(BaseModel):
         "Drop documents whose language probability is below this. FineWeb / datatrove LanguageFilter: 0.65."))
 
     # ---- Gopher repetition (Rae et al. 2021 table A1; datatrove gopher_repetition_filter.py defaults)
-    gopher_repetition: bool = Field(True, description="Apply the Gopher repetition rules.")
+    gopher_repetition: bool = Field(False, description="Apply the Gopher repetition rules Off by default (the demo corpus is technical documentation these web-text rules were not made for); FineWeb turns it on.")
     dup_para_frac: float | None = Field(0.3, ge=0, description="Max fraction of duplicated paragraphs. Gopher: 0.30.")
     dup_para_char_frac: float | None = Field(0.2, ge=0, description=(
         "Max fraction of characters in duplicated paragraphs. Gopher: 0.20."))
@@ -102,7 +103,7 @@ class FilterConfig(BaseModel):
         "A line is a bullet line if it starts with one of these after leading whitespace. datatrove: '•', '-'."))
 
     # ---- C4 (Raffel et al. 2020; datatrove c4_filters.py C4QualityFilter defaults, as FineWeb used them)
-    c4: bool = Field(True, description="Apply the C4 rules (C4QualityFilter); kept lines replace the text.")
+    c4: bool = Field(False, description="Apply the C4 rules (C4QualityFilter); kept lines replace the text Off by default (the demo corpus is technical documentation these web-text rules were not made for); FineWeb turns it on.")
     c4_terminal_punct: bool = Field(False, description=(
         "Drop lines not ending in . ? ! \" ' (or ending in ...). datatrove default True; FineWeb ran C4 with "
         "filter_no_terminal_punct=False, which is our default."))
@@ -118,7 +119,7 @@ class FilterConfig(BaseModel):
     c4_remove_citations: bool = Field(True, description="Remove Wikipedia citation marks ([1], [edit]). datatrove.")
 
     # ---- FineWeb (Penedo et al. 2024; datatrove fineweb_quality_filter.py defaults)
-    fineweb: bool = Field(True, description="Apply the FineWeb quality rules.")
+    fineweb: bool = Field(False, description="Apply the FineWeb quality rules Off by default (the demo corpus is technical documentation these web-text rules were not made for); FineWeb turns it on.")
     fineweb_line_punct_ratio: float | None = Field(0.12, ge=0, le=1, description=(
         "Drop documents where fewer than this fraction of lines end in terminal punctuation. FineWeb: 0.12."))
     fineweb_short_line_length: int = Field(30, ge=0, description="A line of at most this many characters is short. FineWeb: 30.")
@@ -141,6 +142,9 @@ class FilterConfig(BaseModel):
         if any(not p for p in self.bullet_prefixes):
             raise ValueError("bullet_prefixes must not contain an empty string (it would match every line)")
         return self
+
+
+FINEWEB = FilterConfig(gopher_repetition=True, c4=True, fineweb=True)  # FineWeb's full rule set
 
 
 # --------------------------------------------------------------------------------------------------

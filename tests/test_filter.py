@@ -369,5 +369,13 @@ def test_fineweb_rules():
 
 
 def test_rule_order_follows_fineweb():
+    from tasks.filter import FINEWEB
+
+    assert FINEWEB.gopher_repetition and FINEWEB.c4 and FINEWEB.fineweb and not FilterConfig().c4
     text = DE + "\n" + "{" * 3
-    assert verdict(text, FilterConfig()) == "lang_not_kept"  # language first, before any quality rule
+    assert verdict(text, FINEWEB) == "lang_not_kept"  # language first, before any quality rule
+    braces = EN + "\nThe dict {'a': 1} is here."
+    assert verdict(braces, FINEWEB) == "c4_curly_bracket"
+    assert verdict(braces, FilterConfig()) is None  # C4 is opt-in
+    no_rep = FINEWEB.model_copy(update={"gopher_repetition": False})
+    assert verdict("The house is on the hill. {", no_rep) == "gopher_short_doc"  # Gopher quality before C4
