@@ -6,9 +6,9 @@ Each stage returns a small reference (a `DatasetRef`, a `TrainResult`, metrics);
 Every stage is logged to its own nested MLflow run under one parent run per flow run.
 """
 
-from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,15 @@ from prefect.context import get_run_context
 from flows.stage_tasks import plain_task, stage_task
 from lifecycle.config import STAGES, PipelineConfig
 from lifecycle.dataset import DatasetRef
+from lineage.card import model_card
+from lineage.charts import funnel_png, loss_png
 from lineage.tracking import Tracker
 from tasks import checkpoint as ckpt_mod
 from tasks import model as model_mod
 from tasks import train_loop as loop_mod
 from tasks.collect import resolve_inputs, run_collect
 from tasks.dedup import run_dedup
-from tasks.evaluate import run_evaluate
+from tasks.evaluate import check_contamination, run_evaluate
 from tasks.filter import run_filter
 from tasks.package import package_model
 from tasks.scrub import run_scrub
@@ -58,6 +60,30 @@ def _call(task_fn, *args, **kwargs) -> tuple[Any, str]:
     return value, _outcome(state, value)
 
 
+def _log_charts(tracker: Tracker, summary: dict, train_rows: list[dict] | None) -> None:
+    """funnel.png (documents kept per stage, top drop reasons) and loss_curves.png on the parent run."""
+    manifests = {s: json.loads(Path(p).read_text()) for s, p in summary["datasets"].items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tracker.log_file(funnel_png(manifests, Path(tmp) / "funnel.png"))
+        if train_rows:
+            m = summary["metrics"]
+            tracker.log_file(loss_png(train_rows, Path(tmp) / "loss_curves.png", m.get("val_loss"), m.get("step")))
+
+
+def _log_card(tracker: Tracker, summary: dict, model_ref: DatasetRef, cfg: PipelineConfig, examples: list) -> None:
+    """model_card.md on the parent run: every lineage fact of the registered version."""
+    parent = tracker.client.get_run(tracker.parent_id)
+    manifests = {s: json.loads(Path(p).read_text()) for s, p in summary["datasets"].items()}
+    configs = {s: json.dumps(m.get("config"), sort_keys=True) for s, m in manifests.items() if s != "checkpoint"}
+    configs["train"] = json.dumps(cfg.train.model_dump(mode="json"), sort_keys=True)
+    configs["evaluate"] = json.dumps(cfg.evaluate.model_dump(mode="json"), sort_keys=True)
+    card = model_card(name=summary["model"]["name"], version=summary["model"]["version"], run_id=tracker.parent_id,
+                      prefect_flow_run_id=summary["prefect_flow_run_id"], tags=parent.data.tags,
+                      lineage=json.loads((model_ref.dir / "lineage.json").read_text()), stage_configs=configs,
+                      metrics=summary["metrics"], promotion=summary["promotion"], examples=examples)
+    tracker.log_text(card, "model_card.md")
+
+
 @flow(name="lifecycle", log_prints=True)
 def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
     cfg, wd = config, config.workdir
@@ -73,7 +99,8 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
     )
     summary: dict[str, Any] = {"status": "running", "workdir": wd, "mlflow_run_id": run_id,
                                "mlflow_tracking_uri": tracker.uri, "prefect_flow_run_id": str(flow_run.id),
-                               "datasets": {}, "stages": {}, "checkpoint": None, "model": None, "metrics": {}}
+                               "datasets": {}, "stages": {}, "checkpoint": None, "model": None, "promotion": None,
+                               "metrics": {}}
 
     def data_stage(stage: str, fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
         t = stage_task(fn, stage, orch, orch.data_retries)
@@ -114,11 +141,15 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
             print(f"[train] {outcome}: step {result.steps}, loss {result.final_loss:.4f} -> {result.checkpoint_dir}")
         if not done("train"):
             eval_t = stage_task(run_evaluate, "evaluate", orch, orch.data_retries, extra_modules=(model_mod,))
-            metrics, outcome = _call(eval_t, result.checkpoint_dir, tokens, cfg.evaluate)
+            evaluation, outcome = _call(eval_t, result.checkpoint_dir, tokens, cfg.evaluate)
+            metrics = evaluation["metrics"]
             tracker.log_stage("evaluate", cfg.evaluate, outcome, inputs=[tokens], metrics=metrics)
+            tracker.log_json(evaluation["examples"], "eval_examples.json", stage="evaluate")
+            tracker.log_json(evaluation["examples"], "eval_examples.json")
             summary["stages"]["evaluate"] = outcome
             summary["metrics"].update(metrics)
             print(f"[evaluate] {outcome}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            check_contamination(metrics, cfg.evaluate)  # after logging, so a failed run still shows the rate
         if not done("evaluate"):
             pkg_t = stage_task(package_model, "checkpoint", orch, orch.data_retries, extra_modules=(ckpt_mod,))
             model_ref, outcome = _call(pkg_t, result.checkpoint_dir, tokens, wd)
@@ -128,7 +159,11 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
             summary["stages"]["checkpoint"] = outcome
             name, version = tracker.register_or_reuse(model_ref, summary["metrics"])
             summary["model"] = {"name": name, "version": version}
-            print(f"[checkpoint] {outcome}: registered {name} version {version}")
+            summary["promotion"] = tracker.promotion(name, version)
+            print(f"[checkpoint] {outcome}: registered {name} version {version}; "
+                  f"champion: {summary['promotion'].get('decision')} ({summary['promotion'].get('reason')})")
+            _log_card(tracker, summary, model_ref, cfg, evaluation["examples"])
+        _log_charts(tracker, summary, rows if "train" in summary["stages"] else None)
         tracker.log_parent_metrics({k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))})
         summary["status"] = "completed"
         tracker.end("FINISHED")

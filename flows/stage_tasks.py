@@ -22,9 +22,10 @@ from pydantic import BaseModel
 from lifecycle.config import ConfigError, OrchestrationConfig
 from lifecycle.dataset import AccountingError, DatasetRef, code_version, sha256_json
 from tasks.collect import InputError
+from tasks.evaluate import ContaminationError
 
-# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity.
-PERMANENT_ERRORS = (ConfigError, InputError, AccountingError)
+# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity, a contaminated split.
+PERMANENT_ERRORS = (ConfigError, InputError, AccountingError, ContaminationError)
 
 
 def _identity(value: Any) -> Any:

@@ -94,7 +94,7 @@ def print_summary(s: dict) -> None:
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
-COMMAND_MODULES: list[str] = ["lifecycle.servers", "lifecycle.serve", "tasks.plan", "tasks.export_hf"]
+COMMAND_MODULES: list[str] = ["lifecycle.servers", "lifecycle.serve", "tasks.plan", "tasks.export_hf", "lineage.cli"]
 
 
 def register_run(sub) -> None:

@@ -22,6 +22,8 @@ from lifecycle.dataset import DatasetRef, RawFile, sha256_json
 
 MAX_PARAM_LEN = 6000
 MLFLOW_DIGEST_LEN = 36  # mlflow.utils.validation.MAX_DATASET_DIGEST_SIZE
+CHAMPION = "champion"  # registry alias of the best model version so far
+PROMOTION_METRIC = "val_bpb"  # lower is better; comparable across tokenizers
 
 
 class TrackingConfig(BaseModel):
@@ -76,14 +78,39 @@ class Tracker:
         else:
             self.experiment_id = exp.experiment_id
         self.parent_id: str | None = None
+        self.resumed = False
         self.stage_runs: dict[str, str] = {}
+        self._logged: dict[str, set[tuple[str, int]]] = {}  # run id -> (metric key, step) already in the store
 
     # -------------------------------------------------------------------------------- runs
     def start(self, run_name: str, config: BaseModel, tags: dict[str, str]) -> str:
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={
-            "lifecycle.config_sha256": sha256_json(config.model_dump(mode="json")),
-            "lifecycle.git_commit": git_commit(), **tags})
-        self.parent_id = run.info.run_id
+        """Open the parent run of this lifecycle run, or reopen the one an earlier flow run of the same config
+        started. The run key is the config's sha256 (the work dir is part of the config), stored in the tag
+        `lifecycle.run_key`: a rerun, a resume after a crash and a later `--until` run of the same config all
+        log into one parent run and its child runs, and skip metric steps already logged. The Prefect flow-run
+        id tag names the latest flow run; `lifecycle.prefect_flow_run_ids` lists all of them."""
+        config_sha = sha256_json(config.model_dump(mode="json"))
+        found = self.client.search_runs([self.experiment_id], filter_string=f"tags.`lifecycle.run_key` = '{config_sha}'",
+                                        order_by=["attributes.start_time ASC"], max_results=1)
+        flow_run_id = tags.get("prefect.flow_run_id", "")
+        if found:
+            self.parent_id = found[0].info.run_id
+            self.resumed = True
+            old = json.loads(found[0].data.tags.get("lifecycle.prefect_flow_run_ids", "[]"))
+            self.client.update_run(self.parent_id, status="RUNNING")
+            for k, v in {**tags, "lifecycle.git_commit": git_commit(),
+                         "lifecycle.prefect_flow_run_ids": json.dumps(old + [flow_run_id])[:7900]}.items():
+                self.client.set_tag(self.parent_id, k, v)
+            for child in self.client.search_runs(
+                    [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'"):
+                self.stage_runs.setdefault(child.data.tags.get("lifecycle.stage", child.info.run_id), child.info.run_id)
+        else:
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags={
+                "lifecycle.config_sha256": config_sha, "lifecycle.run_key": config_sha,
+                "lifecycle.git_commit": git_commit(), "lifecycle.prefect_flow_run_ids": json.dumps([flow_run_id]),
+                **tags})
+            self.parent_id = run.info.run_id
+            self.resumed = False
         self.client.log_text(self.parent_id, json.dumps(config.model_dump(mode="json"), indent=2), "config.json")
         return self.parent_id
 
@@ -99,7 +126,29 @@ class Tracker:
             run = self.client.create_run(self.experiment_id, run_name=stage, tags={
                 "mlflow.parentRunId": self.parent_id, "lifecycle.stage": stage})
             self.stage_runs[stage] = run.info.run_id
+        elif self.client.get_run(self.stage_runs[stage]).info.status != "RUNNING":
+            self.client.update_run(self.stage_runs[stage], status="RUNNING")
         return self.stage_runs[stage]
+
+    def _new_metrics(self, rid: str, metrics: list) -> list:
+        """Drop metrics whose (key, step) the run already holds: MLflow metrics are append-only, and a
+        rerun or resume must not log a step twice."""
+        if rid not in self._logged:
+            seen = set()
+            for key in self.client.get_run(rid).data.metrics:
+                seen |= {(key, m.step) for m in self.client.get_metric_history(rid, key)}
+            self._logged[rid] = seen
+        seen, out = self._logged[rid], []
+        for m in metrics:
+            if (m.key, m.step) not in seen:
+                seen.add((m.key, m.step))
+                out.append(m)
+        return out
+
+    def _log_metric_batch(self, rid: str, metrics: list) -> None:
+        batch = self._new_metrics(rid, metrics)
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(rid, metrics=batch[i : i + 500])
 
     # -------------------------------------------------------------------------------- stages
     def log_stage(
@@ -141,9 +190,7 @@ class Tracker:
 
         rid = self.stage_run(stage)
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-        for i in range(0, len(batch), 500):
-            self.client.log_batch(rid, metrics=batch[i : i + 500])
+        self._log_metric_batch(rid, [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None])
 
     def log_series(self, stage: str, rows: list[dict], keys: Iterable[str]) -> None:
         """Per-step metrics (e.g. train loss) with their step numbers."""
@@ -153,9 +200,8 @@ class Tracker:
 
         rid = self.stage_run(stage)
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(r[k]), now, int(r["step"])) for r in rows for k in keys if r.get(k) is not None]
-        for i in range(0, len(batch), 500):
-            self.client.log_batch(rid, metrics=batch[i : i + 500])
+        self._log_metric_batch(rid, [Metric(k, float(r[k]), now, int(r["step"]))
+                                     for r in rows for k in keys if r.get(k) is not None])
 
     def _log_datasets(self, rid: str, refs: Iterable[DatasetRef], context: str) -> None:
         """MLflow caps a dataset digest at 36 characters, so the digest is the first 36 hex chars of our
@@ -187,7 +233,18 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+        self._log_metric_batch(self.parent_id, [Metric(k, float(v), now, 0) for k, v in metrics.items()])
+
+    def log_json(self, obj: Any, artifact_file: str, stage: str | None = None) -> None:
+        """A JSON artifact on a stage's child run, or on the parent run when stage is None."""
+        rid = self.stage_run(stage) if stage else self.parent_id
+        self.client.log_text(rid, json.dumps(obj, indent=2, default=str), artifact_file)
+
+    def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.parent_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.parent_id, text, artifact_file)
 
     # -------------------------------------------------------------------------------- registry
     def register_model(self, model_dir: str | Path, tags: dict[str, str], description: str = "") -> tuple[str, str]:
@@ -208,7 +265,12 @@ class Tracker:
         return name, str(mv.version)
 
     def register_or_reuse(self, model_ref: DatasetRef, metrics: dict[str, Any]) -> tuple[str, str]:
-        """Register the packaged model once; a rerun that produced the same package reuses its version."""
+        """Register the packaged model once; a rerun that produced the same package reuses its version.
+
+        Version tags: the package's and the checkpoint marker's sha256, the tokenizer digest, the config hash,
+        the git commit, `lifecycle.dataset.<stage>.sha256` for every dataset from collect to the token shards,
+        `lifecycle.raw_input.<i>` = "sha256 path" for every raw input file (and `lifecycle.raw_inputs_sha256`
+        over the whole list), and `metric.<name>` for the evaluation metrics."""
         name = self.cfg.model_name
         try:
             for mv in self.client.search_model_versions(f"name = '{name}'"):
@@ -220,19 +282,67 @@ class Tracker:
                 raise
         lineage = json.loads((model_ref.dir / "lineage.json").read_text())
         parent_tags = self.client.get_run(self.parent_id).data.tags
+        raw = sorted({r["path"]: r["sha256"] for d in lineage["datasets"] for r in d["inputs"]}.items())
         tags = {
             "lifecycle.model_package_sha256": model_ref.sha256,
+            "lifecycle.model_package_manifest": str(model_ref.manifest_path),
             "lifecycle.checkpoint_marker_sha256": lineage["checkpoint_marker_sha256"],
             "lifecycle.checkpoint_dir": lineage["checkpoint_dir"],
+            "lifecycle.checkpoint_step": str(lineage.get("checkpoint_step")),
             "lifecycle.tokenizer_sha256": str(lineage.get("tokenizer_sha256")),
             "lifecycle.config_sha256": parent_tags.get("lifecycle.config_sha256", ""),
             "lifecycle.git_commit": parent_tags.get("lifecycle.git_commit", ""),
-            "lifecycle.raw_inputs": json.dumps(
-                sorted({r["path"]: r["sha256"] for d in lineage["datasets"] for r in d["inputs"]}.items()))[:7900],
+            "lifecycle.raw_inputs_sha256": sha256_json(raw),
+            "lifecycle.raw_inputs": json.dumps(raw)[:7900],
         }
+        for i, (path, sha) in enumerate(raw):
+            tags[f"lifecycle.raw_input.{i}"] = f"{sha} {path}"[:7900]
         for d in lineage["datasets"]:
             tags[f"lifecycle.dataset.{d['stage']}.sha256"] = d["sha256"]
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
-                tags[f"metric.{k}"] = f"{v:.6g}"
-        return self.register_model(model_ref.dir, tags, description=f"lineage: {model_ref.manifest_path}")
+                tags[f"metric.{k}"] = repr(float(v))
+        name, version = self.register_model(model_ref.dir, tags, description=f"lineage: {model_ref.manifest_path}")
+        self.promote(name, version, metrics.get(PROMOTION_METRIC))
+        return name, version
+
+    def promotion(self, name: str, version: str) -> dict[str, str]:
+        """The promotion record of a version (`lifecycle.promotion.*` tags), also copied to the parent run."""
+        tags = self.client.get_model_version(name, version).tags
+        rec = {k.removeprefix("lifecycle.promotion."): v for k, v in tags.items() if k.startswith("lifecycle.promotion.")}
+        for k, v in rec.items():
+            self.client.set_tag(self.parent_id, f"lifecycle.promotion.{k}", v)
+        return rec
+
+    def promote(self, name: str, version: str, candidate: float | None) -> dict:
+        """Move alias `champion` to `version` only if its validation bits per byte is strictly lower than the
+        current champion's (or there is no champion yet). The decision, the reason and both numbers are
+        tags on the new version and on the parent run (`lifecycle.promotion.*`)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            champ = self.client.get_model_version_by_alias(name, CHAMPION)
+        except MlflowException:
+            champ = None
+        champ_bpb = float(champ.tags[f"metric.{PROMOTION_METRIC}"]) if champ is not None and \
+            f"metric.{PROMOTION_METRIC}" in champ.tags else None
+        if candidate is None:
+            decision, reason = "not_promoted", f"the new version has no {PROMOTION_METRIC}"
+        elif champ is None:
+            decision, reason = "promoted", "no champion yet"
+        elif champ_bpb is None:
+            decision, reason = "promoted", f"champion version {champ.version} has no {PROMOTION_METRIC}"
+        elif candidate < champ_bpb:
+            decision, reason = "promoted", f"{PROMOTION_METRIC} {candidate:.6g} < champion's {champ_bpb:.6g}"
+        else:
+            decision, reason = "not_promoted", f"{PROMOTION_METRIC} {candidate:.6g} >= champion's {champ_bpb:.6g}"
+        if decision == "promoted":
+            self.client.set_registered_model_alias(name, CHAMPION, version)
+        record = {"decision": decision, "reason": reason, "metric": PROMOTION_METRIC,
+                  "candidate_version": str(version), "candidate_value": candidate,
+                  "champion_version_before": str(champ.version) if champ is not None else None,
+                  "champion_value_before": champ_bpb}
+        for k, v in record.items():
+            self.client.set_model_version_tag(name, version, f"lifecycle.promotion.{k}", str(v))
+            self.client.set_tag(self.parent_id, f"lifecycle.promotion.{k}", str(v))
+        return record

@@ -10,12 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
+from lifecycle.dataset import sha256_file
 from tests.conftest import ROOT, corpus_records
 
 pytestmark = pytest.mark.e2e
 
 TINY = [
-    "train.max_steps=16", "train.checkpoint_every=8", "train.log_every=1", "train.micro_batch_size=4", "train.warmup_steps=2",
+    "train.max_steps=16", "train.checkpoint_every=8", "train.eval_every=8", "train.eval_batches=2", "train.log_every=1", "train.micro_batch_size=4", "train.warmup_steps=2",
     "train.model.n_layer=2", "train.model.n_embd=64", "train.model.n_head=2", "train.model.seq_len=64",
     "tokenize.vocab_size=512", "tokenize.val_fraction=0.2", "evaluate.max_batches=4", "orchestration.retry_backoff_s=0.1",
 ]
@@ -123,11 +124,44 @@ def test_mlflow_lineage(first_run):
     assert out["datasets"]["collect"] in inp.dataset.source
     loss_hist = client.get_metric_history(by_stage["train"].info.run_id, "loss")
     assert len(loss_hist) >= 2 and {h.step for h in loss_hist} >= {1, 16}
-    assert "val_loss" in by_stage["evaluate"].data.metrics
+    ev = by_stage["evaluate"].data.metrics
+    assert {"val_loss", "val_perplexity", "val_bpb", "gen_bleu", "gen_rougeL", "contamination_doc_rate"} <= set(ev)
+    # bits per byte is nats/token rescaled by tokens per byte: bytes are counted from the val tokens themselves
+    assert ev["val_bpb"] == pytest.approx(ev["val_loss"] * ev["val_tokens"] / (ev["val_bytes"] * 0.6931471805599453))
+    assert 1.0 < ev["val_bytes"] / ev["val_tokens"] < 6  # bytes per token of a 512-symbol byte-level BPE
+    assert ev["gen_prompts"] > 0 and 0 <= ev["contamination_doc_rate"] <= 0.1
+    val_hist = client.get_metric_history(by_stage["train"].info.run_id, "val_loss")  # in-training evaluation
+    assert {h.step for h in val_hist} == {8, 16}
+    examples = json.loads(open(client.download_artifacts(parent.info.run_id, "eval_examples.json", str(wd))).read())
+    assert examples and {"prompt", "reference", "generated", "doc_id"} <= set(examples[0])
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"funnel.png", "loss_curves.png", "model_card.md", "config.json", "model"} <= arts
+    png = open(client.download_artifacts(parent.info.run_id, "funnel.png", str(wd)), "rb").read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    card = open(client.download_artifacts(parent.info.run_id, "model_card.md", str(wd))).read()
+    assert collect_m["sha256"] in card and out["datasets"]["tokenize"] in card
     mv = client.get_model_version(out["model"]["name"], out["model"]["version"])
     assert mv.run_id == parent.info.run_id
     assert mv.tags["lifecycle.dataset.collect.sha256"] == collect_m["sha256"]
     assert json.loads(open(out["datasets"]["checkpoint"]).read())["sha256"] == mv.tags["lifecycle.model_package_sha256"]
+    # registry tags: every dataset, raw inputs, tokenizer, checkpoint marker, config hash, git commit
+    tok_m = json.loads(open(out["datasets"]["tokenize"]).read())
+    for stage in ("collect", "filter", "dedup", "scrub", "tokenize"):
+        assert mv.tags[f"lifecycle.dataset.{stage}.sha256"] == json.loads(open(out["datasets"][stage]).read())["sha256"]
+    raw = collect_m["inputs"][0]
+    assert mv.tags["lifecycle.raw_input.0"] == f"{raw['sha256']} {raw['path']}"
+    assert mv.tags["lifecycle.tokenizer_sha256"] == tok_m["tokenizer_sha256"]
+    assert mv.tags["lifecycle.checkpoint_marker_sha256"] == sha256_file(os.path.join(out["checkpoint"], "COMMITTED.json"))
+    assert mv.tags["lifecycle.config_sha256"] == parent.data.tags["lifecycle.config_sha256"]
+    assert len(mv.tags["lifecycle.git_commit"]) == 40
+    assert float(mv.tags["metric.val_bpb"]) == ev["val_bpb"]
+    for k in (mv.tags["lifecycle.tokenizer_sha256"], mv.tags["lifecycle.checkpoint_marker_sha256"],
+              mv.tags["lifecycle.git_commit"], raw["sha256"]):
+        assert k in card
+    # first version of the model: it becomes the champion, and the decision is recorded on version and run
+    assert str(client.get_model_version_by_alias(out["model"]["name"], "champion").version) == out["model"]["version"]
+    assert mv.tags["lifecycle.promotion.decision"] == "promoted" == parent.data.tags["lifecycle.promotion.decision"]
+    assert out["promotion"]["decision"] == "promoted"
 
 
 def test_rerun_reuses_everything(first_run, tiny_inputs):
@@ -140,6 +174,19 @@ def test_rerun_reuses_everything(first_run, tiny_inputs):
     assert again["checkpoint"] == out["checkpoint"]
     assert again["model"] == out["model"]  # same package -> same registered version, not a new one
     assert again["metrics"]["val_loss"] == out["metrics"]["val_loss"]
+    # the rerun reopened the same MLflow parent and child runs and logged no metric step twice
+    assert again["mlflow_run_id"] == out["mlflow_run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{wd}/mlflow.db")
+    parent = client.get_run(out["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["prefect.flow_run_id"] == again["prefect_flow_run_id"]
+    assert json.loads(parent.data.tags["lifecycle.prefect_flow_run_ids"]) == [out["prefect_flow_run_id"],
+                                                                               again["prefect_flow_run_id"]]
+    runs = client.search_runs([parent.info.experiment_id])
+    assert len(runs) == 9  # one parent + eight stages
+    train = next(r for r in runs if r.data.tags.get("lifecycle.stage") == "train")
+    steps = [h.step for h in client.get_metric_history(train.info.run_id, "loss")]
+    assert len(steps) == len(set(steps)) == 16
+    assert len(client.get_metric_history(parent.info.run_id, "val_bpb")) == 1
 
 
 def test_until_stops_after_stage(tmp_path, tiny_inputs):
@@ -148,3 +195,55 @@ def test_until_stops_after_stage(tmp_path, tiny_inputs):
     assert list(out["stages"]) == ["collect", "filter", "dedup"]
     assert out["checkpoint"] is None and out["model"] is None
     assert not (tmp_path / "w" / "datasets" / "scrub").exists()
+
+
+def audit(capsys, *argv):
+    """Run an audit command in-process (`lifecycle ... --json`) and parse its JSON."""
+    from lifecycle.cli import main
+
+    capsys.readouterr()
+    rc = main([*argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_audit_cli(first_run, capsys):
+    wd, out = first_run
+    name, version = out["model"]["name"], out["model"]["version"]
+    rc, model = audit(capsys, "lineage", "model", f"{name}@champion", "--workdir", str(wd))
+    assert rc == 0 and model["model"]["version"] == version and "champion" in model["model"]["aliases"]
+    assert [d["stage"] for d in model["datasets"]] == ["tokenize", "scrub", "dedup", "filter", "collect"]
+    collect = model["datasets"][-1]
+    assert collect["raw_inputs"][0]["sha256"] == json.loads(open(out["datasets"]["collect"]).read())["inputs"][0]["sha256"]
+    assert model["datasets"][0]["config"]["vocab_size"] == 512 and model["checkpoint"]["step"] == 16
+    assert audit(capsys, "lineage", "model", f"{name}/{version}", "--workdir", str(wd))[1] == model
+
+    rc, dup = audit(capsys, "lineage", "doc", "planted-exact", "--workdir", str(wd))
+    notice = next(r for r in rows(out["datasets"]["dedup"]) if r["source_id"] == "planted-notice")
+    rejected = [e for e in dup["events"] if e["outcome"] == "rejected"]
+    assert rc == 0 and [e["stage"] for e in rejected] == ["dedup"]
+    assert rejected[0]["reason"] == "exact_duplicate" and rejected[0]["duplicate_of"] == notice["doc_id"]
+    assert dup["trained_by"] == [] and dup["evaluated_by"] == []
+
+    rc, pii = audit(capsys, "lineage", "doc", "planted-pii", "--workdir", str(wd))
+    by_stage = {e["stage"]: e for e in pii["events"]}
+    assert by_stage["scrub"]["pii_email"] == 1 and by_stage["scrub"]["pii_phone"] == 1
+    tok = by_stage["tokenize"]
+    assert tok["outcome"] == "tokenized" and tok["token_end"] > tok["token_start"]
+    ref = {"name": name, "version": int(version), "aliases": "champion"}
+    assert (pii["trained_by"], pii["evaluated_by"]) == (([ref], []) if tok["split"] == "train" else ([], [ref]))
+
+    rc, forget = audit(capsys, "lineage", "forget", "planted-pii", "no-such-source", "--workdir", str(wd))
+    assert rc == 0 and forget["not_found"] == ["no-such-source"] and len(forget["doc_ids"]) == 1
+    assert {d["stage"] for d in forget["datasets"]} == {"collect", "filter", "dedup", "scrub", "tokenize"}
+    assert json.loads(open(forget["report"]).read())["doc_ids"] == forget["doc_ids"]
+    if tok["split"] == "train":
+        assert {c["tag_dir"] for c in forget["checkpoints"]} >= {out["checkpoint"]}
+        assert [m["version"] for m in forget["model_versions"]] == [int(version)]
+    else:
+        assert forget["checkpoints"] == [] and forget["model_versions"] == []
+
+    rc, q = audit(capsys, "sql", "SELECT stage, reason, count(*) AS n FROM rejected GROUP BY ALL ORDER BY ALL",
+                  "--workdir", str(wd))
+    assert rc == 0 and {"stage": "collect", "reason": "invalid_json", "n": 1} in q
+    rc, err = audit(capsys, "sql", "SELECT nope FROM datasets", "--workdir", str(wd))
+    assert rc == 1 and "nope" in err["error"]

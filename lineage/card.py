@@ -1,0 +1,45 @@
+"""The model card (Markdown) logged on the parent MLflow run: every lineage fact of one registered model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def model_card(*, name: str, version: str | None, run_id: str, prefect_flow_run_id: str, tags: dict[str, str],
+               lineage: dict, stage_configs: dict[str, dict], metrics: dict[str, Any],
+               promotion: dict[str, str], examples: list[dict]) -> str:
+    """Markdown from the packaged model's lineage.json, the run's tags and metrics, and the promotion record."""
+    L = [f"# Model card: {name}" + (f" version {version}" if version else ""), ""]
+    L += ["## Provenance", "", "| fact | value |", "|---|---|"]
+    facts = [("MLflow parent run", run_id), ("Prefect flow run", prefect_flow_run_id),
+             ("git commit", tags.get("lifecycle.git_commit", "")),
+             ("config sha256", tags.get("lifecycle.config_sha256", "")),
+             ("tokenizer sha256", lineage.get("tokenizer_sha256")),
+             ("checkpoint", lineage.get("checkpoint_dir")), ("checkpoint step", lineage.get("checkpoint_step")),
+             ("checkpoint marker sha256", lineage.get("checkpoint_marker_sha256"))]
+    L += [f"| {k} | `{v}` |" for k, v in facts]
+    L += ["", "## Datasets (token shards back to raw input)", "", "| stage | rows | sha256 | manifest |",
+          "|---|---|---|---|"]
+    L += [f"| {d['stage']} | {d['num_rows']} | `{d['sha256']}` | `{d['manifest']}` |" for d in lineage["datasets"]]
+    raw = sorted({r["path"]: r for d in lineage["datasets"] for r in d.get("inputs", [])}.values(),
+                 key=lambda r: r["path"])
+    L += ["", "## Raw input files", "", "| path | bytes | sha256 |", "|---|---|---|"]
+    L += [f"| `{r['path']}` | {r['bytes']} | `{r['sha256']}` |" for r in raw]
+    L += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
+    L += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items()) if isinstance(v, (int, float))]
+    if promotion:
+        L += ["", "## Promotion (alias `champion`)", ""]
+        L += [f"- {k}: {v}" for k, v in promotion.items()]
+    if examples:
+        L += ["", "## Generated continuations of held-out prompts (greedy)", ""]
+        for e in examples[:3]:
+            L += [f"**{e['source_id']}**", "", f"- prompt: `{e['prompt']!r}`", f"- reference: `{e['reference']!r}`",
+                  f"- generated: `{e['generated']!r}`", ""]
+    L += ["", "## Stage configs", ""]
+    for stage, cfg in stage_configs.items():
+        L += [f"- **{stage}**: `{cfg}`"]
+    return "\n".join(L) + "\n"

@@ -1,0 +1,76 @@
+"""PNG charts for the parent MLflow run: the document funnel and the loss curves (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FUNNEL_STAGES = ("collect", "filter", "dedup", "scrub", "tokenize")
+
+
+def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
+    """[{stage, rows_in, rows_kept, top_reasons: [(reason, n), ...]}] in pipeline order, from manifests."""
+    out = []
+    for stage in FUNNEL_STAGES:
+        stats = (manifests.get(stage) or {}).get("stats")
+        if not stats:
+            continue
+        reasons = sorted(stats.get("rejected_by_reason", {}).items(), key=lambda kv: -kv[1])
+        out.append({"stage": stage, "rows_in": stats["rows_in"], "rows_kept": stats["rows_kept"],
+                    "top_reasons": reasons[:3]})
+    return out
+
+
+def funnel_png(manifests: dict[str, dict], path: str | Path) -> Path:
+    """Bars: raw records, then documents kept after each stage, each labelled with its top drop reasons."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = funnel_rows(manifests)
+    if not rows:
+        raise ValueError("no stage statistics to draw a funnel from")
+    labels = ["raw records"] + [r["stage"] for r in rows]
+    values = [rows[0]["rows_in"]] + [r["rows_kept"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bars = ax.barh(labels[::-1], values[::-1], color="#4c72b0")
+    notes = [""] + ["; ".join(f"-{n} {k}" for k, n in r["top_reasons"]) for r in rows]
+    for bar, v, note in zip(bars, values[::-1], notes[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v}  {note}", va="center", fontsize=8)
+    ax.set_xlim(0, max(values) * 1.9)
+    ax.set_xlabel("documents")
+    ax.set_title("Document funnel (kept after each stage; top drop reasons)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def loss_png(rows: list[dict], path: str | Path, final_val_loss: float | None = None,
+             final_step: int | None = None) -> Path:
+    """Training loss and in-training validation loss per step (metrics.jsonl rows), plus the final evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if not train:
+        raise ValueError("no training loss rows to plot")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss (during training)")
+    if final_val_loss is not None and final_step is not None:
+        ax.plot([final_step], [final_val_loss], "r*", markersize=12, label="val loss (evaluate)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

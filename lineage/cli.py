@@ -1,0 +1,305 @@
+"""Audit commands, answered from manifests and MLflow (nothing is recomputed). Every command takes `--json`.
+
+    lifecycle lineage model NAME[/VERSION|@ALIAS]   model version -> checkpoint -> token shards -> ... -> raw files
+    lifecycle lineage doc ID                        a doc_id's or source_id's path through every stage, and the
+                                                    model versions that trained on it
+    lifecycle lineage forget SOURCE_ID...           every dataset, checkpoint and model version holding those
+                                                    documents; writes a report under <workdir>/audit/, changes nothing
+    lifecycle sql "SELECT ..."                      DuckDB over the catalog (see lineage/catalog.py)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lineage import catalog as cat
+
+STAGE_ORDER = ("collect", "filter", "dedup", "scrub", "tokenize", "checkpoint")
+
+
+def _uri(args) -> str | None:
+    return args.tracking_uri or cat.default_tracking_uri(args.workdir)
+
+
+def _client(args):
+    from mlflow import MlflowClient
+
+    uri = _uri(args)
+    if uri is None:
+        raise LookupError(f"{args.workdir} has no mlflow.db; pass --tracking-uri")
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+# --------------------------------------------------------------------------------------------------
+# lineage model
+
+
+def resolve_version(client, spec: str):
+    """NAME (latest version), NAME/VERSION or NAME@ALIAS -> ModelVersion."""
+    if "@" in spec:
+        name, alias = spec.split("@", 1)
+        return client.get_model_version_by_alias(name, alias)
+    if "/" in spec:
+        name, version = spec.rsplit("/", 1)
+        return client.get_model_version(name, version)
+    versions = client.search_model_versions(f"name = '{spec}'")
+    if not versions:
+        raise LookupError(f"no registered model named {spec!r}")
+    return max(versions, key=lambda v: int(v.version))
+
+
+def model_lineage(client, spec: str) -> dict:
+    mv = resolve_version(client, spec)
+    t = mv.tags
+    manifest = t.get("lifecycle.model_package_manifest") or (mv.description or "").removeprefix("lineage: ").strip()
+    pkg = Path(manifest).parent
+    lineage = json.loads((pkg / "lineage.json").read_text())
+    chain = []
+    for d in sorted(lineage["datasets"], key=lambda d: STAGE_ORDER.index(d["stage"])
+                    if d["stage"] in STAGE_ORDER else 99, reverse=True):
+        m = json.loads(Path(d["manifest"]).read_text())
+        chain.append({"stage": d["stage"], "sha256": d["sha256"], "num_rows": d["num_rows"], "manifest": d["manifest"],
+                      "code_version": m.get("code_version"), "config": m.get("config"),
+                      "parents": [p["sha256"] for p in m.get("parents", [])],
+                      "raw_inputs": m.get("inputs", []),
+                      **({"tokenizer_sha256": m["tokenizer_sha256"]} if "tokenizer_sha256" in m else {})})
+    return {
+        "model": {"name": mv.name, "version": str(mv.version), "aliases": list(mv.aliases or []), "run_id": mv.run_id,
+                  "source": mv.source},
+        "checkpoint": {"dir": lineage["checkpoint_dir"], "step": lineage.get("checkpoint_step"),
+                       "marker_sha256": lineage["checkpoint_marker_sha256"], "package_manifest": manifest,
+                       "package_sha256": t.get("lifecycle.model_package_sha256")},
+        "tokenizer_sha256": lineage.get("tokenizer_sha256"),
+        "config_sha256": t.get("lifecycle.config_sha256"), "git_commit": t.get("lifecycle.git_commit"),
+        "metrics": {k.removeprefix("metric."): float(v) for k, v in t.items() if k.startswith("metric.")},
+        "promotion": {k.removeprefix("lifecycle.promotion."): v for k, v in t.items()
+                      if k.startswith("lifecycle.promotion.")},
+        "datasets": chain,
+    }
+
+
+def print_model(r: dict) -> None:
+    m, c = r["model"], r["checkpoint"]
+    print(f"model {m['name']} version {m['version']}" + (f" @{','.join(m['aliases'])}" if m["aliases"] else "")
+          + f"  (MLflow run {m['run_id']})")
+    print(f"  git {r['git_commit']}  config {r['config_sha256'][:16]}  tokenizer {r['tokenizer_sha256'][:16]}")
+    print(f"  val_bpb {r['metrics'].get('val_bpb')}  promotion: {r['promotion'].get('decision')} "
+          f"({r['promotion'].get('reason')})")
+    print(f"  checkpoint step {c['step']}  marker {c['marker_sha256'][:16]}  {c['dir']}")
+    for d in r["datasets"]:
+        print(f"  <- {d['stage']:<9} {d['sha256'][:16]}  {d['num_rows']:>7} rows  code {d['code_version']}  "
+              f"{d['manifest']}")
+        for raw in d["raw_inputs"]:
+            print(f"       raw {raw['sha256'][:16]}  {raw['bytes']:>9} B  {raw['path']}")
+
+
+# --------------------------------------------------------------------------------------------------
+# lineage doc
+
+
+def doc_lineage(con, ident: str) -> dict:
+    """Every dataset that kept or rejected the document(s) with this doc_id or source_id."""
+    ids = cat.query(con, "SELECT DISTINCT doc_id, source_id FROM (SELECT doc_id, source_id FROM kept UNION ALL "
+                         "SELECT doc_id, source_id FROM rejected) WHERE doc_id = ? OR source_id = ?", [ident, ident])
+    doc_ids = sorted({r["doc_id"] for r in ids if r["doc_id"]})
+    events: list[dict] = []
+    if ids:
+        where = "(doc_id IN (SELECT unnest(?)) OR source_id = ?)"
+        params = [doc_ids, ident]
+        kept_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE kept")}
+        extra = [c for c in ("cluster_id", "cluster_size") if c in kept_cols] + \
+                sorted(c for c in kept_cols if c.startswith("pii_"))
+        sel = ", ".join(["doc_id", "source_id", "dataset_path"] + extra)
+        for r in cat.query(con, f"SELECT {sel} FROM kept WHERE {where}", params):
+            events.append({"outcome": "kept", **{k: v for k, v in r.items() if v is not None}})
+        rej_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE rejected")}
+        rsel = ", ".join(["doc_id", "source_id", "dataset_path", "reason", "detail"] +
+                         [c for c in ("duplicate_of", "cluster_id") if c in rej_cols])
+        for r in cat.query(con, f"SELECT {rsel} FROM rejected WHERE {where}", params):
+            events.append({"outcome": "rejected", **{k: v for k, v in r.items() if v is not None}})
+        for r in cat.query(con, f"SELECT doc_id, source_id, dataset_path, split, shard, token_start, token_end "
+                                f"FROM tokens WHERE {where}", params):
+            events.append({"outcome": "tokenized", **r})
+    info = {r["path"]: r for r in cat.query(con, "SELECT stage, sha256, path, created_at FROM datasets")}
+    for e in events:
+        d = info.get(e["dataset_path"], {})
+        e.update(stage=d.get("stage"), dataset_sha256=d.get("sha256"), created_at=d.get("created_at"))
+    events.sort(key=lambda e: (e["created_at"] or "", STAGE_ORDER.index(e["stage"]) if e["stage"] in STAGE_ORDER else 99))
+    trained_on = {e["dataset_sha256"] for e in events if e["outcome"] == "tokenized" and e["split"] == "train"}
+    held_out = {e["dataset_sha256"] for e in events if e["outcome"] == "tokenized" and e["split"] == "val"}
+    models = cat.query(con, "SELECT name, version, aliases, tokenize_sha256, val_bpb FROM models ORDER BY name, version")
+    return {"query": ident, "doc_ids": doc_ids, "source_ids": sorted({r["source_id"] for r in ids}),
+            "events": events,
+            "trained_by": [{k: m[k] for k in ("name", "version", "aliases")} for m in models
+                           if m["tokenize_sha256"] in trained_on],
+            "evaluated_by": [{k: m[k] for k in ("name", "version", "aliases")} for m in models
+                             if m["tokenize_sha256"] in held_out]}
+
+
+def print_doc(r: dict) -> None:
+    if not r["events"]:
+        print(f"no document with doc_id or source_id {r['query']!r} in any dataset")
+        return
+    print(f"{r['query']}: doc_id {', '.join(r['doc_ids'])}  source_id {', '.join(r['source_ids'])}")
+    skip = {"doc_id", "source_id", "dataset_path", "stage", "dataset_sha256", "created_at", "outcome"}
+    for e in r["events"]:
+        rest = "  ".join(f"{k}={v}" for k, v in e.items() if k not in skip)
+        print(f"  {e['created_at']}  {e['stage']:<9} {e['outcome']:<9} {rest}  [{e['dataset_sha256'][:12]}]")
+    fmt = lambda ms: ", ".join(f"{m['name']}/{m['version']}" + (f" @{m['aliases']}" if m["aliases"] else "")
+                               for m in ms) or "none"
+    print(f"  trained on by model versions: {fmt(r['trained_by'])}")
+    print(f"  held out (val) for model versions: {fmt(r['evaluated_by'])}")
+
+
+# --------------------------------------------------------------------------------------------------
+# lineage forget
+
+
+def forget_report(con, source_ids: list[str]) -> dict:
+    """Every dataset, checkpoint, model package and model version that holds a document from these sources."""
+    ids = cat.query(con, "SELECT DISTINCT doc_id, source_id FROM (SELECT doc_id, source_id FROM kept UNION ALL "
+                         "SELECT doc_id, source_id FROM rejected) WHERE source_id IN (SELECT unnest(?))", [source_ids])
+    doc_ids = sorted({r["doc_id"] for r in ids if r["doc_id"]})
+    found = sorted({r["source_id"] for r in ids})
+    holding = cat.query(con, """
+        SELECT d.stage, d.sha256, d.path, count(*) AS documents, 'kept rows' AS held_as
+        FROM kept k JOIN datasets d ON d.path = k.dataset_path WHERE k.doc_id IN (SELECT unnest(?)) GROUP BY ALL
+        UNION ALL
+        SELECT d.stage, d.sha256, d.path, count(*), 'tokens (' || string_agg(DISTINCT t.split, ',') || ')'
+        FROM tokens t JOIN datasets d ON d.path = t.dataset_path WHERE t.doc_id IN (SELECT unnest(?)) GROUP BY ALL
+        UNION ALL
+        SELECT d.stage, d.sha256, d.path, count(*), 'rejected rows (text not stored)'
+        FROM rejected r JOIN datasets d ON d.path = r.dataset_path WHERE r.doc_id IN (SELECT unnest(?)) GROUP BY ALL
+        ORDER BY 1, 2""", [doc_ids, doc_ids, doc_ids])
+    token_trained = cat.query(con, """
+        SELECT DISTINCT d.sha256 FROM tokens t JOIN datasets d ON d.path = t.dataset_path
+        WHERE t.doc_id IN (SELECT unnest(?)) AND t.split = 'train'""", [doc_ids])
+    token_any = cat.query(con, """
+        SELECT DISTINCT d.sha256 FROM tokens t JOIN datasets d ON d.path = t.dataset_path
+        WHERE t.doc_id IN (SELECT unnest(?))""", [doc_ids])
+    trained = [r["sha256"] for r in token_trained]
+    anytok = [r["sha256"] for r in token_any]
+    checkpoints = cat.query(con, "SELECT run_dir, step, tag_dir, marker_sha256, token_dataset_sha256 FROM checkpoints "
+                                 "WHERE token_dataset_sha256 IN (SELECT unnest(?)) ORDER BY run_dir, step", [trained])
+    packages = cat.query(con, "SELECT d.sha256, d.path FROM datasets d JOIN parents p ON p.dataset_sha256 = d.sha256 "
+                              "WHERE d.stage = 'checkpoint' AND p.parent_sha256 IN (SELECT unnest(?))", [anytok])
+    models = cat.query(con, "SELECT name, version, aliases, run_id, checkpoint_dir FROM models "
+                            "WHERE tokenize_sha256 IN (SELECT unnest(?)) ORDER BY name, version", [trained])
+    raw = cat.query(con, "SELECT DISTINCT r.path, r.sha256 FROM raw_inputs r JOIN datasets d ON d.sha256 = "
+                         "r.dataset_sha256 JOIN kept k ON k.dataset_path = d.path WHERE k.doc_id IN (SELECT unnest(?)) "
+                         "UNION SELECT DISTINCT r.path, r.sha256 FROM raw_inputs r JOIN datasets d ON d.sha256 = "
+                         "r.dataset_sha256 JOIN rejected j ON j.dataset_path = d.path "
+                         "WHERE j.doc_id IN (SELECT unnest(?))", [doc_ids, doc_ids])
+    return {"requested_source_ids": source_ids, "found_source_ids": found,
+            "not_found": sorted(set(source_ids) - set(found)), "doc_ids": doc_ids, "raw_input_files": raw,
+            "datasets": holding, "checkpoints": checkpoints, "model_packages": packages, "model_versions": models,
+            "note": "report only: nothing was changed"}
+
+
+def print_forget(r: dict, path: Path) -> None:
+    print(f"deletion request for {len(r['requested_source_ids'])} source id(s): {len(r['doc_ids'])} document(s) found"
+          + (f"; not found: {', '.join(r['not_found'])}" if r["not_found"] else ""))
+    for raw in r["raw_input_files"]:
+        print(f"  raw input   {raw['sha256'][:12]}  {raw['path']}")
+    for d in r["datasets"]:
+        print(f"  dataset     {d['stage']:<9} {d['sha256'][:12]}  {d['documents']} doc(s) as {d['held_as']}  {d['path']}")
+    for c in r["checkpoints"]:
+        print(f"  checkpoint  step {c['step']}  {c['tag_dir']}")
+    for p in r["model_packages"]:
+        print(f"  package     {p['sha256'][:12]}  {p['path']}")
+    for m in r["model_versions"]:
+        print(f"  model       {m['name']}/{m['version']}" + (f" @{m['aliases']}" if m["aliases"] else ""))
+    print(f"report written to {path} (nothing was changed)")
+
+
+# --------------------------------------------------------------------------------------------------
+# commands
+
+
+def _emit(args, obj: Any, printer) -> int:
+    if args.json:
+        print(json.dumps(obj, default=str))
+    else:
+        printer(obj)
+    return 0
+
+
+def _fail(args, e: Exception) -> int:
+    print(f"lifecycle {args.command}: {e}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"status": "failed", "error": str(e)}))
+    return 1
+
+
+def cmd_model(args) -> int:
+    try:
+        return _emit(args, model_lineage(_client(args), args.spec), print_model)
+    except Exception as e:  # unknown model/version/alias: MlflowException, LookupError
+        return _fail(args, e)
+
+
+def cmd_doc(args) -> int:
+    try:
+        r = doc_lineage(cat.connect(args.workdir, args.tracking_uri), args.id)
+    except FileNotFoundError as e:
+        return _fail(args, e)
+    _emit(args, r, print_doc)
+    return 0 if r["events"] else 3
+
+
+def cmd_forget(args) -> int:
+    try:
+        r = forget_report(cat.connect(args.workdir, args.tracking_uri), args.source_ids)
+    except FileNotFoundError as e:
+        return _fail(args, e)
+    out = Path(args.workdir) / "audit" / f"forget-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2, default=str))
+    r["report"] = str(out)
+    return _emit(args, r, lambda x: print_forget(x, out))
+
+
+def cmd_sql(args) -> int:
+    try:
+        con = cat.connect(args.workdir, args.tracking_uri)
+        rows = cat.query(con, args.query)
+    except Exception as e:  # duckdb errors name the table/column
+        return _fail(args, e)
+    if args.json:
+        print(json.dumps(rows, default=str))
+    else:
+        cur = con.sql(args.query)
+        cur.show(max_rows=args.max_rows, max_width=200)
+    return 0
+
+
+def _common(p) -> None:
+    p.add_argument("--workdir", default="runs/demo", help="the lifecycle work dir (default runs/demo)")
+    p.add_argument("--tracking-uri", help="MLflow tracking/registry URI (default: sqlite <workdir>/mlflow.db)")
+    p.add_argument("--json", action="store_true", help="Print one JSON document.")
+
+
+def register(sub) -> None:
+    lin = sub.add_parser("lineage", help="Audit trail: model -> data, document -> models, deletion reports.")
+    lsub = lin.add_subparsers(dest="what", required=True)
+    m = lsub.add_parser("model", help="A model version's chain back to the raw input files.")
+    m.add_argument("spec", metavar="NAME[/VERSION|@ALIAS]")
+    _common(m)
+    m.set_defaults(func=cmd_model)
+    d = lsub.add_parser("doc", help="A document's path through every stage and the models that trained on it.")
+    d.add_argument("id", metavar="ID", help="a doc_id or source_id")
+    _common(d)
+    d.set_defaults(func=cmd_doc)
+    f = lsub.add_parser("forget", help="Everything holding these sources' documents (a report; changes nothing).")
+    f.add_argument("source_ids", nargs="+", metavar="SOURCE_ID")
+    _common(f)
+    f.set_defaults(func=cmd_forget)
+    s = sub.add_parser("sql", help="DuckDB over the catalog of manifests, stats and rows (see lineage/catalog.py).")
+    s.add_argument("query")
+    s.add_argument("--max-rows", type=int, default=40)
+    _common(s)
+    s.set_defaults(func=cmd_sql)
