@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
 import shutil
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Callable, Literal
@@ -34,10 +36,12 @@ from lifecycle import dataset as ds
 from tasks import checkpoint as ckpt
 from tasks.tokenizer import token_shards
 
+log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Fields that do not change the trajectory, so they are not part of the run fingerprint.
 OPERATIONAL = {"max_steps", "checkpoint_every", "keep_last", "eval_every", "eval_batches", "log_every",
-               "master_port", "timeout_s", "threads_per_rank"}
+               "master_port", "timeout_s", "threads_per_rank", "max_epochs", "peak_flops_per_rank", "prefetch",
+               "async_save"}
 
 
 class ModelConfig(BaseModel):
@@ -102,6 +106,31 @@ class TrainConfig(BaseModel):
 
     model: ModelConfig = ModelConfig()
     """Architecture. `model.vocab_size` null = take it from the tokenizer at run time."""
+    model_size: Literal["fixed", "auto"] = "fixed"
+    """fixed: `model` as given. auto: keep `model`'s recipe (norm, mlp, pos, seq_len, ...) but pick n_layer,
+    n_embd and n_head for the compute-optimal N = D/20 of the token dataset's actual train tokens D
+    (tasks.plan; Chinchilla's 20 tokens per parameter)."""
+    max_epochs: float = Field(4.0, gt=0)
+    """Warn when max_steps would pass over the train tokens more than this many times (repeated data
+    is worth less: Muennighoff et al. 2023 find up to ~4 epochs nearly as good as fresh data)."""
+    peak_flops_per_rank: float | None = Field(None, gt=0)
+    """Peak FLOP/s of one rank's device, the MFU denominator (e.g. 989e12 for an H100's dense bf16).
+    Null = measured at start-up with an fp32 matmul on the rank's threads, so MFU is relative to what
+    this CPU can do."""
+    prefetch: int = Field(4, ge=0)
+    """Micro-batches a background thread prepares ahead of the training step (0 = load in the step)."""
+    async_save: bool = True
+    """Checkpoints are snapshotted to host memory and persisted in the background (tasks.async_ckpt);
+    false = the synchronous save of tasks.checkpoint. Either way the commit marker comes last."""
+    spike_factor: float | None = Field(4.0, gt=1)
+    """Roll back when a step's rank-averaged loss exceeds this many times the mean of the last
+    `spike_window` losses (a NaN or infinite loss always rolls back). Null = only NaN/inf."""
+    spike_window: int = Field(20, ge=2)
+    """Losses averaged for the spike test (it starts once the window is full)."""
+    spike_skip: int = Field(1, ge=1)
+    """Data steps skipped at a rollback: the offending step's batches and the ones just before it."""
+    max_rollbacks: int = Field(5, ge=0)
+    """Fail the run after this many rollbacks (something other than a bad batch is wrong)."""
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per rank per forward/backward."""
     grad_accum: int = Field(1, ge=1)
@@ -188,13 +217,48 @@ class TrainResult(BaseModel):
     launched: bool
     run_dir: str
     log_path: str
+    model_params: int | None = None
+    """Non-embedding parameters N of the trained model (the N of 6·N FLOPs per token)."""
+    flops_per_token: int | None = None
+    """Training FLOPs per token (tasks.plan.flops_per_token)."""
+    epochs: float | None = None
+    """Passes over the train tokens that max_steps makes."""
 
 
-def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool) -> TrainResult:
+def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool, sizing: dict) -> TrainResult:
     marker = ckpt.read_marker(tag_dir)
     return TrainResult(checkpoint_dir=str(tag_dir), steps=marker["step"], final_loss=marker.get("loss"),
                        metrics_path=str(run_dir / "metrics.jsonl"), resumed_from=resumed_from,
-                       launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"))
+                       launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"), **sizing)
+
+
+def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple[TrainConfig, dict]:
+    """Fill vocab_size, size the model under `model_size: auto`, and warn about repeated data.
+    Returns the resolved config and the sizing fields of TrainResult."""
+    from tasks import plan
+
+    if cfg.model.vocab_size is None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
+    if cfg.model_size == "auto":
+        target = plan.compute_optimal(tokens=train_tokens).n_params
+        sized = plan.model_for_params(target, cfg.model)
+        log.info("model_size=auto: %s train tokens -> N = %.4g -> n_layer=%d n_embd=%d n_head=%d (N = %d)",
+                 train_tokens, target, sized.n_layer, sized.n_embd, sized.n_head, plan.non_embedding_params(sized))
+        cfg = cfg.model_copy(update={"model": sized})
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.num_ranks * cfg.model.seq_len
+    epochs = cfg.max_steps * tokens_per_step / max(train_tokens, 1)
+    if epochs > cfg.max_epochs:
+        msg = (f"training repeats the data {epochs:.1f} times (max_steps {cfg.max_steps} x {tokens_per_step} tokens "
+               f"per step over {train_tokens} train tokens), more than train.max_epochs={cfg.max_epochs}")
+        log.warning(msg)
+        warnings.warn(msg, RepeatedDataWarning, stacklevel=3)
+    sizing = {"model_params": plan.non_embedding_params(cfg.model), "flops_per_token": plan.flops_per_token(cfg.model),
+              "epochs": epochs}
+    return cfg, sizing
+
+
+class RepeatedDataWarning(UserWarning):
+    """max_steps passes over the train tokens more often than train.max_epochs."""
 
 
 class _MetricsTail:
@@ -225,17 +289,17 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
 
     `on_metrics(record)` is called from this process for each new metrics record while the ranks run."""
     meta = token_shards(tokens)
-    if cfg.model.vocab_size is None:
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": meta.vocab_size})})
-    elif cfg.model.vocab_size < meta.vocab_size:
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
+    cfg, sizing = resolve_model(cfg, meta.vocab_size, meta.num_tokens["train"])
     need = cfg.model.seq_len + 1
     for split in ("train", "val") if cfg.eval_every else ("train",):
         if meta.num_tokens[split] < need:
             raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
                              f"{need}" + (" (set eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
     here = Path(__file__).resolve().parent
-    code = ds.code_version(*(here / f for f in ("train.py", "train_loop.py", "model.py", "checkpoint.py")))
+    code = ds.code_version(*(here / f for f in ("train.py", "train_loop.py", "model.py", "checkpoint.py",
+                                                "async_ckpt.py", "loader.py")))
     fp = ds.fingerprint("train", cfg.run_key(), code, [tokens])
     run_dir = Path(workdir).resolve() / "train" / fp[:20]
     ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"
@@ -247,7 +311,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise RuntimeError(f"another run_train is supervising {run_dir}") from None
         latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
-            return _result(latest, run_dir, None, launched=False)
+            return _result(latest, run_dir, None, launched=False, sizing=sizing)
         resumed_from = ckpt.step_of(latest) if latest is not None else None
         config_path = run_dir / "config.json"
         ds.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
@@ -289,7 +353,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if final is None or ckpt.step_of(final) != cfg.max_steps:
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
-        return _result(final, run_dir, resumed_from, launched=True)
+        return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
 
 
 def _tail(path: Path, n: int = 60) -> str:

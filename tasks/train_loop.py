@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from lifecycle.dataset import atomic_write_json
 from tasks import checkpoint as ckpt
+from tasks.loader import Prefetcher, data_step
 from tasks.model import GPT
 from tasks.tokenizer import TokenShards
 from tasks.train import TrainConfig
@@ -65,9 +67,30 @@ def stub_muon() -> None:
             vars(sys.modules[name]).update(attrs)
 
 
-def sampler_state(cfg: TrainConfig, next_step: int, world: int) -> dict:
+def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = ()) -> dict:
+    """`skipped`: data steps thrown away by loss-spike rollbacks; step s reads data step
+    `loader.data_step(s, skipped)`."""
     return {"kind": "uniform_windows", "next_step": next_step, "seed": cfg.seed, "world_size": world,
-            "micro_batch_size": cfg.micro_batch_size, "grad_accum": cfg.grad_accum, "seq_len": cfg.model.seq_len}
+            "micro_batch_size": cfg.micro_batch_size, "grad_accum": cfg.grad_accum, "seq_len": cfg.model.seq_len,
+            "skipped": sorted(skipped)}
+
+
+def measure_peak_flops(seconds: float = 0.3, n: int = 512) -> float:
+    """FLOP/s of an fp32 n×n matmul on this process's threads: the MFU denominator when none is configured."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def injected_faults() -> set[int]:
+    """Data steps whose loss is made NaN (fault injection for tests and benchmarks only):
+    LIFECYCLE_FAULT_NAN_DATA_STEPS="17,40"."""
+    raw = os.environ.get("LIFECYCLE_FAULT_NAN_DATA_STEPS", "")
+    return {int(x) for x in raw.split(",") if x.strip()}
 
 
 def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, rank: int, micro: int):
@@ -125,6 +148,15 @@ class Metrics:
             tmp.write_text("".join(line + "\n" for line in keep))
             os.replace(tmp, path)
 
+    def truncate(self, step: int) -> None:
+        """Drop records past `step` (a rollback discards that part of the trajectory)."""
+        if self.enabled and self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, self.path)
+
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
@@ -155,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(cfg.model)
     n_params = model.num_params()  # before ZeRO-3 partitions the parameters
+    n_matmul, fpt = model.num_params(exclude_embeddings=True), model.flops_per_token()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -166,65 +199,136 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_json(run_dir / "ds_config.json", ds_config(cfg))
         print(f"{n_params:,} parameters, ranks ready after {time.time() - T_START:.1f}s", flush=True)
 
-    # Resume: rank 0 picks the newest committed checkpoint whose hashes verify, every rank loads it.
-    found = [ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps) if rank == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    step, elapsed = 0, 0.0
-    torch.manual_seed(cfg.seed + 1 + rank)  # per-rank stream for dropout
-    if found[0] is not None:
+    peak = cfg.peak_flops_per_rank or measure_peak_flops()
+    saver = None
+    if cfg.async_save:
+        from tasks.async_ckpt import AsyncSaver
+
+        saver = AsyncSaver(engine, ckpt_root, cfg.keep_last, log=lambda m: print(m, flush=True) if rank == 0 else None)
+
+    def restore() -> tuple[int, float, list[int], Path | None]:
+        """Load the newest committed checkpoint whose hashes verify (rank 0 picks, every rank loads)."""
+        found = [ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps) if rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            return 0, 0.0, [], None
         _, state = engine.load_checkpoint(str(ckpt_root), tag=Path(found[0]).name)
-        expected = sampler_state(cfg, state["step"], world)
+        skipped_ = state["sampler"].get("skipped", [])
+        expected = sampler_state(cfg, state["step"], world, skipped_)
         if state["sampler"] != expected or state["dataset_sha256"] != shards.dataset_sha256:
             raise RuntimeError(f"checkpoint {found[0]} was written for another sampler/dataset: {state['sampler']}")
-        step, elapsed = state["step"], state["elapsed"]
         set_rng_state(state["rng"][rank])
-        if rank == 0:
-            print(f"resumed from {found[0]} at step {step}", flush=True)
+        return state["step"], state["elapsed"], skipped_, Path(found[0])
+
+    torch.manual_seed(cfg.seed + 1 + rank)  # per-rank stream for dropout
+    step, elapsed, skipped, found = restore()
+    if rank == 0 and found is not None:
+        print(f"resumed from {found} at step {step}", flush=True)
     metrics = Metrics(run_dir / "metrics.jsonl", step, enabled=rank == 0)
 
+    def batches(from_step: int) -> Prefetcher:
+        keys = ((s, data_step(s, skipped), m) for s in range(from_step, cfg.max_steps) for m in range(cfg.grad_accum))
+        return Prefetcher(lambda k: get_batch(shards, cfg, k[1], rank, k[2]), keys, cfg.prefetch)
+
+    faults = injected_faults()
     engine.train()
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.model.seq_len
     first, window_start, window_steps = step, time.perf_counter(), 0
     supervisor = int(os.environ.get("LIFECYCLE_SUPERVISOR_PID", "0"))
+    loader = batches(step)
+    recent: list[float] = []  # healthy losses for the spike test
+    rollbacks = 0
     while step < cfg.max_steps:
         if supervisor and not pid_alive(supervisor):  # orphaned: a rerun may already own the run directory
             raise SystemExit(f"supervisor {supervisor} is gone; stopping at step {step} (last commit stands)")
         t0 = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         loss_sum = 0.0
+        dstep = data_step(step, skipped)
         for micro in range(cfg.grad_accum):
-            x, y = get_batch(shards, cfg, step, rank, micro)
+            x, y = loader.get((step, dstep, micro))
             _, loss = engine(x, y)
+            if dstep in faults:
+                loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
             loss_sum += loss.item()
+        mean_loss = mean_over_ranks(loss_sum / cfg.grad_accum)  # every step: the spike test needs it on all ranks
+        bad = not math.isfinite(mean_loss) or (
+            cfg.spike_factor is not None and len(recent) >= cfg.spike_window
+            and mean_loss > cfg.spike_factor * sum(recent[-cfg.spike_window:]) / cfg.spike_window)
+        if bad:
+            rollbacks += 1
+            if rollbacks > cfg.max_rollbacks:
+                raise RuntimeError(f"loss {mean_loss} at step {step + 1}: more than max_rollbacks={cfg.max_rollbacks}")
+            loader.close()
+            if saver is not None:
+                saver.finish()
+            bad_step = step + 1
+            throw = list(range(max(0, dstep - cfg.spike_skip + 1), dstep + 1))
+            skipped_before = skipped
+            step, elapsed, skipped, found = restore()
+            if found is None:
+                raise RuntimeError(f"loss {mean_loss} at step {bad_step} and no committed checkpoint to roll back to")
+            skipped = sorted(set(skipped) | set(skipped_before) | set(throw))
+            metrics.truncate(step)
+            metrics.write({"kind": "rollback", "step": step, "bad_step": bad_step,
+                           "bad_loss": mean_loss if math.isfinite(mean_loss) else None,
+                           "reason": "nan" if not math.isfinite(mean_loss) else "spike",
+                           "skipped_data_steps": throw, "checkpoint": str(found)})
+            recent, loader = [], batches(step)
+            window_start, window_steps = time.perf_counter(), 0
+            continue
+        recent = (recent + [mean_loss])[-cfg.spike_window:]
         step += 1
         elapsed += time.perf_counter() - t0
         window_steps += 1
+        if saver is not None:
+            saver.poll()
         last = step == cfg.max_steps
         commit = step % cfg.checkpoint_every == 0 or last
         if step % cfg.log_every == 0 or step == first + 1 or commit:  # same decision on every rank
-            mean_loss = mean_over_ranks(loss_sum / cfg.grad_accum)
             now = time.perf_counter()
+            window = now - window_start
+            wait = mean_over_ranks(loader.take_wait())
+            step_time = window / window_steps
             metrics.write({"kind": "train", "step": step, "loss": mean_loss, "lr": lr, "tokens": step * tokens_per_step,
-                           "elapsed": round(elapsed, 3), "step_time": (now - window_start) / window_steps})
+                           "elapsed": round(elapsed, 3), "step_time": step_time,
+                           "data_wait": wait / window_steps, "stall_frac": wait / window,
+                           "tokens_per_s": tokens_per_step / step_time,
+                           "mfu": fpt * tokens_per_step / step_time / (peak * world),
+                           "params": n_matmul, "flops_per_token": fpt})
             window_start, window_steps = now, 0
         if cfg.eval_every and (step % cfg.eval_every == 0 or last):
             metrics.write({"kind": "eval", "step": step, "val_loss": evaluate(engine, shards, cfg, rank, world)})
             window_start = time.perf_counter()
+            loader.take_wait()
         if commit:
-            client_state = {"step": step, "elapsed": elapsed, "sampler": sampler_state(cfg, step, world),
+            client_state = {"step": step, "elapsed": elapsed, "sampler": sampler_state(cfg, step, world, skipped),
                             "rng": gather_rng(world), "config": launch["train"],
                             "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
             marker = {"loss": mean_loss, "tokens": step * tokens_per_step, "world_size": world,
                       "zero_stage": cfg.zero_stage, "precision": cfg.precision, "fingerprint": launch["fingerprint"],
                       "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
-            tag_dir = ckpt.save(engine, ckpt_root, step, client_state, cfg.model, marker)
+            t_save = time.perf_counter()
+            if saver is not None:
+                saver.start(step, client_state, cfg.model, marker)
+                if last:
+                    saver.finish()
+            else:
+                tag_dir = ckpt.save(engine, ckpt_root, step, client_state, cfg.model, marker)
+                if rank == 0:
+                    for gone in ckpt.prune(ckpt_root, cfg.keep_last, keep=(tag_dir,)):
+                        print(f"pruned {gone}", flush=True)
+                    print(f"committed {tag_dir}", flush=True)
             if rank == 0:
-                for gone in ckpt.prune(ckpt_root, cfg.keep_last, keep=(tag_dir,)):
-                    print(f"pruned {gone}", flush=True)
-                print(f"committed {tag_dir}", flush=True)
+                print(f"save stall {time.perf_counter() - t_save:.3f}s at step {step}", flush=True)
             window_start = time.perf_counter()
+            loader.take_wait()
+    loader.close()
+    if saver is not None:
+        saver.finish()
+        saver.close()
     dist.barrier()
     dist.destroy_process_group()
 
