@@ -7,11 +7,12 @@ Secrets never live here (see `lifecycle.settings`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lineage.tracking import TrackingConfig
 from tasks.collect import CollectConfig
@@ -55,6 +56,29 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _absolute(cls, v: str) -> str:
         return str(Path(v).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _no_secrets(self) -> "PipelineConfig":
+        """The config is logged to MLflow and Prefect: credentials must come from the environment instead."""
+        for path, value in _strings(self.model_dump(mode="json")):
+            if _CREDENTIAL_URL.search(value):
+                raise ValueError(f"`{path}` holds a URL with a password; put credentials in the environment "
+                                 "(e.g. MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD), never in the config")
+        return self
+
+
+_CREDENTIAL_URL = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s:@]+:[^/\s@]+@", re.I)
+
+
+def _strings(obj, path: str = ""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _strings(v, f"{path}.{k}" if path else k)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _strings(v, f"{path}[{i}]")
+    elif isinstance(obj, str):
+        yield path, obj
 
 
 class ConfigError(ValueError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
+from lifecycle.config import DEFAULT_CONFIG, STAGES, ConfigError, load_config
 
 
 def register(sub) -> None:
@@ -21,6 +21,7 @@ def register(sub) -> None:
     p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 2 * * *" (UTC unless --timezone)')
     p.add_argument("--timezone", default="UTC")
     p.add_argument("--name", default=None, help="deployment name (default: the pipeline name)")
+    p.add_argument("--until", choices=STAGES, help="each scheduled run stops after this stage")
     p.set_defaults(func=cmd_serve)
 
 
@@ -49,7 +50,7 @@ def cmd_serve(args) -> int:
     lifecycle_flow.serve(
         name=args.name or cfg.name,
         schedule=CronSchedule(cron=args.cron, timezone=args.timezone),
-        parameters={"config": cfg.model_dump(mode="json")},
+        parameters={"config": cfg.model_dump(mode="json"), "until": args.until},
         global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
         description=f"lifecycle pipeline {cfg.name} on {args.cron} ({args.timezone}); work dir {cfg.workdir}",
         tags=["lifecycle"],

@@ -72,6 +72,48 @@ def test_run_uses_the_servers_and_refuses_a_concurrent_run(live, tmp_path):
                 pass
 
 
+def _api(st, path, body=None):
+    import urllib.request
+    req = urllib.request.Request(f"{st['prefect']['url']}/api/{path}", method="POST" if body is not None else "GET",
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_serve_runs_on_the_cron_schedule_with_overlaps_cancelled(live, tmp_path):
+    import time
+    wd, st = live
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"s{i}", "text": f"scheduled doc {i} " * 30}) + "\n" for i in range(3)))
+    serve = subprocess.Popen([*CLI, "serve", "--cron", "* * * * *", "--name", "every-minute", "--set", f"workdir={wd}",
+                              "--set", f"collect.inputs=[\"{src}\"]", "--set", "name=served", "--until", "collect"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, done = time.time() + 240, []
+        while time.time() < deadline and not done:
+            time.sleep(5)
+            # the scheduler also inserts many future runs: ask only for finished ones
+            runs = _api(st, "flow_runs/filter", {"limit": 10, "flow_runs": {"state": {"type": {
+                "any_": ["COMPLETED", "FAILED", "CRASHED"]}}}})
+            done = [r for r in runs if r["deployment_id"]]
+        assert done, "no scheduled run finished within 4 minutes"
+        run = done[0]
+        assert run["state_type"] == "COMPLETED", run["state"]["message"]
+        assert run["auto_scheduled"] is True  # started by the server's scheduler, not by hand
+        dep = _api(st, f"deployments/{run['deployment_id']}")
+        assert dep["name"] == "every-minute" and dep["schedules"][0]["schedule"]["cron"] == "* * * * *"
+        limit = dep.get("global_concurrency_limit") or {}
+        assert limit.get("limit") == 1, sorted(dep)
+        assert dep["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+
+
 def test_down_stops_exactly_what_up_started(live):
     wd, st = live
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
