@@ -76,6 +76,7 @@ def stage_task(
         retry_delay_seconds=exponential_backoff(backoff_factor=orchestration.retry_backoff_s),
         retry_jitter_factor=orchestration.retry_jitter,
         retry_condition_fn=_retry_unless_permanent,
+        timeout_seconds=None if stage == "train" else orchestration.stage_timeout_s,
     )
 
 

@@ -35,6 +35,9 @@ class OrchestrationConfig(BaseModel):
     retry_backoff_s: float = Field(2.0, gt=0, description="First retry delay; each next retry doubles it.")
     retry_jitter: float = Field(0.5, ge=0, description="Random jitter factor added to each retry delay.")
     train_retries: int = Field(1, ge=0, description="Retries of the train stage; each resumes from the last commit.")
+    stage_timeout_s: float | None = Field(
+        3600, gt=0, description="Timeout of each stage attempt except train (a Prefect timeout cannot stop the "
+        "DeepSpeed ranks: the train supervisor enforces `train.timeout_s` itself). null = none.")
 
 
 class PipelineConfig(BaseModel):

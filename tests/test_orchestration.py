@@ -23,8 +23,13 @@ def prefect_server(tmp_path_factory):
         yield
 
 
+TIMES: dict[str, list[float]] = {}
+
+
 def flaky(n_failures: int, key: str) -> str:
+    import time
     CALLS.append(key)
+    TIMES.setdefault(key, []).append(time.monotonic())
     if CALLS.count(key) <= n_failures:
         raise ConnectionError(f"transient failure {CALLS.count(key)}")
     return "ok"
@@ -41,6 +46,37 @@ def test_transient_errors_are_retried_then_succeed():
         return stage_task(flaky, "flaky", ORCH, retries=ORCH.data_retries)(2, "t1")
 
     assert f() == "ok" and CALLS.count("t1") == 3
+
+
+def test_retry_delays_back_off_exponentially():
+    orch = OrchestrationConfig(data_retries=2, retry_backoff_s=0.6, retry_jitter=0)
+    t = stage_task(flaky, "flaky", orch, retries=orch.data_retries)
+    assert t.retry_delay_seconds == [0.6, 1.2]
+
+    @flow
+    def f():
+        return t(2, "delays")
+
+    assert f() == "ok"
+    gaps = [b - a for a, b in zip(TIMES["delays"], TIMES["delays"][1:])]
+    assert len(gaps) == 2 and gaps[0] >= 0.6 and gaps[1] >= 1.2 and gaps[1] > gaps[0], gaps
+
+
+def slow(seconds: float) -> str:
+    import time
+    time.sleep(seconds)
+    return "done"
+
+
+def test_stage_timeout():
+    orch = OrchestrationConfig(data_retries=0, stage_timeout_s=1)
+
+    @flow
+    def f():
+        return stage_task(slow, "slow", orch, retries=0)(10)
+
+    with pytest.raises(TimeoutError):
+        f()
 
 
 def test_retries_are_bounded():
