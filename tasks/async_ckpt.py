@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,15 @@ def persist(state: Any, path: str, zipfile: bool) -> str:
     return path
 
 
+def _lower_priority() -> None:
+    """Run the persist thread at nice 19: on a busy CPU it takes the cycles training leaves over instead of
+    competing with the training thread (Linux sets niceness per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed checkpoint engine whose `save` snapshots and returns; a thread persists the snapshot."""
 
@@ -91,7 +101,7 @@ class AsyncSaver:
     def __init__(self, engine, ckpt_root: str | Path, keep_last: int, log=print):
         self.engine, self.root, self.keep_last, self.log = engine, Path(ckpt_root), keep_last, log
         self.rank = dist.get_rank()
-        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist", initializer=_lower_priority)
         self.ds_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, self.pool)
         engine.checkpoint_engine = self.ds_engine
         self.pending: tuple[int, Path, dict | None] | None = None
