@@ -4,6 +4,11 @@ Schedules need a real Prefect server (the ephemeral one runs no scheduler): the 
 `lifecycle up`, or the one `PREFECT_API_URL` names. Overlapping runs are refused, not queued into a
 burst: the deployment has a concurrency limit of 1 with the CANCEL_NEW collision strategy, so a run that
 comes due while the previous one is still running is cancelled.
+
+Runs killed under a real server (SIGKILL, OOM) must not stay "Running" forever. The served runs send a
+heartbeat event every `PREFECT_RUNNER_HEARTBEAT_FREQUENCY` seconds (30 here unless set), and `serve`
+installs, once per server, the automation `lifecycle-zombie-runs`: a running flow run whose heartbeats
+stop for 90 s without a terminal state is marked Crashed. A rerun then resumes from what was committed.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def cmd_serve(args) -> int:
               "start one with `lifecycle up`, or set PREFECT_API_URL", file=sys.stderr)
         return 2
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(cfg.workdir, ".prefect-results"))
+    os.environ.setdefault("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "30")
+    ensure_zombie_automation()
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.client.schemas.schedules import CronSchedule
 
@@ -56,3 +63,38 @@ def cmd_serve(args) -> int:
         tags=["lifecycle"],
     )
     return 0
+
+
+ZOMBIE_AUTOMATION = "lifecycle-zombie-runs"
+
+
+def ensure_zombie_automation(silence_s: int = 90) -> None:
+    """Mark a flow run Crashed when its heartbeats stop (Prefect's documented zombie-run recipe)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    try:
+        if Automation.read(name=ZOMBIE_AUTOMATION):
+            return
+    except ValueError:  # not found
+        pass
+    Automation(
+        name=ZOMBIE_AUTOMATION,
+        description=f"A running flow run without a heartbeat for {silence_s} s is marked Crashed.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                    "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+            match={"prefect.resource.id": ["prefect.flow-run.*"]},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=silence_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"No heartbeat for {silence_s} s: the run's process died")],
+    ).create()

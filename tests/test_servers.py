@@ -105,6 +105,10 @@ def test_serve_runs_on_the_cron_schedule_with_overlaps_cancelled(live, tmp_path)
         assert dep["name"] == "every-minute" and dep["schedules"][0]["schedule"]["cron"] == "* * * * *"
         limit = dep.get("global_concurrency_limit") or {}
         assert limit.get("limit") == 1, sorted(dep)
+        # zombie detection: the automation that marks heartbeat-less runs Crashed is installed
+        autos = _api(st, "automations/filter", {})
+        zombie = next(a for a in autos if a["name"] == "lifecycle-zombie-runs")
+        assert zombie["trigger"]["posture"] == "Proactive" and zombie["actions"][0]["state"] == "CRASHED"
         assert dep["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
     finally:
         serve.terminate()
