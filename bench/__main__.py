@@ -6,3 +6,4 @@ from bench import filter_agreement, minhash_signatures
 if __name__ == "__main__":
     minhash_signatures.main()
     filter_agreement.main()
+    __import__("bench.training").training.main()  # issue 4: speed, checkpoint stall, demo stall, kill/resume

@@ -26,3 +26,16 @@ def corpus_records(n: int) -> list[dict]:
 @pytest.fixture
 def lifecycle_cmd():
     return [sys.executable, "-m", "lifecycle.cli"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long fault-injection runs; skipped unless LIFECYCLE_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LIFECYCLE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with LIFECYCLE_SLOW=1 .venv/bin/python -m pytest -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,141 @@
+"""SIGKILL a 2-rank DeepSpeed ZeRO-2 training run at random moments, resume it, and count the resumes whose loss
+curve and final weights are bitwise-identical to an uninterrupted run.
+
+`python -m bench.kill_resume [KILLS]` (default 10; each trial is two launches, about a minute on 2 cores).
+Every third trial waits for a checkpoint being written (a tag directory without its commit marker) and
+kills inside the save; the others kill after a uniform random delay into training. The kill takes the
+supervisor (`run_train`), the deepspeed launcher and both ranks down at once with SIGKILL; the rerun
+is the same `run_train` call, which resumes from the last committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHILD = r"""
+import sys, json
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from bench.kill_resume import config, tokens
+from tasks.train import run_train
+r = run_train(tokens({tokdir!r}), config(), {workdir!r})
+print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "resumed_from": r.resumed_from}}))
+"""
+
+
+def config():
+    from tasks.train import ModelConfig, TrainConfig
+
+    return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64, dropout=0.1), micro_batch_size=8,
+                       max_steps=40, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4, zero_stage=2, num_ranks=2,
+                       threads_per_rank=1, checkpoint_every=5, keep_last=2, log_every=1, timeout_s=600)
+
+
+def tokens(tokdir: str):
+    from test_train import make_tokens  # the tiny learnable corpus of tests/test_train.py
+
+    return make_tokens(tokdir, 600)
+
+
+def launch(tokdir: str, workdir: str) -> subprocess.Popen:
+    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), tokdir=tokdir, workdir=workdir)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+
+def descendants_of_supervisor(pid: int) -> list[int]:
+    """Processes started by run_train in supervisor `pid`: the launcher and the ranks carry its pid in their env."""
+    mark = f"LIFECYCLE_SUPERVISOR_PID={pid}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if mark in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    for pid in descendants_of_supervisor(proc.pid) + [proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def result(workdir: str) -> dict:
+    run = next((Path(workdir) / "train").iterdir())
+    losses = [(r["step"], r["loss"]) for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
+    final = run / "checkpoints" / "step_00000040" / "model.safetensors"
+    return {"losses": losses, "weights": final.read_bytes() if final.exists() else None}
+
+
+def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random) -> dict:
+    proc = launch(tokdir, workdir)
+    log = None
+    started = None
+    while proc.poll() is None:  # wait for the ranks to start training
+        logs = list(Path(workdir).glob("train/*/train.log"))
+        if logs and "ranks ready" in logs[0].read_text(errors="replace"):
+            log, started = logs[0], time.monotonic()
+            break
+        time.sleep(0.05)
+    delay = rng.uniform(0.0, 8.0)
+    where = "ended before the kill"
+    while proc.poll() is None:
+        ck = log.parent / "checkpoints"
+        if inside_save:
+            writing = [d for d in ck.glob("step_*") if not (d / "COMMITTED.json").exists()] if ck.exists() else []
+            if writing:
+                kill_all(proc)
+                where = f"inside the save of {writing[0].name}"
+                break
+        elif time.monotonic() - started >= delay:
+            kill_all(proc)
+            where = f"{delay:.2f}s into training"
+            break
+        time.sleep(0.002)
+    mpath = log.parent / "metrics.jsonl"
+    lines = mpath.read_text().splitlines() if mpath.exists() else []
+    killed_at = [json.loads(line)["step"] for line in lines if line.endswith("}")]
+    resumed = launch(tokdir, workdir)
+    out, _ = resumed.communicate()
+    info = json.loads(out.strip().splitlines()[-1]) if resumed.returncode == 0 else {"error": resumed.returncode}
+    return {"where": where, "last_logged_step_before_kill": killed_at[-1] if killed_at else 0,
+            "resumed_from": info.get("resumed_from"), **result(workdir)}
+
+
+def main(kills: int = 10, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokdir = str(Path(tmp) / "tokens")
+        ref_proc = launch(tokdir, str(Path(tmp) / "ref"))
+        ref_proc.communicate()
+        ref = result(str(Path(tmp) / "ref"))
+        assert ref["weights"] is not None, "the uninterrupted reference run failed"
+        identical = 0
+        for i in range(kills):
+            t = trial(tokdir, str(Path(tmp) / f"trial{i}"), inside_save=i % 3 == 2, rng=rng)
+            same = t["losses"] == ref["losses"] and t["weights"] == ref["weights"]
+            identical += same
+            print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
+                  f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
+    print(f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run")
+    return {"kills": kills, "identical": identical}
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
