@@ -93,12 +93,14 @@ def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random) -> d
             log, started = logs[0], time.monotonic()
             break
         time.sleep(0.05)
-    delay = rng.uniform(0.0, 8.0)
+    delay = rng.uniform(0.0, 15.0)
+    target = rng.choice(range(5, 40, 5))  # the save to kill inside
     where = "ended before the kill"
     while proc.poll() is None:
         ck = log.parent / "checkpoints"
         if inside_save:
-            writing = [d for d in ck.glob("step_*") if not (d / "COMMITTED.json").exists()] if ck.exists() else []
+            tag = ck / f"step_{target:08d}"
+            writing = [tag] if tag.exists() and not (tag / "COMMITTED.json").exists() else []
             if writing:
                 kill_all(proc)
                 where = f"inside the save of {writing[0].name}"

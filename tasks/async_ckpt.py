@@ -55,11 +55,15 @@ def snapshot(obj: Any) -> Any:
 def persist(state: Any, path: str, zipfile: bool) -> str:
     """torch.save to a temporary name, fsync, rename: the file is either absent or complete."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f, _use_new_zipfile_serialization=zipfile)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f, _use_new_zipfile_serialization=zipfile)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     fsync_dir(Path(path).parent)
     return path
 
