@@ -1,32 +1,40 @@
-"""Privacy scrub: replace e-mail addresses, public IPv4 addresses and phone numbers with typed placeholders.
+"""Privacy scrub: replace personal data and secrets with typed placeholders, count them, reject PII-dense pages.
 
-Detection, per type:
+Types (each switchable in ScrubConfig, each counted in an int32 `pii_<type>` column and a stats counter; the
+values themselves are never logged), detectors in tasks/pii_detectors.py:
 - email: a regex close to datatrove's `formatters/pii.py` one, but the domain must end in a letter TLD, so
   version pins such as `pkg@1.2.3` are not e-mail addresses.
 - ipv4: four dotted decimal octets, each 0-255, not part of a longer dotted token (`1.2.3.4.5`, `1.2.3.4.tar`).
   As datatrove does (`only_remove_public_ips=True`), only globally routable addresses are replaced
   (`ipaddress.IPv4Address.is_global`): loopback, private, link-local, `0.0.0.0` and the documentation ranges
-  (192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24) identify nobody, and documentation is full of them. Also left
-  alone: a version pin written against a name or operator (`novas-3.1.1.3`, `==1.2.3.4`, `v1.2.3.4`).
+  identify nobody, and documentation is full of them. Also left alone: a version pin written against a name or
+  operator (`novas-3.1.1.3`, `==1.2.3.4`, `v1.2.3.4`).
+- ipv6: colon-hex candidates with at least 3 groups, validated by `ipaddress.IPv6Address`; global only by default.
 - phone: `phonenumbers.PhoneNumberMatcher` with leniency VALID, once per configured region (numbers written
   with `+` and a country code are found whatever the region). The matcher alone, run over Python's docs,
-  finds only false positives (measured on corpus/python-docs: 2**31-1, bpo issue numbers, the digits of pi,
-  an ISBN, timestamps), so a match is dropped when it is
-  - part of a longer number: a digit, or `.`/`,`/`:` plus a digit, right before or after it (`3.14159265359`);
-  - a decimal: digits, one `.` or `,`, digits (`0.142857143`);
-  - one bare run of digits with no `+` and no separator (`2147483647`, `16499`), unless
-    `phone_bare_digits` is set: people format the numbers they write down; programs print integers;
-  - an ISBN (preceded by "ISBN").
-Spans are resolved in priority order email > ipv4 > phone, so a phone match inside an address is not counted
-twice; an IPv4 address that is left alone still shields its digits from the phone matcher.
-Nothing is rejected: every row is kept, with per-type counts in `pii_<type>` columns (null when the type
-is disabled, so "not scanned" never reads as "none found").
+  finds only false positives (2**31-1, bpo issue numbers, the digits of pi, an ISBN, timestamps), so a match
+  is dropped when it is part of a longer number, a decimal, one bare run of digits (unless
+  `phone_bare_digits`: people format the numbers they write down; programs print integers), or an ISBN.
+- credit_card: 13-19 digits, bare or grouped, issuer digit 2-6, Luhn-valid.
+- iban: per-country length and the ISO 7064 mod-97 checksum.
+- ssn: US AAA-GG-SSSS outside the never-issued ranges (area 000/666/9xx, group 00, serial 0000).
+- aws_key: access key ids (AKIA/ASIA + 16) and 40-character secret keys after an aws_secret_access_key word.
+- github_token: ghp_/gho_/ghu_/ghs_/ghr_ and github_pat_ tokens.
+- private_key: PEM `-----BEGIN ... PRIVATE KEY-----` blocks through their END line.
+- secret: a value after password=/secret:/token=/api_key... that is long and random (Shannon entropy).
+Overlapping spans go to the type first in `PRIORITY`; a recognised look-alike (private IP, Luhn-failing card,
+bad-checksum IBAN) is left as it is but still shields its digits from the phone matcher.
+Hashes, UUIDs, dates, versions and ISBNs are left alone; tests/test_scrub_eval.py measures this on a generated,
+labelled evaluation set.
+
+A document with more than `max_pii_per_doc` replacements (Dolma: 5) is rejected with reason `too_much_pii`
+(detail: the counts per type); every other row is kept. A disabled type's column is null, so "not scanned"
+never reads as "none found".
 """
 
 from __future__ import annotations
 
-import ipaddress
-import re
+import json
 import sys
 from typing import Literal
 
@@ -35,10 +43,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lifecycle.dataset import DatasetRef, StageStats, code_version, materialize
+from lifecycle.dataset import DatasetRef, StageStats, code_version, materialize, rejected_table
+from tasks import pii_detectors
+from tasks.pii_detectors import DETECTORS, PRIORITY
 
 STAGE = "scrub"
-PII_TYPES = ("email", "ipv4", "phone")  # also the priority order when matches overlap
+# column order: the original three first (the flow and the lineage CLI read them), then the newer types
+PII_TYPES = ("email", "ipv4", "phone", "ipv6", "credit_card", "iban", "ssn", "aws_key", "github_token",
+             "private_key", "secret")
+REJECT_REASON = "too_much_pii"
 
 
 class ScrubConfig(BaseModel):
@@ -50,7 +63,7 @@ class ScrubConfig(BaseModel):
     ipv4: bool = Field(True, description="Replace IPv4 addresses (see ipv4_public_only).")
     phone: bool = Field(True, description="Replace phone numbers recognised by the phonenumbers library.")
     placeholder: str = Field("<{kind}>", description=(
-        "Replacement text; `{kind}` becomes the upper-cased type: <EMAIL>, <IPV4>, <PHONE>."))
+        "Replacement text; `{kind}` becomes the upper-cased type: <EMAIL>, <IPV4>, <PHONE>, <CREDIT_CARD>..."))
     ipv4_public_only: bool = Field(True, description=(
         "Replace only globally routable addresses (datatrove PIIFormatter.only_remove_public_ips). False "
         "replaces 127.0.0.1, 192.168.x.x, 0.0.0.0 and documentation addresses too."))
@@ -62,6 +75,26 @@ class ScrubConfig(BaseModel):
     phone_bare_digits: bool = Field(False, description=(
         "Also replace a national number written as one bare digit run (6502530000). Off by default: in technical "
         "text such runs are integers (2147483647) far more often than phone numbers."))
+    ipv6: bool = Field(True, description="Replace IPv6 addresses (see ipv6_public_only).")
+    ipv6_public_only: bool = Field(True, description=(
+        "Replace only globally routable IPv6 addresses: fe80::/10, fc00::/7 and 2001:db8::/32 stay. Addresses "
+        "with fewer than 3 groups (::1, fe80::1) are never replaced: `a[1::2]` is a slice."))
+    credit_card: bool = Field(True, description="Replace Luhn-valid payment card numbers (13-19 digits).")
+    iban: bool = Field(True, description="Replace IBANs whose length and mod-97 checksum are right.")
+    ssn: bool = Field(True, description="Replace US social security numbers written AAA-GG-SSSS.")
+    aws_key: bool = Field(True, description=(
+        "Replace AWS access key ids (AKIA/ASIA...) and secret access keys after an aws_secret_access_key word."))
+    github_token: bool = Field(True, description="Replace GitHub tokens (ghp_, gho_, ghu_, ghs_, ghr_, github_pat_).")
+    private_key: bool = Field(True, description="Replace PEM private-key blocks, BEGIN line to END line.")
+    secret: bool = Field(True, description=(
+        "Replace high-entropy values after key words (password=, secret:, token=, api_key...); the key word stays."))
+    secret_min_length: int = Field(16, ge=1, description="Shortest value after a key word that counts as a secret.")
+    secret_min_entropy: float = Field(3.5, ge=0, description=(
+        "Least Shannon entropy, bits per character, of a value after a key word (random base62 of 16+ "
+        "characters: about 3.8-5; identifiers and words: below 3.5)."))
+    max_pii_per_doc: int | None = Field(5, ge=0, description=(
+        "Reject a document with more replacements than this, all types together, with reason too_much_pii "
+        "(Dolma drops pages with more than 5). None keeps every document."))
 
     @field_validator("placeholder")
     @classmethod
@@ -83,65 +116,15 @@ class ScrubConfig(BaseModel):
         return v
 
 
-# --------------------------------------------------------------------------------------------------
-# detectors: each yields (start, end, replace?) spans over the text
-
-_EMAIL = re.compile(
-    r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+[A-Za-z]{2,63}\b"
-)
-_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
-_IPV4 = re.compile(rf"(?<![\w.])({_OCTET}(?:\.{_OCTET}){{3}})(?![\w]|\.\w)")
-_VERSION_CUE = re.compile(r"(?:[A-Za-z]-|[=<>!~]=|(?:^|\W)[vV])$")  # novas-3.1.1.3, ==3.1.1.3, v3.1.1.3
-_DECIMAL = re.compile(r"\d+[.,]\d+")
-_ISBN = re.compile(r"ISBN(?:-1[03])?:?\s*$")
-
-
-def _email_spans(text: str, cfg: ScrubConfig):
-    if "@" not in text:
-        return
-    for m in _EMAIL.finditer(text):
-        yield m.start(), m.end(), True
-
-
-def _ipv4_spans(text: str, cfg: ScrubConfig):
-    for m in _IPV4.finditer(text):
-        if _VERSION_CUE.search(text[max(0, m.start() - 2) : m.start()]):
-            continue
-        replace = not cfg.ipv4_public_only or ipaddress.IPv4Address(m.group(1)).is_global
-        yield m.start(), m.end(), replace
-
-
-def _phone_spans(text: str, cfg: ScrubConfig):
-    leniency = getattr(phonenumbers.Leniency, cfg.phone_leniency)
-    seen = set()
-    for region in cfg.phone_regions or ("ZZ",):  # ZZ: unknown region, international numbers only
-        for m in phonenumbers.PhoneNumberMatcher(text, region, leniency=leniency):
-            if (m.start, m.end) in seen:
-                continue
-            seen.add((m.start, m.end))
-            raw, before, after = m.raw_string, text[max(0, m.start - 2) : m.start], text[m.end : m.end + 2]
-            if re.search(r"\d$|\d[.,:]$", before) or re.match(r"\d|[.,:]\d", after):
-                continue  # a piece of a longer number
-            if _DECIMAL.fullmatch(raw) or _ISBN.search(text[max(0, m.start - 12) : m.start]):
-                continue
-            if raw.isdigit() and not cfg.phone_bare_digits:
-                continue
-            yield m.start, m.end, True
-
-
-_DETECTORS = {"email": _email_spans, "ipv4": _ipv4_spans, "phone": _phone_spans}
-
-
 def scrub_text(text: str, cfg: ScrubConfig) -> tuple[str, dict[str, int]]:
-    """(scrubbed text, replacements per enabled type)."""
+    """(scrubbed text, replacements per enabled type, in PII_TYPES order)."""
     taken: list[tuple[int, int]] = []
     chosen: list[tuple[int, int, str]] = []
-    counts = {}
-    for kind in PII_TYPES:
-        if not getattr(cfg, kind):
+    counts = {kind: 0 for kind in PII_TYPES if getattr(cfg, kind)}
+    for kind in PRIORITY:
+        if kind not in counts:
             continue
-        counts[kind] = 0
-        for start, end, replace in _DETECTORS[kind](text, cfg):
+        for start, end, replace in DETECTORS[kind](text, cfg):
             if any(start < b and a < end for a, b in taken):
                 continue  # inside a higher-priority match
             taken.append((start, end))
@@ -158,29 +141,43 @@ def scrub_text(text: str, cfg: ScrubConfig) -> tuple[str, dict[str, int]]:
     return "".join(parts), counts
 
 
-def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, StageStats]:
-    """Every row, text scrubbed, plus int32 `pii_email`/`pii_ipv4`/`pii_phone` counts (null: type disabled)."""
+def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, StageStats]:
+    """(kept rows, text scrubbed, plus an int32 `pii_<type>` count per type (null: type disabled); rejected rows
+    (reason too_much_pii); stats). Counters count every scanned document, rejected ones included."""
     clash = [f"pii_{k}" for k in PII_TYPES if f"pii_{k}" in table.column_names]
     if clash:
         raise ValueError(f"{STAGE}: input already has column(s) {clash}; was it scrubbed already?")
-    stats = StageStats(rows_in=table.num_rows, rows_kept=table.num_rows)
-    texts, cols = [], {k: [] for k in PII_TYPES}
-    for doc_id, text in zip(table.column("doc_id").to_pylist(), table.column("text").to_pylist()):
+    stats = StageStats(rows_in=table.num_rows)
+    keep, texts, cols, rejected = [], [], {k: [] for k in PII_TYPES}, []
+    doc_ids, source_ids = table.column("doc_id").to_pylist(), table.column("source_id").to_pylist()
+    for i, (doc_id, text) in enumerate(zip(doc_ids, table.column("text").to_pylist())):
         if text is None:
             raise ValueError(f"{STAGE}: row doc_id={doc_id!r} has a null text")
         clean, counts = scrub_text(text, cfg)
-        texts.append(clean)
         stats.bytes_in += len(text.encode("utf-8"))
+        for kind, n in counts.items():
+            if n:  # Counter's + drops zeros anyway: merged stats hold only the types found
+                stats.counters[f"pii_{kind}"] += n
+        total = sum(counts.values())
+        stats.counters["docs_with_pii"] += total > 0
+        if cfg.max_pii_per_doc is not None and total > cfg.max_pii_per_doc:
+            stats.rejected[REJECT_REASON] += 1
+            detail = {"pii_total": total, "max_pii_per_doc": cfg.max_pii_per_doc, **{k: n for k, n in counts.items() if n}}
+            rejected.append({"doc_id": doc_id, "source_id": source_ids[i], "reason": REJECT_REASON,
+                             "detail": json.dumps(detail, sort_keys=True)})
+            continue
+        keep.append(i)
+        texts.append(clean)
         stats.bytes_out += len(clean.encode("utf-8"))
         for kind in PII_TYPES:
             cols[kind].append(counts.get(kind))
-            stats.counters[f"pii_{kind}"] += counts.get(kind, 0)
-        stats.counters["docs_with_pii"] += any(counts.values())
-    idx = table.schema.get_field_index("text")
-    out = table.set_column(idx, table.schema.field(idx), pa.array(texts, type=pa.string()))
+    stats.rows_kept = len(keep)
+    out = table.take(pa.array(keep, type=pa.int64())) if len(keep) < table.num_rows else table
+    idx = out.schema.get_field_index("text")
+    out = out.set_column(idx, out.schema.field(idx), pa.array(texts, type=pa.string()))
     for kind in PII_TYPES:
         out = out.append_column(pa.field(f"pii_{kind}", pa.int32()), pa.array(cols[kind], type=pa.int32()))
-    return out, stats
+    return out, rejected_table(rejected, STAGE), stats
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,9 +190,12 @@ def run_scrub(parent: DatasetRef, cfg: ScrubConfig, workdir: str) -> DatasetRef:
     def build(writer) -> dict:
         stats = StageStats()
         for path in parent.files():
-            out, part = scrub_table(pq.read_table(path), cfg)
+            out, rejected, part = scrub_table(pq.read_table(path), cfg)
             writer.write_table(out)
+            if rejected.num_rows:
+                writer.write_table(rejected, kind="rejected")
             stats = stats + part
         return {"stats": stats}
 
-    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__]), build, parents=[parent])
+    code = code_version(sys.modules[__name__], pii_detectors)
+    return materialize(workdir, STAGE, cfg, code, build, parents=[parent])

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
 from lifecycle.dataset import DOC_SCHEMA, StageStats, materialize
-from tasks.scrub import ScrubConfig, run_scrub, scrub_table, scrub_text
+from tasks.scrub import PII_TYPES, ScrubConfig, run_scrub, scrub_table, scrub_text
 
 CFG = ScrubConfig()
+ZERO = {k: 0 for k in PII_TYPES}
+
+
+def found(counts: dict) -> dict:
+    """The non-zero counts only."""
+    return {k: n for k, n in counts.items() if n}
 
 
 def docs_table(texts: list[str], prefix: str = "d") -> pa.Table:
@@ -33,7 +41,7 @@ def docs_table(texts: list[str], prefix: str = "d") -> pa.Table:
 
 def test_email():
     text = "Write to guido.van-rossum+py@mail.python.org or <fdrake@acm.org>."
-    assert scrub_text(text, CFG) == ("Write to <EMAIL> or <<EMAIL>>.", {"email": 2, "ipv4": 0, "phone": 0})
+    assert scrub_text(text, CFG) == ("Write to <EMAIL> or <<EMAIL>>.", {**ZERO, "email": 2})
 
 
 def test_public_ipv4():
@@ -65,13 +73,54 @@ def test_counts_several_types_in_one_text():
     text = "Ping 8.8.4.4, mail ops@example.com, call +1 650-253-0000, or ops2@example.com."
     out, counts = scrub_text(text, CFG)
     assert out == "Ping <IPV4>, mail <EMAIL>, call <PHONE>, or <EMAIL>."
-    assert counts == {"email": 2, "ipv4": 1, "phone": 1}
+    assert found(counts) == {"email": 2, "ipv4": 1, "phone": 1}
 
 
 def test_higher_priority_match_shields_its_digits():
     # the phone number inside the address is part of the e-mail, counted once, as an e-mail
     out, counts = scrub_text("sales.650-253-0000@example.com", CFG)
-    assert (out, counts) == ("<EMAIL>", {"email": 1, "ipv4": 0, "phone": 0})
+    assert (out, counts) == ("<EMAIL>", {**ZERO, "email": 1})
+
+
+@pytest.mark.parametrize(
+    "kind, value",
+    [
+        ("ipv6", "2a00:1450:4009:80b::200e"),
+        ("ipv6", "2001:4860:4860:0000:0000:0000:0000:8888"),
+        ("ipv6", "::ffff:8.8.8.8"),
+        ("credit_card", "4111 1111 1111 1111"),  # Visa test number
+        ("credit_card", "5500-0000-0000-0004"),  # Mastercard
+        ("credit_card", "378282246310005"),  # Amex, bare
+        ("credit_card", "3782 822463 10005"),  # Amex 4-6-5
+        ("iban", "DE89 3704 0044 0532 0130 00"),
+        ("iban", "GB82WEST12345698765432"),
+        ("iban", "FR14 2004 1010 0505 0001 3M02 606"),
+        ("ssn", "123-45-6789"),
+        ("aws_key", "AKIAIOSFODNN7EXAMPLE"),
+        ("aws_key", "ASIAY34FZKBOKMUTVV7A"),
+        ("github_token", "ghp_" + "A1b2C3d4E5" * 3 + "f6G7h8"),
+        ("github_token", "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789abcdefghijklm"),
+        ("private_key", "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n"
+                        "AAAAAAAAABAAAAMwAAAAtzc2gtZWQyNTUxOQ==\n-----END OPENSSH PRIVATE KEY-----"),
+    ],
+)
+def test_new_types(kind, value):
+    out, counts = scrub_text(f"Use {value} here.", CFG)
+    assert (out, found(counts)) == (f"Use <{kind.upper()}> here.", {kind: 1})
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "aws_secret_access_key = <AWS_KEY>"),
+        ('"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"', '"AWS_SECRET_ACCESS_KEY": "<AWS_KEY>"'),
+        ("password=Xk9mQ2vLp8sR4tZw", "password=<SECRET>"),
+        ("api_key: 'a8f5f167f44f4964e6c998dee827110c'", "api_key: '<SECRET>'"),
+        ("export GITLAB_TOKEN=glpat-x7Yq2ZrT9vKp3LmN8sWd, then", "export GITLAB_TOKEN=<SECRET>, then"),
+    ],
+)
+def test_secrets_after_key_words_keep_the_key_word(text, expected):
+    assert scrub_text(text, CFG)[0] == expected
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,10 +140,19 @@ def test_higher_priority_match_shields_its_digits():
         "pins: novas-3.1.1.3 novas==3.1.1.3 v1.2.3.4",
         "requirements: pkg@1.2.3, a decorator @property and a matrix a @ b",
         "call 6502530000",  # an unformatted digit run reads as an integer (see phone_bare_digits)
+        "card 4111 1111 1111 1112 fails Luhn, so does 5500-0000-0000-0005",
+        "ISBN 978-0-596-00797-3 and ISBN-13: 9780596007973",
+        "bad checksum DE89 3704 0044 0532 0130 01, GB00WEST12345698765432",
+        "never issued: 000-12-3456, 666-12-3456, 912-12-3456, 123-00-4567, 123-45-0000",
+        "uuid 123e4567-e89b-12d3-a456-426614174000, git 3f786850e387550fdab836ed7e6dc881de23001b",
+        "sha256 e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855 and ab12cd3",
+        "times 14:30:45, MAC 00:1a:2b:3c:4d:5e, slice a[1::2], std::vector, loopback ::1, fe80::1, 2001:db8::1",
+        "token = tokens[0]; password = getpass.getpass(); secret: see secrets.token_hex(16)",
+        "password=hunter2 and token=aaaaaaaaaaaaaaaa1",  # short, or not random
     ],
 )
 def test_lookalikes_untouched(text):
-    assert scrub_text(text, CFG) == (text, {"email": 0, "ipv4": 0, "phone": 0})
+    assert scrub_text(text, CFG) == (text, ZERO)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,9 +179,25 @@ def test_regions_decide_national_formats():
 
 def test_disabled_types_are_left_and_not_counted():
     text = "mail a@example.com, ping 8.8.8.8, call +1 650-253-0000"
-    out, counts = scrub_text(text, ScrubConfig(email=False, phone=False))
+    only_ipv4 = ScrubConfig(**{k: k == "ipv4" for k in PII_TYPES})
+    out, counts = scrub_text(text, only_ipv4)
     assert out == "mail a@example.com, ping <IPV4>, call +1 650-253-0000"
     assert counts == {"ipv4": 1}
+
+
+def test_public_only_ipv6_option():
+    text = "bind fe80::1:2 and 2001:db8::8:1, not ::1 (fewer than 3 groups: read as a slice, never an address)"
+    assert scrub_text(text, CFG)[0] == text
+    out, counts = scrub_text(text, ScrubConfig(ipv6_public_only=False))
+    assert (out, counts["ipv6"]) == ("bind <IPV6> and <IPV6>, not ::1 (fewer than 3 groups: read as a slice, never an address)", 2)
+
+
+def test_secret_thresholds_are_configurable():
+    text = "password=Xk9mQ2vLp8sR4tZw"
+    assert scrub_text(text, ScrubConfig(secret_min_length=17))[0] == text
+    assert scrub_text(text, ScrubConfig(secret_min_entropy=4.5))[0] == text
+    assert scrub_text("password=hunter22", ScrubConfig(secret_min_length=6, secret_min_entropy=2.5))[0] == \
+        "password=<SECRET>"
 
 
 def test_custom_placeholder():
@@ -139,6 +213,8 @@ def test_config_is_validated_frozen_and_closed():
         ScrubConfig(phone_regions=("US", "XX"))
     with pytest.raises(ValidationError):
         ScrubConfig(phone_leniency="LOOSE")
+    with pytest.raises(ValidationError, match="max_pii_per_doc"):
+        ScrubConfig(max_pii_per_doc=-1)
     with pytest.raises(ValidationError):
         ScrubConfig(emails=True)
     with pytest.raises(ValidationError):
@@ -152,8 +228,10 @@ def test_config_is_validated_frozen_and_closed():
 
 def test_scrub_table_keeps_every_row_and_adds_counts():
     texts = ["mail a@example.com and b@example.org", "nothing here but 3.11.2", "ping 8.8.8.8, call +44 20 7946 0958"]
-    out, stats = scrub_table(docs_table(texts), CFG)
-    assert out.column_names == DOC_SCHEMA.names + ["pii_email", "pii_ipv4", "pii_phone"]
+    out, rejected, stats = scrub_table(docs_table(texts), CFG)
+    assert rejected.num_rows == 0
+    assert out.column_names == DOC_SCHEMA.names + [f"pii_{k}" for k in PII_TYPES]
+    assert out.column_names[len(DOC_SCHEMA):len(DOC_SCHEMA) + 3] == ["pii_email", "pii_ipv4", "pii_phone"]
     assert out.schema.field("pii_email").type == pa.int32()
     assert out.column("doc_id").to_pylist() == ["d0", "d1", "d2"]
     assert out.column("text").to_pylist() == [
@@ -167,14 +245,38 @@ def test_scrub_table_keeps_every_row_and_adds_counts():
     assert stats.bytes_out == sum(len(t.encode()) for t in out.column("text").to_pylist())
 
 
+def test_pii_dense_document_is_rejected_with_counts_only():
+    dense = "contacts: " + ", ".join(f"user{i}@example.com" for i in range(5)) + ", call +1 650-253-0000"
+    texts = ["five is fine: " + ", ".join(f"u{i}@example.com" for i in range(5)), dense, "plain"]
+    out, rejected, stats = scrub_table(docs_table(texts), CFG)
+    assert out.column("doc_id").to_pylist() == ["d0", "d2"]
+    assert out.column("pii_email").to_pylist() == [5, 0]
+    assert rejected.column("doc_id").to_pylist() == ["d1"]
+    assert rejected.column("source_id").to_pylist() == ["src-d1"]
+    assert rejected.column("stage").to_pylist() == ["scrub"]
+    assert rejected.column("reason").to_pylist() == ["too_much_pii"]
+    detail = json.loads(rejected.column("detail")[0].as_py())
+    assert detail == {"pii_total": 6, "max_pii_per_doc": 5, "email": 5, "phone": 1}
+    assert "example.com" not in rejected.column("detail")[0].as_py()  # counts only, never values
+    assert (stats.rows_in, stats.rows_kept, stats.rows_rejected) == (3, 2, 1)
+    assert stats.rejected == {"too_much_pii": 1}
+    assert stats.counters["pii_email"] == 10 and stats.counters["docs_with_pii"] == 2
+    assert stats.bytes_out == sum(len(t.encode()) for t in out.column("text").to_pylist())
+
+    out, rejected, _ = scrub_table(docs_table(texts), ScrubConfig(max_pii_per_doc=None))
+    assert out.num_rows == 3 and rejected.num_rows == 0
+    out, rejected, _ = scrub_table(docs_table(texts), ScrubConfig(max_pii_per_doc=0))
+    assert out.column("doc_id").to_pylist() == ["d2"] and rejected.num_rows == 2
+
+
 def test_disabled_type_column_is_null_not_zero():
-    out, _ = scrub_table(docs_table(["a@example.com"]), ScrubConfig(email=False))
+    out, _, _ = scrub_table(docs_table(["a@example.com"]), ScrubConfig(email=False))
     assert out.column("pii_email").to_pylist() == [None]
     assert out.column("pii_ipv4").to_pylist() == [0]
 
 
 def test_scrubbing_twice_is_an_error():
-    once, _ = scrub_table(docs_table(["a@example.com"]), CFG)
+    once, _, _ = scrub_table(docs_table(["a@example.com"]), CFG)
     with pytest.raises(ValueError, match="pii_email"):
         scrub_table(once, CFG)
 
@@ -202,6 +304,12 @@ def test_run_scrub_keeps_every_row_and_reuses(tmp_path):
     assert manifest["stats"]["counters"] == {"docs_with_pii": 2, "pii_email": 1, "pii_ipv4": 1, "pii_phone": 1}
     table = ref.read()
     assert table.column("text").to_pylist() == ["mail <EMAIL>", "plain text", "call <PHONE> or <IPV4>"]
+
+    strict = run_scrub(parent, ScrubConfig(max_pii_per_doc=0), str(tmp_path))
+    m = strict.manifest()
+    assert strict.num_rows == 1 and m["num_rejected"] == 2
+    assert m["stats"]["rows_in"] == 3 and m["stats"]["rejected_by_reason"] == {"too_much_pii": 2}
+    assert sorted(strict.read_rejected().column("doc_id").to_pylist()) == ["a0", "b0"]
 
     again = run_scrub(parent, CFG, str(tmp_path))
     assert again.reused and again.path == ref.path and again.sha256 == ref.sha256
