@@ -1,31 +1,55 @@
-"""dedup: exact duplicates over normalised text (one DuckDB query), then MinHash LSH near-duplicates.
+"""dedup: exact duplicates over normalised text (one DuckDB query), then MinHash LSH near-duplicates,
+within this run and, incrementally, against everything kept by earlier runs.
 
-Keep policy: within a cluster of duplicates, the document that comes first in the parent dataset's
-order (file order, then row order) is kept; that order is the collect order of the raw inputs, so the
-earliest-seen copy survives. The kept row records `cluster_id` (the kept document's `doc_id`) and
-`cluster_size`; every removed row is rejected with reason `exact_duplicate` or `near_duplicate` and
-`duplicate_of` = the kept document's `doc_id`.
+Keep policy: within a cluster of duplicates, a document kept by an earlier dedup run (the persisted index)
+wins; otherwise the document that comes first in the parent dataset's order (file order, then row order) is
+kept; that order is the collect order of the raw inputs, so the earliest-seen copy survives. The kept row
+records `cluster_id` (the kept document's `doc_id`) and `cluster_size` (copies in this run); every removed row
+is rejected with reason `exact_duplicate` or `near_duplicate` and `duplicate_of` = the kept document's `doc_id`
+(for a match in the index, `detail` names the earlier dedup dataset that kept it).
 
-Near-duplicate clusters are connected components of LSH candidate pairs (union-find), with an optional
-check of the true Jaccard similarity of the shingle sets before a pair is merged.
+Signatures are `tasks.minhash.signatures` (vectorised, datasketch's permutations and `affine32` scheme); LSH
+candidates are documents sharing one of `bands` band keys (`tasks.minhash.band_keys`, the rule of datasketch's
+`MinHashLSH(params=(bands, rows))`). Near-duplicate clusters are connected components of candidate pairs
+(union-find), with an optional check of the true Jaccard of the shingle sets before a pair is merged (against
+the index, whose texts are not re-read, the check uses the signatures' Jaccard estimate).
+
+Incremental index (`incremental=True`): the doc_id, normalised-text hash, band keys and signature of every kept
+document are written into the dataset (`dedup-index.parquet`) and, after the dataset commit, published to
+`<workdir>/dedup-index/<index-config-hash>/part-NNNNN.parquet` with `_index.json` written last (atomic renames,
+under a file lock). A run is deduplicated against the parts published before the first part of its own parent
+(all parts for a new parent), and the sha256 of that part list is part of the dataset fingerprint, so a cached
+dataset is never reused against a different index and a rerun of the same inputs reproduces its dataset.
 """
 
 from __future__ import annotations
 
+import fcntl
+import itertools
+import json
 import re
 import sys
 from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from datasketch import LeanMinHash, MinHash, MinHashLSH
+from datasketch import LeanMinHash, MinHash
 from pydantic import BaseModel, ConfigDict, Field
 
-from lifecycle.dataset import DatasetRef, DatasetWriter, StageStats, code_version, materialize, rejected_table
+from lifecycle.dataset import (
+    DatasetRef, DatasetWriter, StageStats, atomic_write_bytes, atomic_write_json, code_version, materialize,
+    rejected_table, sha256_file, sha256_json,
+)
+from tasks import minhash as minhash_module
 
 STAGE = "dedup"
+INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
+INDEX_MANIFEST = "_index.json"
+BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
@@ -41,6 +65,9 @@ class DedupConfig(BaseModel):
     verify_jaccard: float | None = Field(
         None, ge=0, le=1, description="If set, merge a candidate pair only when its true shingle Jaccard is >= this."
     )
+    incremental: bool = Field(
+        True, description="Also drop duplicates of documents kept by earlier dedup runs in this work dir, and "
+        "add this run's kept documents to that index (<workdir>/dedup-index/).")
 
     @property
     def num_perm(self) -> int:
@@ -55,6 +82,8 @@ def shingles(text: str, n: int) -> set[bytes]:
 
 
 def signature(sh: set[bytes], cfg: DedupConfig) -> LeanMinHash:
+    """datasketch's own per-document signature (SHA-1 shingle hashes): the reference the benchmark compares
+    against. The stage itself uses `tasks.minhash.signatures`."""
     m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
     if sh:
         m.update_batch(list(sh))
@@ -79,8 +108,8 @@ class _UnionFind:
 
 
 def exact_order(files: list[str]) -> pa.Table:
-    """One DuckDB query over the parent's files: every row in parent order, with the doc_id of the first
-    row that has the same normalised text (itself when it is the first) and its copy number."""
+    """One DuckDB query over the parent's files: every row in parent order, with its normalised-text hash, the
+    doc_id of the first row that has the same normalised text (itself when it is the first) and its copy number."""
     con = duckdb.connect()
     try:
         return con.sql(
@@ -91,7 +120,7 @@ def exact_order(files: list[str]) -> pa.Table:
                        md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g')) AS h
                 FROM read_parquet($files, filename = true, file_row_number = true)
             )
-            SELECT doc_id, source_id,
+            SELECT doc_id, source_id, h,
                    first_value(doc_id) OVER w AS first_doc_id,
                    row_number() OVER w AS copy_no
             FROM docs
@@ -104,51 +133,206 @@ def exact_order(files: list[str]) -> pa.Table:
         con.close()
 
 
-def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter) -> StageStats:
+def _bucket_pairs(keys: np.ndarray, all_pairs: bool = False) -> np.ndarray:
+    """(p, 2) array of candidate pairs from the band buckets holding more than one document, over all bands:
+    (member, first member) for each bucket, which is enough for connected components, or every pair in the
+    bucket when each pair is verified before it is merged."""
+    out = [np.zeros((0, 2), np.int64)]
+    for b in range(keys.shape[1]):
+        order = np.argsort(keys[:, b], kind="stable")
+        s = keys[order, b]
+        start = np.r_[True, s[1:] != s[:-1]] if len(s) else np.zeros(0, bool)
+        gid = np.cumsum(start) - 1
+        first = order[start][gid]
+        m = order != first
+        if not all_pairs:
+            out.append(np.stack([order[m], first[m]], axis=1))
+            continue
+        starts = np.flatnonzero(start)
+        sizes = np.diff(np.r_[starts, len(s)])
+        for g in np.flatnonzero(sizes > 1):
+            members = order[starts[g] : starts[g] + sizes[g]]
+            out.append(np.array(list(itertools.combinations(members, 2)), np.int64))
+    return np.unique(np.concatenate(out), axis=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# the persisted index of kept documents (incremental dedup)
+
+
+class Index:
+    """The index parts an incremental run deduplicates against (loaded lazily, column by column)."""
+
+    def __init__(self, directory: Path, parts: list[dict]):
+        self.dir, self.parts = directory, parts
+        self.state = sha256_json([(p["path"], p["sha256"]) for p in parts])
+        tables = [pq.read_table(directory / p["path"], columns=["doc_id", "exact_hash", "band_keys"]) for p in parts]
+        self.part_of = np.concatenate([np.full(t.num_rows, k) for k, t in enumerate(tables)] or [np.zeros(0, int)])
+        self.doc_ids = [d for t in tables for d in t.column("doc_id").to_pylist()]
+        self.exact_hash = [h for t in tables for h in t.column("exact_hash").to_pylist()]
+        self._keys = tables
+        self._sig: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.doc_ids)
+
+    def keys(self, bands: int) -> np.ndarray:
+        cols = [t.column("band_keys").combine_chunks() for t in self._keys]
+        return np.concatenate([c.values.to_numpy().reshape(-1, bands) for c in cols] or [np.zeros((0, bands), np.uint64)])
+
+    def signatures(self, num_perm: int) -> np.ndarray:
+        if self._sig is None:
+            cols = [pq.read_table(self.dir / p["path"], columns=["signature"]).column("signature").combine_chunks()
+                    for p in self.parts]
+            self._sig = np.concatenate([c.values.to_numpy().reshape(-1, num_perm) for c in cols]
+                                       or [np.zeros((0, num_perm), np.uint32)])
+        return self._sig
+
+    def dataset_of(self, node: int) -> str:
+        p = self.parts[int(self.part_of[node])]
+        return f"dedup dataset {p['dataset'][:20]}"
+
+
+def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
+    """One index per signature-compatible configuration (shingles, permutations, banding, signature code)."""
+    key = sha256_json({"ngram": cfg.ngram, "bands": cfg.bands, "rows": cfg.rows, "seed": cfg.seed,
+                       "minhash": code_version(minhash_module)})
+    return Path(workdir) / "dedup-index" / key[:16]
+
+
+@contextmanager
+def _locked(directory: Path):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read_parts(directory: Path) -> list[dict]:
+    m = directory / INDEX_MANIFEST
+    if not m.exists():
+        return []
+    return json.loads(m.read_text())["parts"]
+
+
+def base_parts(parts: list[dict], parent: DatasetRef) -> list[dict]:
+    """The parts a run over `parent` deduplicates against: those published before the first part of the same
+    parent (so a rerun reproduces its dataset and never dedups against itself), else all of them."""
+    for k, p in enumerate(parts):
+        if p["parent_sha256"] == parent.sha256:
+            return parts[:k]
+    return parts
+
+
+def publish(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str | Path) -> None:
+    """Append a committed dataset's kept documents to the index (once): part file first, `_index.json` last."""
+    directory = index_dir(workdir, cfg)
+    with _locked(directory):
+        parts = _read_parts(directory)
+        if any(p["dataset"] == ref.fingerprint for p in parts):
+            return
+        src = ref.dir / INDEX_FILE
+        name = f"part-{len(parts):05d}.parquet"
+        atomic_write_bytes(directory / name, src.read_bytes())
+        parts.append({"path": name, "sha256": sha256_file(directory / name), "num_rows": ref.num_rows,
+                      "dataset": ref.fingerprint, "dataset_path": str(ref.dir), "parent_sha256": parent.sha256,
+                      "base_state": ref.manifest()["config"].get("index_state")})
+        atomic_write_json(directory / INDEX_MANIFEST, {"config": cfg.model_dump(mode="json"), "parts": parts})
+
+
+# --------------------------------------------------------------------------------------------------
+# the stage
+
+
+def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: Index | None = None) -> StageStats:
     files = [str(p) for p in parent.files()]
     stats = StageStats()
     rejected: list[dict] = []
-    # 1. exact: decided globally in DuckDB
+    # 1. exact: decided globally in DuckDB (and against the index's normalised-text hashes)
     order = exact_order(files)
     n = order.num_rows
+    m = len(index) if index is not None else 0  # union-find nodes: index docs 0..m-1, then this run's docs
     doc_ids = order.column("doc_id").to_pylist()
     first_ids = order.column("first_doc_id").to_pylist()
+    hashes = order.column("h").to_pylist()
     copy_no = order.column("copy_no").to_numpy()
     exact_dup = (copy_no > 1) if cfg.exact else np.zeros(n, dtype=bool)
+    exact_idx = np.full(n, -1)  # index node this doc is an exact copy of
+    if cfg.exact and m:
+        first_node: dict[str, int] = {}
+        for node, h in enumerate(index.exact_hash):
+            first_node.setdefault(h, node)
+        exact_idx = np.array([first_node.get(h, -1) for h in hashes], dtype=np.int64)
+        exact_dup |= exact_idx >= 0
 
-    # 2. near: MinHash LSH over the exact survivors, read file by file
-    uf = _UnionFind(n)
-    if cfg.near:
-        lsh = MinHashLSH(num_perm=cfg.num_perm, params=(cfg.bands, cfg.rows))
-        sigs: dict[int, LeanMinHash] = {}
-        shingle_sets: dict[int, set[bytes]] = {}
+    # 2. signatures of the exact survivors, batch by batch; LSH band keys
+    survivors = np.flatnonzero(~exact_dup)
+    sig = np.zeros((len(survivors), cfg.num_perm), np.uint32)
+    shingle_sets: dict[int, set[bytes]] = {}
+    if cfg.near or cfg.incremental:
+        pos, texts, at = 0, [], []
         i = 0
+
+        def flush():
+            nonlocal texts, at
+            if texts:
+                sig[at[0] : at[0] + len(texts)] = minhash_module.signatures(texts, cfg.ngram, cfg.num_perm, cfg.seed)
+            texts, at = [], []
+
         for path in files:
             for text in pq.read_table(path, columns=["text"]).column("text").to_pylist():
                 if not exact_dup[i]:
-                    sh = shingles(text, cfg.ngram)
-                    sigs[i] = signature(sh, cfg)
+                    if not texts:
+                        at = [pos]
+                    texts.append(text)
                     if cfg.verify_jaccard is not None:
-                        shingle_sets[i] = sh
-                    lsh.insert(i, sigs[i], check_duplication=False)
+                        shingle_sets[pos] = shingles(text, cfg.ngram)
+                    pos += 1
+                    if len(texts) == BATCH_DOCS:
+                        flush()
                 i += 1
-        for i, sig in sigs.items():
-            for j in lsh.query(sig):
-                if j == i:
-                    continue
-                if cfg.verify_jaccard is not None:
-                    a, b = shingle_sets[i], shingle_sets[j]
-                    if len(a & b) / max(1, len(a | b)) < cfg.verify_jaccard:
-                        continue
-                uf.union(i, j)
-    roots = np.array([uf.find(i) for i in range(n)], dtype=np.int64)
+        flush()
+    keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
 
-    # 3. write kept rows (with cluster ids) and rejected rows, in parent order
-    # cluster size of a kept doc = its exact copies + its near-duplicates' exact copies
+    # 3. near: connected components of candidate pairs, this run's docs and the index's
+    uf = _UnionFind(m + n)
+    if cfg.near:
+        for a, b in _bucket_pairs(keys, all_pairs=cfg.verify_jaccard is not None):  # positions in `survivors`
+            va, vb = m + int(survivors[a]), m + int(survivors[b])
+            if cfg.verify_jaccard is not None:
+                if uf.find(va) == uf.find(vb):
+                    continue
+                sa, sb = shingle_sets[a], shingle_sets[b]
+                if len(sa & sb) / max(1, len(sa | sb)) < cfg.verify_jaccard:
+                    continue
+            uf.union(va, vb)
+        if m and len(survivors):
+            ik = index.keys(cfg.bands)
+            for b in range(cfg.bands):
+                o = np.argsort(ik[:, b], kind="stable")
+                s = ik[o, b]
+                lo, hi = np.searchsorted(s, keys[:, b], "left"), np.searchsorted(s, keys[:, b], "right")
+                for a in np.flatnonzero(hi > lo):
+                    for node in o[lo[a] : hi[a]]:
+                        if cfg.verify_jaccard is not None and \
+                                np.mean(index.signatures(cfg.num_perm)[node] == sig[a]) < cfg.verify_jaccard:
+                            continue
+                        uf.union(int(node), m + survivors[a])
+    roots = np.array([uf.find(v) for v in range(m + n)], dtype=np.int64)
+
+    # 4. write kept rows (with cluster ids) and rejected rows, in parent order
+    # cluster size of a kept doc = its exact copies + its near-duplicates' exact copies (this run's rows)
     copies = Counter(first_ids) if cfg.exact else Counter(doc_ids)
-    weight = np.array([0 if exact_dup[j] else copies[doc_ids[j]] for j in range(n)], dtype=np.int64)
-    cluster_size = np.bincount(roots, weights=weight, minlength=n).astype(np.int64)
+    weight = np.zeros(m + n, dtype=np.int64)
+    weight[m:] = [0 if exact_dup[j] else copies[doc_ids[j]] for j in range(n)]
+    cluster_size = np.bincount(roots, weights=weight, minlength=m + n).astype(np.int64)
     source_ids = order.column("source_id").to_pylist()
+    kept_pos = []  # positions in `survivors` of the kept docs, for the index
+    surv_pos = np.full(n, -1)
+    surv_pos[survivors] = np.arange(len(survivors))
     i = 0
     for path in files:
         t = pq.read_table(path)
@@ -157,21 +341,25 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter) -> StageS
         for row in range(t.num_rows):
             stats.rows_in += 1
             assert t.column("doc_id")[row].as_py() == doc_ids[i], "parent order changed under dedup"
+            root = roots[m + i]
             if exact_dup[i]:
-                rejected.append({"doc_id": doc_ids[i], "source_id": source_ids[i],
-                                 "reason": "exact_duplicate", "detail": None, "duplicate_of": first_ids[i]})
+                node = exact_idx[i]
+                rejected.append({"doc_id": doc_ids[i], "source_id": source_ids[i], "reason": "exact_duplicate",
+                                 "detail": index.dataset_of(node) if node >= 0 else None,
+                                 "duplicate_of": index.doc_ids[node] if node >= 0 else first_ids[i]})
                 stats.rejected["exact_duplicate"] += 1
                 keep_mask.append(False)
-            elif roots[i] != i:
-                rep = doc_ids[roots[i]]
-                rejected.append({"doc_id": doc_ids[i], "source_id": source_ids[i],
-                                 "reason": "near_duplicate", "detail": None, "duplicate_of": rep})
+            elif root != m + i:
+                rejected.append({"doc_id": doc_ids[i], "source_id": source_ids[i], "reason": "near_duplicate",
+                                 "detail": index.dataset_of(root) if root < m else None,
+                                 "duplicate_of": index.doc_ids[root] if root < m else doc_ids[root - m]})
                 stats.rejected["near_duplicate"] += 1
                 keep_mask.append(False)
             else:
                 keep_mask.append(True)
                 cluster_ids.append(doc_ids[i])
-                cluster_sizes.append(int(cluster_size[i]))
+                cluster_sizes.append(int(cluster_size[m + i]))
+                kept_pos.append(surv_pos[i])
                 stats.rows_kept += 1
             i += 1
         kept = t.filter(pa.array(keep_mask, type=pa.bool_()))
@@ -183,11 +371,29 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter) -> StageS
             writer.write_table(kept)
     if rejected:
         writer.write_table(rejected_table(rejected, STAGE, [pa.field("duplicate_of", pa.string())]), kind="rejected")
+    if cfg.incremental:
+        kp = np.array(kept_pos, dtype=np.int64)
+        kept_ids = [doc_ids[survivors[p]] for p in kp]
+        table = pa.table({
+            "doc_id": pa.array(kept_ids, pa.string()),
+            "exact_hash": pa.array([hashes[survivors[p]] for p in kp], pa.string()),
+            "band_keys": pa.FixedSizeListArray.from_arrays(pa.array(keys[kp].ravel(), pa.uint64()), cfg.bands),
+            "signature": pa.FixedSizeListArray.from_arrays(pa.array(sig[kp].ravel(), pa.uint32()), cfg.num_perm),
+        })
+        writer.write_table(table, kind="extra", name=INDEX_FILE)
     return stats
 
 
 def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str) -> DatasetRef:
-    def build(writer: DatasetWriter) -> dict:
-        return {"stats": dedup(parent, cfg, writer)}
-
-    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__]), build, parents=[parent])
+    code = code_version(sys.modules[__name__], minhash_module)
+    if not cfg.incremental:
+        return materialize(workdir, STAGE, cfg, code, lambda w: {"stats": dedup(parent, cfg, w)}, parents=[parent])
+    directory = index_dir(workdir, cfg)
+    with _locked(directory):
+        index = Index(directory, base_parts(_read_parts(directory), parent))
+    # the index state is part of the fingerprint: a dataset is reused only against the same index
+    fp_config = {**cfg.model_dump(mode="json"), "index_state": index.state}
+    ref = materialize(workdir, STAGE, fp_config, code, lambda w: {"stats": dedup(parent, cfg, w, index)},
+                      parents=[parent])
+    publish(ref, parent, cfg, workdir)
+    return ref

@@ -112,3 +112,18 @@ def signatures(texts: list[str], n: int, num_perm: int, seed: int, chunk_shingle
 def lean(sig_row: np.ndarray, seed: int) -> LeanMinHash:
     """A datasketch LeanMinHash holding one signature row."""
     return LeanMinHash(seed=seed, hashvalues=sig_row.astype(np.uint32), scheme=SCHEME)
+
+
+def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """uint64 array (len(sig), bands): one key per LSH band, a polynomial hash of the band's `rows` values.
+
+    Two documents are LSH candidates when any band key is equal, the rule of datasketch's `MinHashLSH` with
+    `params=(bands, rows)` (which keys a band by its raw bytes; a 64-bit key collides with probability ~2^-64)."""
+    if sig.shape[1] < bands * rows:
+        raise ValueError(f"signature has {sig.shape[1]} values, bands x rows needs {bands * rows}")
+    s = sig[:, : bands * rows].reshape(len(sig), bands, rows).astype(np.uint64)
+    key = np.zeros((len(sig), bands), np.uint64)
+    with np.errstate(over="ignore"):
+        for r in range(rows):
+            key = key * _P + s[:, :, r] + np.uint64(1)
+    return key

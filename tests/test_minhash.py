@@ -4,7 +4,7 @@ import numpy as np
 from datasketch import MinHashLSH
 
 from tasks.dedup import shingles
-from tasks.minhash import lean, signatures
+from tasks.minhash import band_keys, lean, signatures
 
 BASE = ("the committee met on tuesday to discuss the budget for the coming year and agreed that the library should "
         "receive additional funding for new books computers and longer opening hours in winter").split()
@@ -42,3 +42,17 @@ def test_batch_independence_short_and_empty_docs():
     assert (alone == sig[3]).all()  # a document's signature does not depend on its batch
     small_chunks = signatures(texts, 5, 64, 7, chunk_shingles=3)
     assert (small_chunks == sig).all()
+
+
+def test_band_keys_give_datasketch_lsh_candidates():
+    """Two signatures share a band key exactly when datasketch's MinHashLSH(params=(bands, rows)) pairs them."""
+    rng = np.random.default_rng(1)
+    sig = rng.integers(0, 4, size=(300, 14 * 2), dtype=np.uint32)  # tiny alphabet: many shared bands, many not
+    keys = band_keys(sig, 14, 2)
+    lsh = MinHashLSH(num_perm=28, params=(14, 2))
+    for i, row in enumerate(sig):
+        lsh.insert(i, lean(row, 1))
+    for i in range(0, 300, 7):
+        ours = {j for j in range(300) if (keys[j] == keys[i]).any()}
+        assert ours == set(lsh.query(lean(sig[i], 1)))
+    assert len({j for j in range(300) if (keys[j] == keys[0]).any()}) not in (1, 300)
