@@ -110,6 +110,9 @@ class _UnionFind:
 def exact_order(files: list[str]) -> pa.Table:
     """One DuckDB query over the parent's files: every row in parent order, with its normalised-text hash, the
     doc_id of the first row that has the same normalised text (itself when it is the first) and its copy number."""
+    if not files:  # an empty parent has no files, and read_parquet needs at least one
+        return pa.table({c: pa.array([], t) for c, t in (("doc_id", pa.string()), ("source_id", pa.string()),
+                         ("h", pa.string()), ("first_doc_id", pa.string()), ("copy_no", pa.int64()))})
     con = duckdb.connect()
     try:
         return con.sql(
@@ -178,13 +181,13 @@ class Index:
 
     def keys(self, bands: int) -> np.ndarray:
         cols = [t.column("band_keys").combine_chunks() for t in self._keys]
-        return np.concatenate([c.values.to_numpy().reshape(-1, bands) for c in cols] or [np.zeros((0, bands), np.uint64)])
+        return np.concatenate([c.flatten().to_numpy().reshape(-1, bands) for c in cols] or [np.zeros((0, bands), np.uint64)])
 
     def signatures(self, num_perm: int) -> np.ndarray:
         if self._sig is None:
             cols = [pq.read_table(self.dir / p["path"], columns=["signature"]).column("signature").combine_chunks()
                     for p in self.parts]
-            self._sig = np.concatenate([c.values.to_numpy().reshape(-1, num_perm) for c in cols]
+            self._sig = np.concatenate([c.flatten().to_numpy().reshape(-1, num_perm) for c in cols]
                                        or [np.zeros((0, num_perm), np.uint32)])
         return self._sig
 

@@ -114,3 +114,10 @@ def test_vectorised_signatures_make_the_same_decisions_as_datasketch(tmp_path):
     ours = sorted(int(r["source_id"][1:]) for r in ref.read().to_pylist())
     assert ours == _reference_kept(texts, cfg)
     assert set(range(120, 160)).isdisjoint(ours) and set(range(160, 200)) <= set(ours)
+
+
+def test_empty_parent(tmp_path):
+    parent = make(tmp_path, [""])  # collect rejects the empty text: a parent dataset without files
+    assert parent.num_rows == 0
+    ref = run_dedup(parent, DedupConfig(), str(tmp_path / "w"))
+    assert ref.num_rows == 0 and ref.manifest()["stats"]["rows_in"] == 0
