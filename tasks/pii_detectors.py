@@ -86,10 +86,10 @@ def ipv6_spans(text: str, cfg):
 
 # --------------------------------------------------------------------------------------------------
 # payment cards: 13-19 digits, bare or in groups of 3-6 split by one kind of separator (4-4-4-4, 4-6-5,
-# 4-4-4-4-3), issuer digit 2-6 (Mastercard 2/5, Amex/Diners/JCB 3, Visa 4, Discover/UnionPay/Maestro 6; ISBN-13s
+# 4-4-4-4-3, 4-4-4-2), issuer digit 2-6 (Mastercard 2/5, Amex/Diners/JCB 3, Visa 4, Discover/UnionPay/Maestro 6; ISBN-13s
 # start with 9), Luhn-valid. A card-shaped number that fails stays and shields its digits.
 
-_CARD = re.compile(r"(?<![\w.,+-])(?:\d{13,19}|\d{4}([ -])\d{3,6}(?:\1\d{3,6}){1,3})(?![\w]|[.,-]\d)")
+_CARD = re.compile(r"(?<![\w.,+-])(?:\d{13,19}|\d{4}([ -])\d{3,6}(?:\1\d{3,6}){0,2}\1\d{1,6})(?![\w]|[.,-]\d|\1\d)")
 
 
 def luhn_ok(digits: str) -> bool:
@@ -152,14 +152,38 @@ def iban_spans(text: str, cfg):
 
 
 # --------------------------------------------------------------------------------------------------
-# US SSN: AAA-GG-SSSS; area 000, 666 and 900-999, group 00 and serial 0000 are never issued (SSA).
+# US SSN: AAA-GG-SSSS; area 000, 666 and 900-999, group 00 and serial 0000 are never issued (SSA). A
+# never-issued one stays but shields its digits (the phone matcher would read 052-00-2608 as a number).
 
-_SSN = re.compile(r"(?<![\w-])(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}(?![\w]|-\d)")
+_SSN_SHAPE = re.compile(r"(?<![\w-])\d{3}-\d{2}-\d{4}(?![\w]|-\d)")
+_SSN_VALID = re.compile(r"(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}")
 
 
 def ssn_spans(text: str, cfg):
-    for m in _SSN.finditer(text):
-        yield m.start(), m.end(), True
+    for m in _SSN_SHAPE.finditer(text):
+        yield m.start(), m.end(), bool(_SSN_VALID.fullmatch(m.group(0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# ISBNs are never PII but look like phone and card numbers: a checksum-valid ISBN-10 written with hyphens
+# or an ISBN-13 (978/979) shields its digits from every detector (scrub_text runs shields first).
+
+_ISBN_CAND = re.compile(r"(?<![\w-])(?:97[89]-?\d{1,5}-?\d{1,7}-?\d{1,7}-?\d|\d{1,5}-\d{1,7}-\d{1,7}-[\dX])(?![\w-])")
+
+
+def isbn_ok(s: str) -> bool:
+    d = s.replace("-", "")
+    if len(d) == 10 and d[:9].isdigit():
+        return sum((10 - i) * (10 if c == "X" else int(c)) for i, c in enumerate(d)) % 11 == 0
+    if len(d) == 13 and d.isdigit() and d[:3] in ("978", "979"):
+        return sum(int(c) * (3 if i % 2 else 1) for i, c in enumerate(d)) % 10 == 0
+    return False
+
+
+def shield_spans(text: str):
+    for m in _ISBN_CAND.finditer(text):
+        if isbn_ok(m.group(0)):
+            yield m.start(), m.end()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,10 +234,13 @@ def shannon_entropy(s: str) -> float:
 
 def secret_spans(text: str, cfg):
     """The value after a key word (password=, secret:, token=, api_key...) when it looks random: long enough,
-    letters and digits both present, entropy at least `secret_min_entropy` (detect-secrets style)."""
+    entropy at least `secret_min_entropy` (detect-secrets style), letters mixed with digits or with upper and lower
+    case mixed throughout (a quarter to three quarters upper case, so CamelCaseNames and CONSTANTS are not)."""
     for m in _SECRET_KW.finditer(text):
-        value = m.group(1).rstrip(".,")
-        if (len(value) >= cfg.secret_min_length and re.search(r"\d", value) and re.search(r"[A-Za-z]", value)
+        value = m.group(1).rstrip(".,;")
+        letters = [c for c in value if c.isalpha()]
+        upper = sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
+        if (len(value) >= cfg.secret_min_length and letters and (re.search(r"\d", value) or 0.25 <= upper <= 0.75)
                 and shannon_entropy(value) >= cfg.secret_min_entropy):
             yield m.start(1), m.start(1) + len(value), True
 

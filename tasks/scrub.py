@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lifecycle.dataset import DatasetRef, StageStats, code_version, materialize, rejected_table
 from tasks import pii_detectors
-from tasks.pii_detectors import DETECTORS, PRIORITY
+from tasks.pii_detectors import DETECTORS, PRIORITY, shield_spans
 
 STAGE = "scrub"
 # column order: the original three first (the flow and the lineage CLI read them), then the newer types
@@ -118,7 +118,7 @@ class ScrubConfig(BaseModel):
 
 def scrub_text(text: str, cfg: ScrubConfig) -> tuple[str, dict[str, int]]:
     """(scrubbed text, replacements per enabled type, in PII_TYPES order)."""
-    taken: list[tuple[int, int]] = []
+    taken: list[tuple[int, int]] = list(shield_spans(text))  # ISBNs: never PII, never re-read as numbers
     chosen: list[tuple[int, int, str]] = []
     counts = {kind: 0 for kind in PII_TYPES if getattr(cfg, kind)}
     for kind in PRIORITY:
