@@ -276,28 +276,17 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: In
     sig = np.zeros((len(survivors), cfg.num_perm), np.uint32)
     shingle_sets: dict[int, set[bytes]] = {}
     if cfg.near or cfg.incremental:
-        pos, texts, at = 0, [], []
-        i = 0
-
-        def flush():
-            nonlocal texts, at
-            if texts:
-                sig[at[0] : at[0] + len(texts)] = minhash_module.signatures(texts, cfg.ngram, cfg.num_perm, cfg.seed)
-            texts, at = [], []
-
-        for path in files:
-            for text in pq.read_table(path, columns=["text"]).column("text").to_pylist():
-                if not exact_dup[i]:
-                    if not texts:
-                        at = [pos]
-                    texts.append(text)
-                    if cfg.verify_jaccard is not None:
-                        shingle_sets[pos] = shingles(text, cfg.ngram)
-                    pos += 1
-                    if len(texts) == BATCH_DOCS:
-                        flush()
-                i += 1
-        flush()
+        i = pos = 0
+        for path in files:  # a document's signature does not depend on its batch (tests/test_minhash.py)
+            texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+            todo = [t for t, dup in zip(texts, exact_dup[i : i + len(texts)]) if not dup]
+            for start in range(0, len(todo), BATCH_DOCS):
+                batch = todo[start : start + BATCH_DOCS]
+                sig[pos + start : pos + start + len(batch)] = minhash_module.signatures(
+                    batch, cfg.ngram, cfg.num_perm, cfg.seed)
+            if cfg.verify_jaccard is not None:
+                shingle_sets.update((pos + k, shingles(t, cfg.ngram)) for k, t in enumerate(todo))
+            i, pos = i + len(texts), pos + len(todo)
     keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
 
     # 3. near: connected components of candidate pairs, this run's docs and the index's

@@ -121,3 +121,12 @@ def test_empty_parent(tmp_path):
     assert parent.num_rows == 0
     ref = run_dedup(parent, DedupConfig(), str(tmp_path / "w"))
     assert ref.num_rows == 0 and ref.manifest()["stats"]["rows_in"] == 0
+
+
+def test_signature_batches_do_not_change_the_output(tmp_path, monkeypatch):
+    texts = [BASE, BASE.replace("winter", "summer"), "short one", BASE.upper(), BASE.replace("books", "maps")]
+    parent = make(tmp_path, texts)
+    whole = run_dedup(parent, DedupConfig(), str(tmp_path / "a"))
+    monkeypatch.setattr("tasks.dedup.BATCH_DOCS", 2)
+    batched = run_dedup(parent, DedupConfig(), str(tmp_path / "b"))
+    assert batched.sha256 == whole.sha256 and whole.read_rejected().num_rows >= 2
