@@ -85,11 +85,26 @@ def ipv6_spans(text: str, cfg):
 
 
 # --------------------------------------------------------------------------------------------------
-# payment cards: 13-19 digits, bare or in groups of 3-6 split by one kind of separator (4-4-4-4, 4-6-5,
-# 4-4-4-4-3, 4-4-4-2), issuer digit 2-6 (Mastercard 2/5, Amex/Diners/JCB 3, Visa 4, Discover/UnionPay/Maestro 6; ISBN-13s
-# start with 9), Luhn-valid. A card-shaped number that fails stays and shields its digits.
+# payment cards: 13-19 digits, bare or in groups split by one kind of separator (4-4-4-4, 4-6-5, 4-4-4-4-3,
+# 4-4-4-1), an issuer prefix whose length fits (Visa 4: 13/16/19; Mastercard 51-55 and 2221-2720: 16; Amex 34/37:
+# 15; Diners 30/36/38: 14-16; JCB 35, Maestro 50/56-59, Discover/UnionPay 6: 16-19), Luhn-valid. ISBN-13s start
+# with 9, Wayback/compact timestamps (20180410025338) with 19/20 and 14 digits, so neither fits. Not inside a URL
+# path or a longer grouped number. A card-shaped number that fails stays and shields its digits.
 
-_CARD = re.compile(r"(?<![\w.,+-])(?:\d{13,19}|\d{4}([ -])\d{3,6}(?:\1\d{3,6}){0,2}\1\d{1,6})(?![\w]|[.,-]\d|\1\d)")
+_CARD = re.compile(r"(?<![\w.,+/-])(?:\d{13,19}|\d{4}([ -])\d{3,6}(?:\1\d{3,6}){0,2}\1\d{1,6})(?![\w/]|[.,-]\d|\1\d)")
+
+
+def issuer_ok(d: str) -> bool:
+    n = len(d)
+    if d[0] == "4":
+        return n in (13, 16, 19)
+    if d[:2] in ("51", "52", "53", "54", "55") or 2221 <= int(d[:4]) <= 2720:
+        return n == 16
+    if d[:2] in ("34", "37"):
+        return n == 15
+    if d[:2] in ("30", "36", "38"):
+        return 14 <= n <= 16
+    return (d[:2] in ("35", "50", "56", "57", "58", "59") or d[0] == "6") and n >= 16
 
 
 def luhn_ok(digits: str) -> bool:
@@ -109,7 +124,7 @@ def card_spans(text: str, cfg):
             continue
         if _ISBN.search(text[max(0, m.start() - 12) : m.start()]):
             continue
-        yield m.start(), m.end(), digits[0] in "23456" and luhn_ok(digits)
+        yield m.start(), m.end(), issuer_ok(digits) and luhn_ok(digits)
 
 
 # --------------------------------------------------------------------------------------------------

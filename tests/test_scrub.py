@@ -141,7 +141,8 @@ def test_secrets_after_key_words_keep_the_key_word(text, expected):
         "requirements: pkg@1.2.3, a decorator @property and a matrix a @ b",
         "call 6502530000",  # an unformatted digit run reads as an integer (see phone_bare_digits)
         "card 4111 1111 1111 1112 fails Luhn, so does 5500-0000-0000-0005",
-        "ISBN 978-0-596-00797-3 and ISBN-13: 9780596007973",
+        "ISBN 978-0-596-00797-3 and ISBN-13: 9780596007973, or bare 0-596-00797-3",
+        "https://web.archive.org/web/20180410025338/http://example.org and build 20180410025338",
         "bad checksum DE89 3704 0044 0532 0130 01, GB00WEST12345698765432",
         "never issued: 000-12-3456, 666-12-3456, 912-12-3456, 123-00-4567, 123-45-0000",
         "uuid 123e4567-e89b-12d3-a456-426614174000, git 3f786850e387550fdab836ed7e6dc881de23001b",
