@@ -162,7 +162,8 @@ def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, 
         stats.counters["docs_with_pii"] += total > 0
         if cfg.max_pii_per_doc is not None and total > cfg.max_pii_per_doc:
             stats.rejected[REJECT_REASON] += 1
-            detail = {"pii_total": total, "max_pii_per_doc": cfg.max_pii_per_doc, **{k: n for k, n in counts.items() if n}}
+            detail = {"pii_total": total, "max_pii_per_doc": cfg.max_pii_per_doc,
+                      **{k: n for k, n in counts.items() if n}}  # counts only, never the values
             rejected.append({"doc_id": doc_id, "source_id": source_ids[i], "reason": REJECT_REASON,
                              "detail": json.dumps(detail, sort_keys=True)})
             continue

@@ -35,7 +35,8 @@ B64 = ALNUM + "+/"
 def gen_email(r):
     first, last = r.choice(["jane", "li", "omar", "ana", "k", "priya"]), r.choice(["doe", "wei", "smith", "o-neil"])
     local = r.choice([f"{first}.{last}", f"{first}{r.randint(1, 999)}", f"{first}_{last}+news", first])
-    domain = r.choice(["example", "mail", "uni-bonn", "acme-corp", "python"]) + r.choice([".com", ".org", ".de", ".co.uk", ".io"])
+    domain = r.choice(["example", "mail", "uni-bonn", "acme-corp", "python"])
+    domain += r.choice([".com", ".org", ".de", ".co.uk", ".io"])
     v = f"{local}@{r.choice(['', 'lists.'])}{domain}"
     return v, v
 
@@ -130,7 +131,8 @@ def gen_github_token(r):
     if r.random() < 0.8:
         v = r.choice(["ghp_", "gho_", "ghu_", "ghs_", "ghr_"]) + "".join(r.choice(ALNUM) for _ in range(36))
     else:
-        v = "github_pat_" + "".join(r.choice(ALNUM) for _ in range(22)) + "_" + "".join(r.choice(ALNUM) for _ in range(59))
+        v = "github_pat_" + "".join(r.choice(ALNUM) for _ in range(22))
+        v += "_" + "".join(r.choice(ALNUM) for _ in range(59))
     return v, v
 
 
