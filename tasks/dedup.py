@@ -169,6 +169,10 @@ class Index:
     def __init__(self, directory: Path, parts: list[dict]):
         self.dir, self.parts = directory, parts
         self.state = sha256_json([(p["path"], p["sha256"]) for p in parts])
+        for p in parts:  # the state names these bytes: refuse a part that changed or vanished
+            if not (directory / p["path"]).exists() or sha256_file(directory / p["path"]) != p["sha256"]:
+                raise RuntimeError(f"dedup index {directory / p['path']}: missing or not the sha256 in "
+                                   f"{directory / INDEX_MANIFEST}; remove the index or restore the file")
         tables = [pq.read_table(directory / p["path"], columns=["doc_id", "exact_hash", "band_keys"]) for p in parts]
         self.part_of = np.concatenate([np.full(t.num_rows, k) for k, t in enumerate(tables)] or [np.zeros(0, int)])
         self.doc_ids = [d for t in tables for d in t.column("doc_id").to_pylist()]
@@ -193,7 +197,7 @@ class Index:
 
     def dataset_of(self, node: int) -> str:
         p = self.parts[int(self.part_of[node])]
-        return f"dedup dataset {p['dataset'][:20]}"
+        return f"kept by an earlier run: datasets/{STAGE}/{p['dataset'][:20]}"
 
 
 def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:

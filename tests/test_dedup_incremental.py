@@ -96,3 +96,12 @@ def test_crash_between_commit_and_publish_is_healed_by_a_rerun(tmp_path, monkeyp
     assert ref.reused  # the committed dataset is found, not recomputed, and now published
     second = run_dedup(collect(tmp_path, "b", [A.replace("winter", "summer")], wd), DedupConfig(), wd)
     assert second.num_rows == 0 and by_source(second)["b0"]["reason"] == "near_duplicate"
+
+
+def test_a_damaged_index_is_refused(tmp_path):
+    wd = str(tmp_path / "w")
+    run_dedup(collect(tmp_path, "a", [A, B], wd), DedupConfig(), wd)
+    part = index_dir(wd, DedupConfig()) / "part-00000.parquet"
+    part.write_bytes(part.read_bytes()[:-10])
+    with pytest.raises(RuntimeError, match="part-00000.parquet"):
+        run_dedup(collect(tmp_path, "b", [C], wd), DedupConfig(), wd)
