@@ -20,6 +20,8 @@ document are written into the dataset (`dedup-index.parquet`) and, after the dat
 under a file lock). A run is deduplicated against the parts published before the first part of its own parent
 (all parts for a new parent), and the sha256 of that part list is part of the dataset fingerprint, so a cached
 dataset is never reused against a different index and a rerun of the same inputs reproduces its dataset.
+Limits: the index's band keys (8 bytes x bands per kept doc) are loaded into memory; two runs in flight at
+once both dedup against the index as it was when they started, not against each other.
 """
 
 from __future__ import annotations
