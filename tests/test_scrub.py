@@ -316,3 +316,38 @@ def test_run_scrub_keeps_every_row_and_reuses(tmp_path):
     again = run_scrub(parent, CFG, str(tmp_path))
     assert again.reused and again.path == ref.path and again.sha256 == ref.sha256
     assert run_scrub(parent, ScrubConfig(ipv4=False), str(tmp_path)).path != ref.path
+
+
+def test_no_planted_value_survives_the_stage(tmp_path):
+    """A stage-level canary: values of every type go in, and no kept text, rejected row or manifest holds one."""
+    values = ["canary.7f3a@example.com", "81.2.69.160", "+44 20 7946 0958", "2a00:1450:4009:80b::200e",
+              "4111 1111 1111 1111", "DE89 3704 0044 0532 0130 00", "123-45-6789", "AKIAIOSFODNN7EXAMPLE",
+              "ghp_" + "Zq8" * 12, "MIIEowIBAAKCAQEAcanary", "Xk9mQ2vLp8sR4tZwcanary"]
+    texts = [f"one: {values[0]}, {values[1]}, {values[2]}",
+             f"two: {values[3]}; {values[4]}; {values[5]}; {values[6]}",
+             f"three: {values[7]} token={values[8]}\n-----BEGIN PRIVATE KEY-----\n{values[9]}\n"
+             f"-----END PRIVATE KEY-----\npassword={values[10]}",
+             "dense: " + ", ".join(values)]  # 11 hits: rejected, and its counts only recorded
+    ref = run_scrub(make_collect(tmp_path, [docs_table(texts)]), CFG, str(tmp_path))
+    kept, rejected = ref.read(), ref.read_rejected()
+    assert kept.column("doc_id").to_pylist() == ["d0", "d1", "d2"]
+    assert rejected.column("reason").to_pylist() == ["too_much_pii"]
+    everything = "\n".join(kept.column("text").to_pylist() + rejected.column("detail").to_pylist())
+    everything += ref.manifest_path.read_text()
+    assert [v for v in values if v in everything] == []
+    counters = ref.manifest()["stats"]["counters"]
+    # the dense page's bare key body and bare random string are not secrets without their BEGIN line / key word
+    assert counters["pii_private_key"] == 1 and counters["pii_secret"] == 1 and counters["pii_email"] == 2
+    assert json.loads(rejected.column("detail")[0].as_py())["pii_total"] == 9
+
+
+def test_detector_module_is_part_of_the_code_version(tmp_path, monkeypatch):
+    """Editing a detector must invalidate cached scrub outputs, so both modules go into the fingerprint."""
+    import tasks.pii_detectors
+    import tasks.scrub
+
+    seen = []
+    real = tasks.scrub.code_version
+    monkeypatch.setattr(tasks.scrub, "code_version", lambda *mods: seen.append(mods) or real(*mods))
+    run_scrub(make_collect(tmp_path, [docs_table(["x"])]), CFG, str(tmp_path))
+    assert seen == [(tasks.scrub, tasks.pii_detectors)]
