@@ -10,6 +10,7 @@ CLI points at `<workdir>/.prefect-results`; keys include the work dir, so two wo
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -57,6 +58,19 @@ def _retry_unless_permanent(_task, _task_run, state) -> bool:
     return True
 
 
+def stage_modules(*roots) -> list:
+    """The stage's modules and every `tasks.*` module they import from (e.g. dedup -> minhash), so that an
+    edit to any of them changes the cache key, as it changes the stage's own dataset fingerprint."""
+    seen: dict[str, Any] = {}
+    for root in roots:
+        seen[root.__name__] = root
+        for value in vars(root).values():
+            mod = value if inspect.ismodule(value) else sys.modules.get(getattr(value, "__module__", None) or "")
+            if mod is not None and mod.__name__.startswith("tasks.") and getattr(mod, "__file__", None):
+                seen.setdefault(mod.__name__, mod)
+    return [seen[name] for name in sorted(seen)]
+
+
 def stage_task(
     fn: Callable,
     stage: str,
@@ -65,7 +79,7 @@ def stage_task(
     extra_modules: tuple = (),
 ):
     """Wrap a plain stage function as a Prefect task with content-keyed caching and retries."""
-    code = code_version(sys.modules[fn.__module__], *extra_modules)
+    code = code_version(*stage_modules(sys.modules[fn.__module__], *extra_modules))
     return task(
         fn,
         name=stage,

@@ -116,3 +116,13 @@ def test_cache_keys_come_from_content_not_the_flow_run(tmp_path):
     src.write_text(json.dumps({"text": "changed content"}) + "\n")  # new content: a new key, recomputed
     name3, ref3 = f()
     assert name3 == "Completed" and ref3.sha256 != ref1.sha256
+
+
+def test_cache_key_covers_the_modules_a_stage_imports():
+    import tasks.dedup
+    import tasks.minhash
+    import tasks.scrub
+    from flows.stage_tasks import stage_modules
+
+    assert tasks.minhash in stage_modules(tasks.dedup)
+    assert [m.__name__ for m in stage_modules(tasks.scrub)] == ["tasks.pii_detectors", "tasks.scrub"]
