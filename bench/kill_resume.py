@@ -83,17 +83,21 @@ def result(workdir: str) -> dict:
     return {"losses": losses, "weights": final.read_bytes() if final.exists() else None}
 
 
-def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random) -> dict:
-    proc = launch(tokdir, workdir)
-    log = None
-    started = None
-    while proc.poll() is None:  # wait for the ranks to start training
+def wait_ready(proc: subprocess.Popen, workdir: str) -> Path | None:
+    """The run's train.log once the ranks report ready (training starts), or None if the process ended."""
+    while proc.poll() is None:
         logs = list(Path(workdir).glob("train/*/train.log"))
         if logs and "ranks ready" in logs[0].read_text(errors="replace"):
-            log, started = logs[0], time.monotonic()
-            break
+            return logs[0]
         time.sleep(0.05)
-    delay = rng.uniform(0.0, 15.0)
+    return None
+
+
+def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, train_s: float) -> dict:
+    proc = launch(tokdir, workdir)
+    log = wait_ready(proc, workdir)
+    started = time.monotonic()
+    delay = rng.uniform(0.0, train_s)  # a uniform moment of the reference run's training time
     target = rng.choice(range(5, 40, 5))  # the save to kill inside
     where = "ended before the kill"
     while proc.poll() is None:
@@ -110,13 +114,16 @@ def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random) -> d
             where = f"{delay:.2f}s into training"
             break
         time.sleep(0.002)
+    final_committed = (log.parent / "checkpoints" / "step_00000040" / "COMMITTED.json").exists()
+    if final_committed:
+        where += " (after the final commit)"
     mpath = log.parent / "metrics.jsonl"
     lines = mpath.read_text().splitlines() if mpath.exists() else []
     killed_at = [json.loads(line)["step"] for line in lines if line.endswith("}")]
     resumed = launch(tokdir, workdir)
     out, _ = resumed.communicate()
     info = json.loads(out.strip().splitlines()[-1]) if resumed.returncode == 0 else {"error": resumed.returncode}
-    return {"where": where, "last_logged_step_before_kill": killed_at[-1] if killed_at else 0,
+    return {"where": where, "mid_run": not where.startswith("ended") and not final_committed, "last_logged_step_before_kill": killed_at[-1] if killed_at else 0,
             "resumed_from": info.get("resumed_from"), **result(workdir)}
 
 
@@ -125,18 +132,26 @@ def main(kills: int = 10, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = str(Path(tmp) / "tokens")
         ref_proc = launch(tokdir, str(Path(tmp) / "ref"))
+        log = wait_ready(ref_proc, str(Path(tmp) / "ref"))
+        t0 = time.monotonic()
+        final = log.parent / "checkpoints" / "step_00000040" / "COMMITTED.json"
+        while not final.exists() and ref_proc.poll() is None:
+            time.sleep(0.01)
+        train_s = time.monotonic() - t0  # ranks ready -> final commit: the window a kill should hit
         ref_proc.communicate()
         ref = result(str(Path(tmp) / "ref"))
         assert ref["weights"] is not None, "the uninterrupted reference run failed"
-        identical = 0
+        identical = mid = 0
         for i in range(kills):
-            t = trial(tokdir, str(Path(tmp) / f"trial{i}"), inside_save=i % 3 == 2, rng=rng)
+            t = trial(tokdir, str(Path(tmp) / f"trial{i}"), inside_save=i % 3 == 2, rng=rng, train_s=train_s)
             same = t["losses"] == ref["losses"] and t["weights"] == ref["weights"]
             identical += same
+            mid += t["mid_run"] and same
             print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
                   f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
-    print(f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run")
-    return {"kills": kills, "identical": identical}
+    print(f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
+          f"({mid} of them killed before the final commit, i.e. really resumed)")
+    return {"kills": kills, "identical": identical, "identical_mid_run": mid}
 
 
 if __name__ == "__main__":

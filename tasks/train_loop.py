@@ -136,23 +136,26 @@ def mean_over_ranks(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
+def _record(line: str) -> dict | None:
+    """A metrics line, or None for a blank or torn one (a SIGKILL can cut the last write short)."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
 class Metrics:
     """Rank 0's metrics.jsonl; on start it drops records past the resume step (they belong to a lost run)."""
 
     def __init__(self, path: Path, resume_step: int, enabled: bool):
         self.path, self.enabled = path, enabled
-        if enabled and path.exists():
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)
+        self.truncate(resume_step)
 
     def truncate(self, step: int) -> None:
         """Drop records past `step` (a rollback discards that part of the trajectory)."""
         if self.enabled and self.path.exists():
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            keep = [line for line in self.path.read_text().splitlines() if (rec := _record(line)) is not None
+                    and rec.get("step", 0) <= step]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             os.replace(tmp, self.path)

@@ -215,3 +215,15 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
     assert ckpt.verify(r4.checkpoint_dir) is None
     assert ds.sha256_file(Path(r4.checkpoint_dir) / "model.safetensors") == weights_sha
     assert r4.final_loss == r2.final_loss
+
+
+def test_metrics_resume_drops_lost_steps_and_a_torn_last_line(tmp_path):
+    from tasks.train_loop import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 5}\n{"kind": "eval", "step": 10}\n{"kind": "train", "step": 15}\n'
+                    '{"kind": "train", "st')  # killed mid-write
+    Metrics(path, resume_step=10, enabled=True)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [5, 10]
+    Metrics(path, resume_step=0, enabled=True)
+    assert path.read_text() == ""
