@@ -330,6 +330,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
+        release_shm()  # buffers leaked by earlier launches whose supervisor was killed
         with open(log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {' '.join(cmd)}\n".encode())
             log.flush()
@@ -347,6 +348,8 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                 if isinstance(e, TimeoutError):
                     raise RuntimeError(f"{e}. Last lines of {log_path}:\n{_tail(log_path)}") from e
                 raise
+            finally:
+                release_shm()
         tail.poll()
         if proc.returncode != 0:
             raise RuntimeError(f"deepspeed exited with code {proc.returncode}. Last lines of {log_path}:\n{_tail(log_path)}")
@@ -354,6 +357,33 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         if final is None or ckpt.step_of(final) != cfg.max_steps:
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
         return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
+
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer"  # deepspeed/ops/csrc/cpu/comm/shm.cpp
+
+
+def release_shm() -> list[str]:
+    """Unlink DeepSpeed's CPU all-reduce buffers that no live process maps.
+
+    DeepSpeed 0.19's CPU comm op creates two POSIX shared-memory buffers per launch (66 MiB each here) and
+    never unlinks them, not even on a clean exit; killed ranks leak them too. Left alone they fill
+    /dev/shm (RAM) launch after launch. A buffer still mapped by a running rank is left in place.
+    """
+    if not SHM_DIR.is_dir():
+        return []
+    candidates = {p.name for p in SHM_DIR.glob(f"{SHM_PREFIX}_*")}
+    if not candidates:
+        return []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:
+            continue
+        candidates -= {name for name in candidates if name in text}
+    for name in candidates:
+        (SHM_DIR / name).unlink(missing_ok=True)
+    return sorted(candidates)
 
 
 def _tail(path: Path, n: int = 60) -> str:

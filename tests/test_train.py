@@ -227,3 +227,22 @@ def test_metrics_resume_drops_lost_steps_and_a_torn_last_line(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [5, 10]
     Metrics(path, resume_step=0, enabled=True)
     assert path.read_text() == ""
+
+
+def test_release_shm_unlinks_only_unmapped_deepspeed_buffers():
+    import mmap
+    from pathlib import Path
+
+    from tasks.train import SHM_DIR, SHM_PREFIX, release_shm
+
+    leaked = SHM_DIR / f"{SHM_PREFIX}_test_127.0.0.1_1_0"
+    mapped = SHM_DIR / f"{SHM_PREFIX}_test_127.0.0.1_1_1"
+    other = SHM_DIR / "not_deepspeed_test_buffer"
+    for p in (leaked, mapped, other):
+        p.write_bytes(b"\0" * 4096)
+    with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        released = release_shm()
+        assert leaked.name in released and not leaked.exists()
+        assert mapped.exists() and other.exists()  # in use by a live process / not ours
+    mapped.unlink()
+    other.unlink()
