@@ -380,6 +380,30 @@ def materialize(
         raise
 
 
+def map_files(
+    workdir: str | Path,
+    stage: str,
+    config: Any,
+    code: str,
+    parent: DatasetRef,
+    fn: Callable[[pa.Table], tuple[pa.Table, pa.Table, StageStats]],
+) -> DatasetRef:
+    """A per-file stage: `fn(table) -> (kept, rejected, stats)` over each kept file of `parent`, in order,
+    one file in memory at a time; one kept file out per file in, rejected rows beside it."""
+
+    def build(writer: DatasetWriter) -> dict:
+        stats = StageStats()
+        for path in parent.files():
+            kept, rejected, part = fn(pq.read_table(path))
+            writer.write_table(kept)
+            if rejected.num_rows:
+                writer.write_table(rejected, kind="rejected")
+            stats = stats + part
+        return {"stats": stats}
+
+    return materialize(workdir, stage, config, code, build, parents=[parent])
+
+
 def rejected_table(rows: list[dict], stage: str, extra_fields: list[pa.Field] = ()) -> pa.Table:
     schema = REJECTED_SCHEMA
     for f in extra_fields:

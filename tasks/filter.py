@@ -34,10 +34,9 @@ import unicodedata
 from functools import lru_cache
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lifecycle.dataset import DatasetRef, StageStats, code_version, materialize, rejected_table
+from lifecycle.dataset import DatasetRef, StageStats, code_version, map_files, rejected_table
 from tasks import quality_rules
 from tasks.quality_rules import TERMINAL_PUNCTUATION, c4_reason, detect_language, fineweb_reason, gopher_repetition_reason
 
@@ -447,15 +446,5 @@ def filter_table(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, pa.Table
 
 def run_filter(parent: DatasetRef, cfg: FilterConfig, workdir: str) -> DatasetRef:
     """Filter every kept file of `parent`, one file at a time, into a committed `filter` dataset."""
-
-    def build(writer) -> dict:
-        stats = StageStats()
-        for path in parent.files():
-            kept, rej, part = filter_table(pq.read_table(path), cfg)
-            writer.write_table(kept)
-            if rej.num_rows:
-                writer.write_table(rej, kind="rejected")
-            stats = stats + part
-        return {"stats": stats}
-
-    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__], quality_rules), build, parents=[parent])
+    code = code_version(sys.modules[__name__], quality_rules)
+    return map_files(workdir, STAGE, cfg, code, parent, lambda table: filter_table(table, cfg))

@@ -40,10 +40,9 @@ from typing import Literal
 
 import phonenumbers
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lifecycle.dataset import DatasetRef, StageStats, code_version, materialize, rejected_table
+from lifecycle.dataset import DatasetRef, StageStats, code_version, map_files, rejected_table
 from tasks import pii_detectors
 from tasks.pii_detectors import DETECTORS, PRIORITY, shield_spans
 
@@ -187,16 +186,5 @@ def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, 
 
 def run_scrub(parent: DatasetRef, cfg: ScrubConfig, workdir: str) -> DatasetRef:
     """Scrub every kept file of `parent`, one file at a time, into a committed `scrub` dataset."""
-
-    def build(writer) -> dict:
-        stats = StageStats()
-        for path in parent.files():
-            out, rejected, part = scrub_table(pq.read_table(path), cfg)
-            writer.write_table(out)
-            if rejected.num_rows:
-                writer.write_table(rejected, kind="rejected")
-            stats = stats + part
-        return {"stats": stats}
-
     code = code_version(sys.modules[__name__], pii_detectors)
-    return materialize(workdir, STAGE, cfg, code, build, parents=[parent])
+    return map_files(workdir, STAGE, cfg, code, parent, lambda table: scrub_table(table, cfg))
