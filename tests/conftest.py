@@ -39,3 +39,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def make_collect(workdir, tables, fixture: str = "tests"):
+    """A committed `collect` dataset holding the given document tables (one Parquet file each)."""
+    from lifecycle.dataset import StageStats, materialize
+
+    def build(writer):
+        for t in tables:
+            writer.write_table(t)
+        n = sum(t.num_rows for t in tables)
+        return {"stats": StageStats(rows_in=n, rows_kept=n)}
+
+    return materialize(workdir, "collect", {"fixture": fixture}, "test", build)

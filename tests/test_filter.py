@@ -6,9 +6,11 @@ import itertools
 
 import pyarrow as pa
 import pytest
+
+from tests import conftest
 from pydantic import ValidationError
 
-from lifecycle.dataset import DOC_SCHEMA, StageStats, materialize
+from lifecycle.dataset import DOC_SCHEMA
 from tasks.filter import FilterConfig, document_verdict, filter_table, gopher_reason, run_filter, split_words
 
 CFG = FilterConfig()
@@ -232,13 +234,7 @@ def test_filter_table_rejects_null_text_by_name():
 
 
 def make_collect(workdir, tables: list[pa.Table]):
-    def build(writer):
-        for t in tables:
-            writer.write_table(t)
-        n = sum(t.num_rows for t in tables)
-        return {"stats": StageStats(rows_in=n, rows_kept=n)}
-
-    return materialize(workdir, "collect", {"fixture": "test_filter"}, "test", build)
+    return conftest.make_collect(workdir, tables, "test_filter")
 
 
 def test_run_filter_accounts_for_every_row_and_reuses(tmp_path):

@@ -6,9 +6,11 @@ import json
 
 import pyarrow as pa
 import pytest
+
+from tests import conftest
 from pydantic import ValidationError
 
-from lifecycle.dataset import DOC_SCHEMA, StageStats, materialize
+from lifecycle.dataset import DOC_SCHEMA
 from tasks.scrub import PII_TYPES, ScrubConfig, run_scrub, scrub_table, scrub_text
 
 CFG = ScrubConfig()
@@ -284,13 +286,7 @@ def test_scrubbing_twice_is_an_error():
 
 
 def make_collect(workdir, tables: list[pa.Table]):
-    def build(writer):
-        for t in tables:
-            writer.write_table(t)
-        n = sum(t.num_rows for t in tables)
-        return {"stats": StageStats(rows_in=n, rows_kept=n)}
-
-    return materialize(workdir, "collect", {"fixture": "test_scrub"}, "test", build)
+    return conftest.make_collect(workdir, tables, "test_scrub")
 
 
 def test_run_scrub_keeps_every_row_and_reuses(tmp_path):
