@@ -15,21 +15,21 @@ from typing import Any
 from prefect import flow
 from prefect.context import get_run_context
 
-from flows.stage_tasks import plain_task, stage_task
+from flows.stage_tasks import ShardRunner, plain_task, shard_task, stage_task
 from lifecycle.config import STAGES, PipelineConfig
-from lifecycle.dataset import DatasetRef
+from lifecycle.dataset import DatasetRef, RawFile, StagePlan, commit_plan
 from lineage.card import model_card
 from lineage.charts import funnel_png, loss_png
 from lineage.tracking import Tracker
 from tasks import checkpoint as ckpt_mod
 from tasks import model as model_mod
 from tasks import train_loop as loop_mod
-from tasks.collect import resolve_inputs, run_collect
+from tasks.collect import plan_collect, record_collected, resolve_inputs
 from tasks.dedup import run_dedup
 from tasks.evaluate import check_contamination, run_evaluate
-from tasks.filter import run_filter
+from tasks.filter import plan_filter
 from tasks.package import package_model
-from tasks.scrub import run_scrub
+from tasks.scrub import plan_scrub
 from tasks.tokenizer import run_tokenize
 from tasks.train import run_train
 
@@ -102,28 +102,56 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
                                "datasets": {}, "stages": {}, "checkpoint": None, "model": None, "promotion": None,
                                "metrics": {}}
 
-    def data_stage(stage: str, fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
-        t = stage_task(fn, stage, orch, orch.data_retries)
-        args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
-        ref, outcome = _call(t, *args, **kw)
+    def record(stage: str, stage_cfg, parent: DatasetRef | None, ref: DatasetRef, outcome: str, raw_inputs=(),
+               metrics: dict | None = None) -> DatasetRef:
         tracker.log_stage(stage, stage_cfg, outcome, inputs=[parent] if parent else [], outputs=[ref],
-                          raw_inputs=kw.get("inputs", ()), metrics=funnel_metrics(ref))
+                          raw_inputs=raw_inputs, metrics={**funnel_metrics(ref), **(metrics or {})})
         summary["datasets"][stage] = str(ref.manifest_path)
         summary["stages"][stage] = outcome
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
         return ref
 
+    def data_stage(stage: str, fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
+        t = stage_task(fn, stage, orch, orch.data_retries)
+        args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
+        ref, outcome = _call(t, *args, **kw)
+        return record(stage, stage_cfg, parent, ref, outcome, kw.get("inputs", ()))
+
+    def sharded_stage(stage: str, plan_fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
+        """plan -> one task per shard on the shard runner (Dask) -> commit. A committed dataset with the same
+        fingerprint is reused; after a crash only the shards without a published marker run again."""
+        args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
+        plan = plain_task(plan_fn, f"{stage}-plan")(*args, **kw)
+        raw = ()
+        if parent is None:  # collect: the raw files this dataset holds (incremental runs skip collected ones)
+            raw = plan.inputs if isinstance(plan, StagePlan) else [RawFile(**r) for r in plan.manifest()["inputs"]]
+        if isinstance(plan, DatasetRef):
+            return record(stage, stage_cfg, parent, plan, "reused", raw)
+        reused = len(plan.done_shards())
+        print(f"[{stage}] {len(plan.shards)} shards ({reused} already built by an earlier attempt)")
+        shards.map(shard_task(stage, orch, orch.data_retries), plan, len(plan.shards))
+        ref = plain_task(commit_plan, f"{stage}-commit")(plan)
+        return record(stage, stage_cfg, parent, ref, "resumed" if reused else "computed", raw,
+                      metrics={"shards": len(plan.shards), "shards_reused": reused})
+
     def done(stage: str) -> bool:
         return STAGES.index(stage) >= stop_after
 
+    shards = ShardRunner(orch)
     try:
         inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
-        ref = data_stage("collect", run_collect, None, cfg.collect, inputs=inputs)
-        for stage, fn in (("filter", run_filter), ("dedup", run_dedup), ("scrub", run_scrub),
-                          ("tokenize", run_tokenize)):
+        ref = collected = sharded_stage("collect", plan_collect, None, cfg.collect, inputs=inputs)
+        if cfg.collect.incremental and not ref.manifest()["inputs"]:
+            print(f"[collect] no new input files: all {len(inputs)} were collected by earlier runs; nothing to do")
+            summary["status"] = "no_new_inputs"
+            tracker.end("FINISHED")
+            return summary
+        for stage, fn, sharded in (("filter", plan_filter, True), ("dedup", run_dedup, False),
+                                   ("scrub", plan_scrub, True), ("tokenize", run_tokenize, False)):
             if done(STAGES[STAGES.index(stage) - 1]):
                 break
-            ref = data_stage(stage, fn, ref, getattr(cfg, stage))
+            ref = (sharded_stage if sharded else data_stage)(stage, fn, ref, getattr(cfg, stage))
+        shards.close()  # the Dask cluster is not needed past the data stages
         tokens = ref
         if not done("tokenize"):
             train_t = stage_task(run_train, "train", orch, orch.train_retries,
@@ -165,9 +193,14 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
             _log_card(tracker, summary, model_ref, cfg, evaluation["examples"])
         _log_charts(tracker, summary, rows if "train" in summary["stages"] else None)
         tracker.log_parent_metrics({k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))})
+        if cfg.collect.incremental:
+            n = plain_task(record_collected, "record-collected")(wd, collected)
+            print(f"[collect] ledger: {n} input file(s) recorded as collected")
         summary["status"] = "completed"
         tracker.end("FINISHED")
     except BaseException:
         tracker.end("FAILED")
         raise
+    finally:
+        shards.close()
     return summary

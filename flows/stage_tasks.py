@@ -10,18 +10,22 @@ CLI points at `<workdir>/.prefect-results`; keys include the work dir, so two wo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
+from prefect.utilities.annotations import unmapped
 from pydantic import BaseModel
 
 from lifecycle.config import ConfigError, OrchestrationConfig
-from lifecycle.dataset import AccountingError, DatasetRef, code_version, sha256_json
+from lifecycle.dataset import AccountingError, DatasetRef, code_version, run_shard, sha256_json
 from tasks.collect import InputError
 from tasks.evaluate import ContaminationError
 
@@ -92,6 +96,66 @@ def stage_task(
         retry_condition_fn=_retry_unless_permanent,
         timeout_seconds=None if stage == "train" else orchestration.stage_timeout_s,
     )
+
+
+def shard_task(stage: str, orchestration: OrchestrationConfig, retries: int):
+    """One shard of a sharded stage (`lifecycle.dataset.run_shard`). Not cached by Prefect: the shard's
+    published directory is its result, so a retry or a rerun after a crash skips finished shards."""
+    return task(
+        run_shard,
+        name=f"{stage}-shard",
+        task_run_name=f"{stage}-shard-{{index}}",
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        retries=retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=orchestration.retry_backoff_s),
+        retry_jitter_factor=orchestration.retry_jitter,
+        retry_condition_fn=_retry_unless_permanent,
+        timeout_seconds=orchestration.stage_timeout_s,
+    )
+
+
+class ShardRunner:
+    """The task runner that shards are mapped over, started on first use and shut down with the flow.
+
+    A Dask LocalCluster of `dask_workers` processes by default, the cluster at `dask_address` when one is
+    configured, or (`dask_workers: 0`) one thread in the flow process. It is chosen per run from the config,
+    so deployments served from `prefect.yaml` get the same behaviour as `lifecycle run`.
+    """
+
+    def __init__(self, orchestration: OrchestrationConfig):
+        self.orch = orchestration
+        self._stack = contextlib.ExitStack()
+        self._runner = None
+
+    def _make(self):
+        if self.orch.dask_address:
+            from prefect_dask import DaskTaskRunner
+
+            return DaskTaskRunner(address=self.orch.dask_address)
+        if self.orch.dask_workers == 0:
+            return ThreadPoolTaskRunner(max_workers=1)
+        from prefect_dask import DaskTaskRunner
+
+        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
+            "n_workers": self.orch.dask_workers, "threads_per_worker": 1, "processes": True,
+            "host": "127.0.0.1", "dashboard_address": None, "silence_logs": logging.WARNING})
+
+    def map(self, task_, plan, n: int) -> list:
+        if self._runner is None:
+            self._runner = self._stack.enter_context(self._make())
+        futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n))})
+        return futures.result()  # raises the first shard failure (after that shard's retries)
+
+    def __enter__(self) -> "ShardRunner":
+        return self
+
+    def close(self) -> None:
+        self._stack.close()
+        self._runner = None
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def plain_task(fn: Callable, name: str):

@@ -37,7 +37,20 @@ def _prefect_env(cfg: PipelineConfig) -> str:
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(Path(cfg.workdir) / ".prefect-results"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    if mode == "embedded":
+        _share_ephemeral_server()
     return mode
+
+
+def _share_ephemeral_server() -> None:
+    """Start Prefect's temporary server now and export its URL, so that Dask worker processes (which
+    inherit the environment) report their task runs to it instead of each starting a server of its own.
+    It is the same singleton Prefect's client would start, and Prefect stops it when this process exits."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()
+    os.environ["PREFECT_API_URL"] = server.api_url
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -90,7 +103,7 @@ def print_summary(s: dict) -> None:
     print(f"\nOpen the MLflow UI on these results:\n  .venv/bin/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
           f" --host 127.0.0.1 --port 5000\nQuery the data with DuckDB, e.g.:\n"
           f"  .venv/bin/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
-          f"read_parquet('{s['workdir']}/datasets/*/*/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
+          f"read_parquet('{s['workdir']}/datasets/*/*/**/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).

@@ -7,6 +7,7 @@ Secrets never live here (see `lifecycle.settings`).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,13 @@ class OrchestrationConfig(BaseModel):
     stage_timeout_s: float | None = Field(
         3600, gt=0, description="Timeout of each stage attempt except train (a Prefect timeout cannot stop the "
         "DeepSpeed ranks: the train supervisor enforces `train.timeout_s` itself). null = none.")
+    dask_workers: int = Field(
+        default_factory=lambda: min(os.cpu_count() or 1, 4), ge=0,
+        description="Worker processes of the Dask LocalCluster that runs the shards of collect, filter and "
+        "scrub (one thread each). 0 = run shards one after another in the flow process. Default: cores, up to 4.")
+    dask_address: str | None = Field(
+        None, description="Address of a running Dask scheduler (tcp://host:8786): shards run on that cluster "
+        "instead of a LocalCluster. Its workers need this package installed and the work dir at the same path.")
 
 
 class PipelineConfig(BaseModel):

@@ -12,10 +12,12 @@ its final fingerprint name. A directory without `_manifest.json` is never read.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +146,11 @@ class StageStats:
             self.counters + other.counters,
         )
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageStats":
+        return cls(d["rows_in"], d["rows_kept"], Counter(d["rejected_by_reason"]), d["bytes_in"], d["bytes_out"],
+                   Counter(d.get("counters", {})))
+
     @property
     def rows_rejected(self) -> int:
         return sum(self.rejected.values())
@@ -252,17 +259,12 @@ def find_committed(workdir: str | Path, stage: str, fp: str) -> DatasetRef | Non
 # writing
 
 
-class DatasetWriter:
-    """Builds one dataset in a temporary directory and commits it atomically."""
+class _FileWriter:
+    """Writes Parquet (and other) files into `self.tmp`, fsyncs each and records (path, sha256, bytes, rows)."""
 
-    def __init__(self, workdir: str | Path, stage: str, fp: str):
-        self.stage = stage
-        self.fingerprint = fp
-        self.final = dataset_dir(workdir, stage, fp)
-        self.tmp = self.final.with_name(f".tmp-{self.final.name}-{os.getpid()}")
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir(parents=True)
+    tmp: Path
+
+    def __init__(self) -> None:
         self._entries: dict[str, list[dict]] = {"files": [], "rejected": [], "extra": []}
 
     def _register(self, kind: str, rel: str, num_rows: int | None) -> None:
@@ -293,6 +295,28 @@ class DatasetWriter:
         p = self.tmp / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class DatasetWriter(_FileWriter):
+    """Builds one dataset in a temporary directory and commits it atomically."""
+
+    def __init__(self, workdir: str | Path, stage: str, fp: str, tmp: Path | None = None):
+        """`tmp`: build in this directory and keep what is already there (the shards of a sharded stage);
+        by default a fresh private directory."""
+        super().__init__()
+        self.stage = stage
+        self.fingerprint = fp
+        self.final = dataset_dir(workdir, stage, fp)
+        if tmp is None:
+            # leftovers of a killed build of the same dataset (the work-dir lock rules out a live one)
+            for stale in self.final.parent.glob(f".tmp-{self.final.name}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = self.final.with_name(f".tmp-{self.final.name}-{os.getpid()}")
+        self.tmp = tmp
+        self.tmp.mkdir(parents=True, exist_ok=True)
 
     def commit(
         self,
@@ -349,9 +373,6 @@ class DatasetWriter:
         fsync_dir(self.final.parent)
         return DatasetRef.from_dir(self.final)
 
-    def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
 
 def materialize(
     workdir: str | Path,
@@ -380,28 +401,158 @@ def materialize(
         raise
 
 
-def map_files(
+# --------------------------------------------------------------------------------------------------
+# sharded stages: plan -> run_shard for each shard (in parallel, anywhere) -> commit_plan
+
+SHARD_MARKER = "_shard.json"
+
+
+class StagePlan(BaseModel):
+    """A sharded stage, planned and not yet committed. The flow maps `run_shard(plan, i)` over the shards
+    (on Dask workers, which may be other processes or machines sharing the work dir), then `commit_plan`.
+
+    Shards are built in `.building-<fp>/shard-NNNNN/`, each published by an atomic rename after its
+    `_shard.json` (entries with sha256, stats) is fsynced. A killed run leaves finished shards behind; the
+    rerun plans the same fingerprint and builds only the shards that have no marker. Shard outputs are a
+    pure function of (config, code, shard inputs), so the committed dataset is byte-identical either way.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    stage: str
+    workdir: str
+    fingerprint: str
+    code: str
+    config: Any
+    shard_fn: str  # "module:function", called as fn(config, items, writer: ShardWriter) -> StageStats
+    shards: list[list[str]]
+    parents: list[DatasetRef] = []
+    inputs: list[RawFile] = []
+
+    @property
+    def building(self) -> Path:
+        d = dataset_dir(self.workdir, self.stage, self.fingerprint)
+        return d.with_name(f".building-{d.name}")
+
+    def shard_dir(self, index: int) -> Path:
+        return self.building / f"shard-{index:05d}"
+
+    def done_shards(self) -> list[int]:
+        return [i for i in range(len(self.shards)) if (self.shard_dir(i) / SHARD_MARKER).exists()]
+
+
+class ShardWriter(_FileWriter):
+    """Writes one shard into a private directory; `finish` publishes it with one rename."""
+
+    def __init__(self, plan: StagePlan, index: int):
+        super().__init__()
+        self.index = index
+        self.final = plan.shard_dir(index)
+        self.tmp = plan.building / f".tmp-{self.final.name}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir(parents=True)
+
+    def finish(self, stats: StageStats) -> None:
+        atomic_write_json(self.tmp / SHARD_MARKER, {"index": self.index, "entries": self._entries,
+                                                    "stats": stats.to_dict()})
+        fsync_dir(self.tmp)
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError:  # a twin attempt (a retry after a timeout) published it first
+            if not (self.final / SHARD_MARKER).exists():
+                raise
+            shutil.rmtree(self.tmp)
+        fsync_dir(self.final.parent)
+
+
+def plan_stage(
     workdir: str | Path,
     stage: str,
     config: Any,
     code: str,
-    parent: DatasetRef,
-    fn: Callable[[pa.Table], tuple[pa.Table, pa.Table, StageStats]],
-) -> DatasetRef:
-    """A per-file stage: `fn(table) -> (kept, rejected, stats)` over each kept file of `parent`, in order,
-    one file in memory at a time; one kept file out per file in, rejected rows beside it."""
+    shard_fn: Callable,
+    shards: list[list[str]],
+    parents: Iterable[DatasetRef] = (),
+    inputs: Iterable[RawFile] = (),
+) -> StagePlan | DatasetRef:
+    """The committed dataset if there is one, else the plan to build it (leftover temporary shard
+    directories of a killed run are removed; finished shards are kept)."""
+    parents, inputs = list(parents), list(inputs)
+    fp = fingerprint(stage, config, code, parents, inputs)
+    done = find_committed(workdir, stage, fp)
+    if done is not None:
+        return done
+    plan = StagePlan(stage=stage, workdir=str(workdir), fingerprint=fp, code=code, config=config,
+                     shard_fn=f"{shard_fn.__module__}:{shard_fn.__qualname__}", shards=shards,
+                     parents=parents, inputs=inputs)
+    plan.building.mkdir(parents=True, exist_ok=True)
+    for stale in plan.building.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return plan
 
-    def build(writer: DatasetWriter) -> dict:
-        stats = StageStats()
-        for path in parent.files():
-            kept, rejected, part = fn(pq.read_table(path))
-            writer.write_table(kept)
-            if rejected.num_rows:
-                writer.write_table(rejected, kind="rejected")
-            stats = stats + part
-        return {"stats": stats}
 
-    return materialize(workdir, stage, config, code, build, parents=[parent])
+def run_shard(plan: StagePlan, index: int) -> dict:
+    """Build shard `index` of `plan` unless a finished copy exists. Idempotent; safe to retry."""
+    if (plan.shard_dir(index) / SHARD_MARKER).exists():
+        return {"index": index, "reused": True}
+    module, _, name = plan.shard_fn.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    writer = ShardWriter(plan, index)
+    try:
+        stats = fn(plan.config, plan.shards[index], writer)
+        writer.finish(stats)
+    except BaseException:
+        writer.abort()
+        raise
+    return {"index": index, "reused": False, "rows_in": stats.rows_in, "rows_kept": stats.rows_kept}
+
+
+def commit_plan(plan: StagePlan) -> DatasetRef:
+    """Merge every shard's entries and stats (in shard order) into one manifest and commit the dataset."""
+    done = find_committed(plan.workdir, plan.stage, plan.fingerprint)
+    if done is not None:
+        return done
+    missing = sorted(set(range(len(plan.shards))) - set(plan.done_shards()))
+    if missing:
+        raise RuntimeError(f"{plan.stage}: cannot commit, shards {missing} of {len(plan.shards)} are not "
+                           f"finished in {plan.building}")
+    writer = DatasetWriter(plan.workdir, plan.stage, plan.fingerprint, tmp=plan.building)
+    stats = StageStats()
+    for i in range(len(plan.shards)):
+        marker = json.loads((plan.shard_dir(i) / SHARD_MARKER).read_text())
+        for kind, entries in marker["entries"].items():
+            writer._entries[kind] += [{**e, "path": f"{plan.shard_dir(i).name}/{e['path']}"} for e in entries]
+        stats = stats + StageStats.from_dict(marker["stats"])
+    return writer.commit(config=plan.config, code=plan.code, parents=plan.parents, inputs=plan.inputs,
+                         stats=stats, extra={"shards": len(plan.shards)})
+
+
+def run_plan(plan: StagePlan | DatasetRef) -> DatasetRef:
+    """Build every shard here, one after another, and commit (library use and tests; the flow maps the
+    shards over its task runner instead)."""
+    if isinstance(plan, DatasetRef):
+        return plan
+    for i in range(len(plan.shards)):
+        run_shard(plan, i)
+    return commit_plan(plan)
+
+
+def plan_per_file(workdir: str | Path, stage: str, config: Any, code: str, parent: DatasetRef,
+                  shard_fn: Callable) -> StagePlan | DatasetRef:
+    """A stage whose shard is one kept file of `parent`."""
+    return plan_stage(workdir, stage, config, code, shard_fn, [[str(p)] for p in parent.files()], parents=[parent])
+
+
+def map_tables(paths: list[str], writer: _FileWriter,
+               fn: Callable[[pa.Table], tuple[pa.Table, pa.Table, StageStats]]) -> StageStats:
+    """`fn(table) -> (kept, rejected, stats)` over each file, one file in memory at a time; one kept file out
+    per file in, rejected rows beside it."""
+    stats = StageStats()
+    for path in paths:
+        kept, rejected, part = fn(pq.read_table(path))
+        writer.write_table(kept)
+        if rejected.num_rows:
+            writer.write_table(rejected, kind="rejected")
+        stats = stats + part
+    return stats
 
 
 def rejected_table(rows: list[dict], stage: str, extra_fields: list[pa.Field] = ()) -> pa.Table:

@@ -9,6 +9,10 @@ Runs killed under a real server (SIGKILL, OOM) must not stay "Running" forever. 
 heartbeat event every `PREFECT_RUNNER_HEARTBEAT_FREQUENCY` seconds (30 here unless set), and `serve`
 installs, once per server, the automation `lifecycle-zombie-runs`: a running flow run whose heartbeats
 stop for 90 s without a terminal state is marked Crashed. A rerun then resumes from what was committed.
+
+Scheduled runs are incremental (`collect.incremental=true` unless `--full`): each collects only the input
+files that no earlier completed run collected, and dedup (with its persistent index) drops new documents
+that duplicate anything kept before.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ def register(sub) -> None:
     p.add_argument("--timezone", default="UTC")
     p.add_argument("--name", default=None, help="deployment name (default: the pipeline name)")
     p.add_argument("--until", choices=STAGES, help="each scheduled run stops after this stage")
+    p.add_argument("--full", action="store_true",
+                   help="collect every input file on each run (default: only files not collected by an earlier "
+                   "completed run, i.e. collect.incremental=true)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
     try:
-        cfg = load_config(args.config, args.set or [])
+        # scheduled runs are incremental unless --full (a later --set may still override it)
+        cfg = load_config(args.config, ([] if args.full else ["collect.incremental=true"]) + (args.set or []))
     except ConfigError as e:
         print(f"lifecycle: {e}", file=sys.stderr)
         return 2

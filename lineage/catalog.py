@@ -138,7 +138,7 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
         if paths:
             lst = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
             con.execute(f"CREATE VIEW {view} AS SELECT * EXCLUDE (filename), "
-                        f"regexp_replace(filename, '/[^/]*$', '') AS dataset_path "
+                        f"regexp_replace(filename, '(/shard-[0-9]+)?/[^/]*$', '') AS dataset_path "
                         f"FROM read_parquet([{lst}], union_by_name=true, filename=true)")
         else:  # an empty view with the shared columns, so queries still bind
             cols = ", ".join(f"NULL::VARCHAR AS {c}" for c in fallback[view].split(", "))

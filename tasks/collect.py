@@ -21,6 +21,11 @@ Size rule (memory stays bounded by it, whatever the input): a document whose UTF
 as `too_large` after reading at most `max_line_bytes + 1` bytes of it (the rest of the line is skipped in
 1 MiB chunks, never held); `.txt` and `.html` files and WARC payloads over `max_doc_bytes` are rejected
 by their size, unread.
+
+Incremental collection (`incremental: true`; `lifecycle serve` turns it on): files whose (path, sha256)
+is in the work dir's ledger `collected.parquet` are skipped, so a recurring run over a growing input
+directory collects only what is new (a file whose content changed is new). The flow appends a run's
+files to the ledger only when the run completes, so a run that crashed is redone in full by the next one.
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from lifecycle.dataset import (
     DOC_SCHEMA,
     DatasetRef,
-    DatasetWriter,
     RawFile,
+    StagePlan,
     StageStats,
+    atomic_write_bytes,
     code_version,
-    materialize,
+    plan_stage,
     rejected_table,
+    run_plan,
     sha256_file,
 )
 from tasks import extract
@@ -78,6 +85,12 @@ class CollectConfig(BaseModel):
         64, gt=0, description="A JSONL record nested deeper than this (objects/arrays) is rejected as `json_too_deep`."
     )
     rows_per_shard: int = Field(20_000, gt=0, description="Kept rows per output Parquet file.")
+    incremental: bool = Field(
+        False, description="Skip input files (same path and sha256) that a completed earlier run in this work dir "
+        "already collected (ledger `<workdir>/collected.parquet`).")
+    shard_bytes: int = Field(
+        64 << 20, gt=0, description="Input files are grouped, in order, into shards of about this many raw bytes; "
+        "shards are collected in parallel and each is resumable on its own. A file is never split.")
 
     @model_validator(mode="after")
     def _sizes(self) -> "CollectConfig":
@@ -334,7 +347,8 @@ READERS = {
 # the stage
 
 
-def collect_files(inputs: list[RawFile], cfg: CollectConfig, writer: DatasetWriter) -> StageStats:
+def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
+    """Read the shard's input files in order; kept rows in files of `rows_per_shard`, rejected rows beside."""
     stats = StageStats()
     kept: list[dict] = []
     rejected: list[dict] = []
@@ -344,13 +358,13 @@ def collect_files(inputs: list[RawFile], cfg: CollectConfig, writer: DatasetWrit
             writer.write_table(pa.Table.from_pylist(kept, schema=DOC_SCHEMA))
             kept.clear()
 
-    for raw in inputs:
-        for item in READERS[file_kind(raw.path)](raw.path, cfg):
+    for path in paths:
+        for item in READERS[file_kind(path)](path, cfg):
             stats.rows_in += 1
             if item[0] == "bad":
                 _, sid, reason, detail = item
                 rejected.append({"doc_id": make_doc_id(sid, ""), "source_id": sid, "reason": reason,
-                                 "detail": f"{raw.path}: {detail}"})
+                                 "detail": f"{path}: {detail}"})
                 stats.rejected[reason] += 1
                 continue
             rec = item[1]
@@ -358,9 +372,9 @@ def collect_files(inputs: list[RawFile], cfg: CollectConfig, writer: DatasetWrit
             stats.bytes_in += nbytes
             reason = detail = None
             if "\x00" in rec["text"]:
-                reason, detail = "nul_bytes", f"{raw.path}: text holds NUL bytes"
+                reason, detail = "nul_bytes", f"{path}: text holds NUL bytes"
             elif nbytes > cfg.max_doc_bytes:
-                reason, detail = "too_large", f"{raw.path}: {nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}"
+                reason, detail = "too_large", f"{path}: {nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}"
             if reason:
                 rejected.append({"doc_id": make_doc_id(rec["source_id"], rec["text"]), "source_id": rec["source_id"],
                                  "reason": reason, "detail": detail})
@@ -377,10 +391,57 @@ def collect_files(inputs: list[RawFile], cfg: CollectConfig, writer: DatasetWrit
     return stats
 
 
-def run_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> DatasetRef:
+def shard_inputs(inputs: list[RawFile], shard_bytes: int) -> list[list[str]]:
+    """Consecutive input files, grouped until a group holds at least `shard_bytes` raw bytes."""
+    shards: list[list[str]] = []
+    size = shard_bytes
+    for raw in inputs:
+        if size >= shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(raw.path)
+        size += raw.bytes
+    return shards
+
+
+LEDGER = "collected.parquet"
+LEDGER_SCHEMA = pa.schema([("path", pa.string()), ("sha256", pa.string()), ("bytes", pa.int64()),
+                           ("collect_sha256", pa.string()), ("collected_at", pa.string())])
+
+
+def read_ledger(workdir: str) -> pa.Table:
+    p = Path(workdir) / LEDGER
+    return pq.read_table(p) if p.exists() else LEDGER_SCHEMA.empty_table()
+
+
+def new_inputs(inputs: list[RawFile], workdir: str) -> list[RawFile]:
+    seen = set(zip(*(read_ledger(workdir).column(c).to_pylist() for c in ("path", "sha256"))))
+    return [r for r in inputs if (r.path, r.sha256) not in seen]
+
+
+def record_collected(workdir: str, ref: DatasetRef) -> int:
+    """Append the raw files of a completed run's collect dataset to the ledger (atomically); returns how
+    many were new to it."""
+    old = read_ledger(workdir)
+    m = ref.manifest()
+    seen = set(zip(old.column("path").to_pylist(), old.column("sha256").to_pylist()))
+    rows = [{**r, "collect_sha256": m["sha256"], "collected_at": m["created_at"]} for r in m["inputs"]
+            if (r["path"], r["sha256"]) not in seen]
+    if rows:
+        table = pa.concat_tables([old, pa.Table.from_pylist(rows, schema=LEDGER_SCHEMA)])
+        buf = pa.BufferOutputStream()
+        pq.write_table(table, buf)
+        atomic_write_bytes(Path(workdir) / LEDGER, buf.getvalue().to_pybytes())
+    return len(rows)
+
+
+def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> StagePlan | DatasetRef:
     inputs = resolve_inputs(cfg.inputs) if inputs is None else inputs
+    if cfg.incremental:
+        inputs = new_inputs(inputs, workdir)
+    return plan_stage(workdir, STAGE, cfg, code_version(sys.modules[__name__], extract), collect_shard,
+                      shard_inputs(inputs, cfg.shard_bytes), inputs=inputs)
 
-    def build(writer: DatasetWriter) -> dict:
-        return {"stats": collect_files(inputs, cfg, writer)}
 
-    return materialize(workdir, STAGE, cfg, code_version(sys.modules[__name__], extract), build, inputs=inputs)
+def run_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> DatasetRef:
+    return run_plan(plan_collect(cfg, workdir, inputs))

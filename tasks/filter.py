@@ -36,7 +36,9 @@ from functools import lru_cache
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lifecycle.dataset import DatasetRef, StageStats, code_version, map_files, rejected_table
+from lifecycle.dataset import (
+    DatasetRef, StageStats, StagePlan, code_version, map_tables, plan_per_file, rejected_table, run_plan,
+)
 from tasks import quality_rules
 from tasks.quality_rules import TERMINAL_PUNCTUATION, c4_reason, detect_language, fineweb_reason, gopher_repetition_reason
 
@@ -444,7 +446,15 @@ def filter_table(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, pa.Table
 # stage entry (no Prefect, no MLflow)
 
 
+def filter_shard(cfg: FilterConfig, files: list[str], writer) -> StageStats:
+    return map_tables(files, writer, lambda table: filter_table(table, cfg))
+
+
+def plan_filter(parent: DatasetRef, cfg: FilterConfig, workdir: str) -> StagePlan | DatasetRef:
+    """One shard per kept file of `parent`; the committed dataset instead if it exists."""
+    return plan_per_file(workdir, STAGE, cfg, code_version(sys.modules[__name__], quality_rules), parent, filter_shard)
+
+
 def run_filter(parent: DatasetRef, cfg: FilterConfig, workdir: str) -> DatasetRef:
     """Filter every kept file of `parent`, one file at a time, into a committed `filter` dataset."""
-    code = code_version(sys.modules[__name__], quality_rules)
-    return map_files(workdir, STAGE, cfg, code, parent, lambda table: filter_table(table, cfg))
+    return run_plan(plan_filter(parent, cfg, workdir))

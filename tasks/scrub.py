@@ -42,7 +42,9 @@ import phonenumbers
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lifecycle.dataset import DatasetRef, StageStats, code_version, map_files, rejected_table
+from lifecycle.dataset import (
+    DatasetRef, StageStats, StagePlan, code_version, map_tables, plan_per_file, rejected_table, run_plan,
+)
 from tasks import pii_detectors
 from tasks.pii_detectors import DETECTORS, PRIORITY, shield_spans
 
@@ -184,7 +186,15 @@ def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, 
 # stage entry (no Prefect, no MLflow)
 
 
+def scrub_shard(cfg: ScrubConfig, files: list[str], writer) -> StageStats:
+    return map_tables(files, writer, lambda table: scrub_table(table, cfg))
+
+
+def plan_scrub(parent: DatasetRef, cfg: ScrubConfig, workdir: str) -> StagePlan | DatasetRef:
+    """One shard per kept file of `parent`; the committed dataset instead if it exists."""
+    return plan_per_file(workdir, STAGE, cfg, code_version(sys.modules[__name__], pii_detectors), parent, scrub_shard)
+
+
 def run_scrub(parent: DatasetRef, cfg: ScrubConfig, workdir: str) -> DatasetRef:
     """Scrub every kept file of `parent`, one file at a time, into a committed `scrub` dataset."""
-    code = code_version(sys.modules[__name__], pii_detectors)
-    return map_files(workdir, STAGE, cfg, code, parent, lambda table: scrub_table(table, cfg))
+    return run_plan(plan_scrub(parent, cfg, workdir))

@@ -81,41 +81,75 @@ def _api(st, path, body=None):
         return json.loads(r.read())
 
 
-def test_serve_runs_on_the_cron_schedule_with_overlaps_cancelled(live, tmp_path):
+def _finished_runs(st):
+    # the scheduler also inserts many future runs: ask only for finished ones
+    runs = _api(st, "flow_runs/filter", {"limit": 20, "flow_runs": {"state": {"type": {
+        "any_": ["COMPLETED", "FAILED", "CRASHED"]}}}})
+    return [r for r in runs if r["deployment_id"]]
+
+
+def _wait(what, cond, timeout):
     import time
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(2)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+def test_serve_runs_incrementally_on_the_cron_schedule(live, tmp_path):
+    """Two scheduled runs on the real server, a new input file added between them: the second collects only
+    the new file and dedup drops its copy of a document the first run kept."""
+    import pyarrow.parquet as pq
+    from tests.conftest import corpus_records
+
     wd, st = live
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"id": f"s{i}", "text": f"scheduled doc {i} " * 30}) + "\n" for i in range(3)))
+    recs = [{**r, "id": f"sched-{k}"} for k, r in enumerate(corpus_records(400)[300:340])]
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    first, second = inputs / "a.jsonl", inputs / "b.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in recs[:20]))
     serve = subprocess.Popen([*CLI, "serve", "--cron", "* * * * *", "--name", "every-minute", "--set", f"workdir={wd}",
-                              "--set", f"collect.inputs=[\"{src}\"]", "--set", "name=served", "--until", "collect"],
+                              "--set", f"collect.inputs=[\"{inputs}/*.jsonl\"]", "--set", "name=served",
+                              "--until", "dedup"],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ledger = lambda: pq.read_table(wd / "collected.parquet").to_pylist() if (wd / "collected.parquet").exists() else []
     try:
-        deadline, done = time.time() + 240, []
-        while time.time() < deadline and not done:
-            time.sleep(5)
-            # the scheduler also inserts many future runs: ask only for finished ones
-            runs = _api(st, "flow_runs/filter", {"limit": 10, "flow_runs": {"state": {"type": {
-                "any_": ["COMPLETED", "FAILED", "CRASHED"]}}}})
-            done = [r for r in runs if r["deployment_id"]]
-        assert done, "no scheduled run finished within 4 minutes"
-        run = done[0]
-        assert run["state_type"] == "COMPLETED", run["state"]["message"]
-        assert run["auto_scheduled"] is True  # started by the server's scheduler, not by hand
-        dep = _api(st, f"deployments/{run['deployment_id']}")
+        _wait("no scheduled run collected a.jsonl", lambda: [r for r in ledger() if r["path"] == str(first)], 240)
+        # new data arrives: 20 new documents and a copy of one the first run kept
+        second.write_text("".join(json.dumps(r) + "\n" for r in [*recs[20:], {**recs[3], "id": "sched-copy"}]))
+        _wait("no scheduled run collected b.jsonl", lambda: [r for r in ledger() if r["path"] == str(second)], 240)
+        done = _finished_runs(st)
+        assert done and all(r["state_type"] == "COMPLETED" for r in done), [r["state"]["message"] for r in done]
+        assert all(r["auto_scheduled"] for r in done)  # started by the server's scheduler, not by hand
+        dep = _api(st, f"deployments/{done[0]['deployment_id']}")
         assert dep["name"] == "every-minute" and dep["schedules"][0]["schedule"]["cron"] == "* * * * *"
         limit = dep.get("global_concurrency_limit") or {}
         assert limit.get("limit") == 1, sorted(dep)
+        assert dep["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
         # zombie detection: the automation that marks heartbeat-less runs Crashed is installed
         autos = _api(st, "automations/filter", {})
         zombie = next(a for a in autos if a["name"] == "lifecycle-zombie-runs")
         assert zombie["trigger"]["posture"] == "Proactive" and zombie["actions"][0]["state"] == "CRASHED"
-        assert dep["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
     finally:
         serve.terminate()
         try:
             serve.wait(timeout=30)
         except subprocess.TimeoutExpired:
             serve.kill()
+
+    # the second run's collect dataset holds b.jsonl only, all 21 of its records
+    collects = [json.loads(m.read_text()) for m in (wd / "datasets" / "collect").glob("*/_manifest.json")]
+    by_input = {tuple(i["path"] for i in m["inputs"]): m for m in collects}
+    assert (str(first),) in by_input and (str(second),) in by_input, list(by_input)
+    assert by_input[(str(second),)]["stats"]["rows_in"] == 21
+    # dedup rejected the copy as a duplicate of the document the first run kept
+    rejected = [r for m in (wd / "datasets" / "dedup").glob("*/_manifest.json")
+                for f in json.loads(m.read_text())["rejected"] for r in pq.read_table(m.parent / f["path"]).to_pylist()]
+    copy = [r for r in rejected if r["source_id"] == "sched-copy"]
+    assert copy and copy[0]["reason"] == "duplicate" and "earlier run" in copy[0]["detail"], rejected
 
 
 def test_down_stops_exactly_what_up_started(live):
