@@ -118,7 +118,7 @@ def doc_lineage(con, ident: str) -> dict:
             events.append({"outcome": "kept", **{k: v for k, v in r.items() if v is not None}})
         rej_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE rejected")}
         rsel = ", ".join(["doc_id", "source_id", "dataset_path", "reason", "detail"] +
-                         [c for c in ("duplicate_of", "cluster_id") if c in rej_cols])
+                         [c for c in ("duplicate_of", "duplicate_kind", "cluster_id") if c in rej_cols])
         for r in cat.query(con, f"SELECT {rsel} FROM rejected WHERE {where}", params):
             events.append({"outcome": "rejected", **{k: v for k, v in r.items() if v is not None}})
         for r in cat.query(con, f"SELECT doc_id, source_id, dataset_path, split, shard, token_start, token_end "
