@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lifecycle.paths import PathEscape, is_url, pattern_root, resolve_within
 from lineage.tracking import TrackingConfig
 from tasks.collect import CollectConfig
 from tasks.dedup import DedupConfig
@@ -53,6 +54,12 @@ class PipelineConfig(BaseModel):
 
     name: str = Field("lifecycle", description="Name of this pipeline (MLflow experiment default, Prefect run name).")
     workdir: str = Field("runs/demo", description="Where every dataset, checkpoint and the local MLflow store live.")
+    input_roots: list[str] | None = Field(None, description=(
+        "Directories the pipeline may read input from (relative ones from the current directory, like the input "
+        "patterns), besides the work dir. When set, every `collect.inputs` pattern's fixed directory and "
+        "`tokenize.tokenizer_file` must resolve (symlinks followed) inside one of them. null: each pattern's own "
+        "fixed directory is its root. Either way, a file a pattern matches must resolve inside the pattern's "
+        "fixed directory (lifecycle/paths.py)."))
     collect: CollectConfig
     filter: FilterConfig = FilterConfig()
     dedup: DedupConfig = DedupConfig()
@@ -75,6 +82,27 @@ class PipelineConfig(BaseModel):
             if _CREDENTIAL_URL.search(value):
                 raise ValueError(f"`{path}` holds a URL with a password; put credentials in the environment "
                                  "(e.g. MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD), never in the config")
+        return self
+
+
+    @model_validator(mode="after")
+    def _confined(self) -> "PipelineConfig":
+        """Declared input roots: the inputs and the tokenizer file must lie inside them or the work dir."""
+        if self.input_roots is None:
+            return self
+        roots = [*self.input_roots, self.workdir]
+        named = [(f"collect.inputs[{i}]", p, pattern_root(p)) for i, p in enumerate(self.collect.inputs)]
+        if self.tokenize.tokenizer_file is not None:
+            named.append(("tokenize.tokenizer_file", self.tokenize.tokenizer_file, self.tokenize.tokenizer_file))
+        problems = []
+        for field, value, path in named:
+            try:
+                if not is_url(value):
+                    resolve_within(path, roots, f"`{field}` ({value!r}) is not inside `input_roots` or the work dir")
+            except PathEscape as e:
+                problems.append(str(e))
+        if problems:
+            raise ValueError("\n  ".join(problems))
         return self
 
 
@@ -120,7 +148,10 @@ def parse_override(item: str) -> tuple[str, Any]:
 def format_validation_error(err: ValidationError, origin: str) -> str:
     lines = [f"invalid config ({origin}):"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if not e["loc"]:  # a cross-field check: its message names the fields itself
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+            continue
+        field = ".".join(str(p) for p in e["loc"])
         got = e.get("input")
         shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"[:120]
         lines.append(f"  field `{field}`: {e['msg']}{shown}")

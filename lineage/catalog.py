@@ -17,6 +17,10 @@ Tables and views (query them with `lifecycle sql "SELECT ..."`):
   marker_sha256).
 - `models`: registered model versions (name, version, aliases, run_id, package_sha256, tokenize_sha256,
   val_bpb, promotion) from the MLflow registry, when the work dir has one.
+
+Confinement: everything is read from inside the work dir (symlinks resolved; a manifest that lists a file
+outside it is refused), and once the catalog is built the DuckDB connection is locked down: it can read only
+the catalog's own Parquet files, so `lifecycle sql` cannot read, list, attach or write any other file.
 """
 
 from __future__ import annotations
@@ -28,13 +32,21 @@ from typing import Any
 import pyarrow as pa
 
 from lifecycle.dataset import MANIFEST, sha256_file
+from lifecycle.paths import resolve_within
 
 DOC_STAGES = ("collect", "filter", "dedup", "scrub")
+
+
+def inside(workdir: str | Path, path: str | Path, what: str) -> Path:
+    """`path` resolved, refused unless it lies in the work dir: a symlink, a crafted manifest entry or a tag
+    must not make an audit command read (or write) anything else."""
+    return resolve_within(path, [workdir], f"{what} is not inside the work dir")
 
 
 def manifests(workdir: str | Path) -> list[tuple[Path, dict]]:
     out = []
     for mp in sorted(Path(workdir).glob(f"datasets/*/*/{MANIFEST}")):
+        mp = inside(workdir, mp, "manifest")
         try:
             out.append((mp, json.loads(mp.read_text())))
         except (OSError, ValueError):
@@ -45,9 +57,9 @@ def manifests(workdir: str | Path) -> list[tuple[Path, dict]]:
 def checkpoint_rows(workdir: str | Path) -> list[dict]:
     rows = []
     for cfg_path in sorted(Path(workdir).glob("train/*/config.json")):
-        run = json.loads(cfg_path.read_text())
+        run = json.loads(inside(workdir, cfg_path, "training run config").read_text())
         for marker in sorted(cfg_path.parent.glob("checkpoints/step_*/COMMITTED.json")):
-            m = json.loads(marker.read_text())
+            m = json.loads(inside(workdir, marker, "checkpoint marker").read_text())
             rows.append({"run_dir": str(cfg_path.parent), "step": m["step"], "tag_dir": str(marker.parent),
                          "token_dataset": run.get("token_dataset"),
                          "token_dataset_sha256": m.get("dataset_sha256") or run.get("tokens", {}).get("dataset_sha256"),
@@ -85,16 +97,38 @@ def _table(rows: list[dict], columns: dict[str, pa.DataType]) -> pa.Table:
 
 def default_tracking_uri(workdir: str | Path) -> str | None:
     db = Path(workdir) / "mlflow.db"
-    return f"sqlite:///{db.resolve()}" if db.exists() else None
+    return f"sqlite:///{inside(workdir, db, 'mlflow.db')}" if db.exists() else None
+
+
+def tracking_uri_inside(workdir: str | Path, uri: str | None) -> str | None:
+    """A tracking URI that names a local file (sqlite:, file:, a plain path) must name one in the work dir;
+    a server URL (http, https, databricks...) is passed on."""
+    if uri is None:
+        return None
+    for scheme in ("sqlite:///", "file://", ""):  # sqlite:///rel.db, sqlite:////abs.db, file:///abs, a path
+        if uri.startswith(scheme) and (scheme or "://" not in uri):
+            inside(workdir, uri[len(scheme):].split("?", 1)[0], f"--tracking-uri {uri}")
+            break
+    return uri
+
+
+def lock_down(con, readable: list[str]) -> None:
+    """From here on the connection reads exactly the catalog's own files: no other file, no directory listing,
+    no ATTACH, no COPY, no extension install, and the settings cannot be changed back (DuckDB's
+    `enable_external_access`, `allowed_paths`, `lock_configuration`)."""
+    con.execute("SET allowed_paths = ?", [readable])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
 def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: bool = True):
     """An in-memory DuckDB connection with the catalog's tables and views registered."""
     import duckdb
 
-    workdir = Path(workdir)
+    workdir = Path(workdir).expanduser().resolve()
     if not (workdir / "datasets").is_dir():
         raise FileNotFoundError(f"{workdir} has no datasets/ directory: not a lifecycle work dir")
+    tracking_uri_inside(workdir, tracking_uri)
     con = duckdb.connect()
     ds_rows, parent_rows, raw_rows, drop_rows = [], [], [], []
     files: dict[str, list[str]] = {"rejected": [], "kept": [], "tokens": []}
@@ -110,11 +144,12 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
         raw_rows += [{"dataset_sha256": m["sha256"], **r} for r in m.get("inputs", [])]
         drop_rows += [{"dataset_sha256": m["sha256"], "stage": m["stage"], "created_at": m.get("created_at"),
                        "reason": k, "n": v} for k, v in st.get("rejected_by_reason", {}).items()]
-        files["rejected"] += [str(d / f["path"]) for f in m.get("rejected", [])]
+        listed = lambda kind: [str(inside(workdir, d / f["path"], f"{mp}: file")) for f in m.get(kind, [])]
+        files["rejected"] += listed("rejected")
         if m["stage"] in DOC_STAGES:
-            files["kept"] += [str(d / f["path"]) for f in m.get("files", [])]
+            files["kept"] += listed("files")
         elif m["stage"] == "tokenize":
-            files["tokens"] += [str(d / f["path"]) for f in m.get("files", [])]
+            files["tokens"] += listed("files")
     s, i = pa.string(), pa.int64()
     con.register("datasets", _table(ds_rows, {"stage": s, "fingerprint": s, "sha256": s, "num_rows": i,
                                               "num_rejected": i, "created_at": s, "code_version": s, "path": s,
@@ -143,6 +178,7 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
         else:  # an empty view with the shared columns, so queries still bind
             cols = ", ".join(f"NULL::VARCHAR AS {c}" for c in fallback[view].split(", "))
             con.execute(f"CREATE VIEW {view} AS SELECT {cols}, NULL::VARCHAR AS dataset_path WHERE false")
+    lock_down(con, [p for paths in files.values() for p in paths])
     return con
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FUNNEL_STAGES = ("collect", "filter", "dedup", "scrub", "tokenize")
+DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_near": "duplicate (near)"}
 
 
 def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
@@ -14,7 +15,12 @@ def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
         stats = (manifests.get(stage) or {}).get("stats")
         if not stats:
             continue
-        reasons = sorted(stats.get("rejected_by_reason", {}).items(), key=lambda kv: -kv[1])
+        reasons = dict(stats.get("rejected_by_reason", {}))
+        kinds = {k: n for k, n in (stats.get("counters") or {}).items() if k in DUPLICATE_KIND_COUNTERS}
+        if stage == "dedup" and kinds and sum(kinds.values()) == reasons.get("duplicate"):
+            del reasons["duplicate"]  # one reason, shown split by kind: "duplicate (exact)", "duplicate (near)"
+            reasons.update({DUPLICATE_KIND_COUNTERS[k]: n for k, n in kinds.items()})
+        reasons = sorted(reasons.items(), key=lambda kv: -kv[1])
         out.append({"stage": stage, "rows_in": stats["rows_in"], "rows_kept": stats["rows_kept"],
                     "top_reasons": reasons[:3]})
     return out

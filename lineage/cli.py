@@ -6,6 +6,10 @@
     lifecycle lineage forget SOURCE_ID...           every dataset, checkpoint and model version holding those
                                                     documents; writes a report under <workdir>/audit/, changes nothing
     lifecycle sql "SELECT ..."                      DuckDB over the catalog (see lineage/catalog.py)
+
+Every command reads only inside --workdir (symlinks resolved; a manifest, tag or --tracking-uri naming a file
+elsewhere is refused), and `sql` runs SELECT queries only, on a DuckDB connection that can read nothing but the
+catalog's own files.
 """
 
 from __future__ import annotations
@@ -16,13 +20,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lifecycle.paths import PathEscape
 from lineage import catalog as cat
 
 STAGE_ORDER = ("collect", "filter", "dedup", "scrub", "tokenize", "checkpoint")
 
 
+def _workdir(args) -> Path:
+    """--workdir resolved: every file an audit command reads or writes must lie inside it."""
+    wd = Path(args.workdir).expanduser().resolve()
+    if not wd.is_dir():
+        raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
+    return wd
+
+
 def _uri(args) -> str | None:
-    return args.tracking_uri or cat.default_tracking_uri(args.workdir)
+    wd = _workdir(args)
+    return cat.tracking_uri_inside(wd, args.tracking_uri) or cat.default_tracking_uri(wd)
 
 
 def _client(args):
@@ -52,16 +66,18 @@ def resolve_version(client, spec: str):
     return max(versions, key=lambda v: int(v.version))
 
 
-def model_lineage(client, spec: str) -> dict:
+def model_lineage(client, spec: str, workdir: str | Path) -> dict:
+    """The version's chain, read from its package's lineage.json and the manifests it names, all of which must
+    lie in `workdir` (the registry's tags name them; a tag pointing elsewhere is refused)."""
     mv = resolve_version(client, spec)
     t = mv.tags
     manifest = t.get("lifecycle.model_package_manifest") or (mv.description or "").removeprefix("lineage: ").strip()
     pkg = Path(manifest).parent
-    lineage = json.loads((pkg / "lineage.json").read_text())
+    lineage = json.loads(cat.inside(workdir, pkg / "lineage.json", "model package lineage").read_text())
     chain = []
     for d in sorted(lineage["datasets"], key=lambda d: STAGE_ORDER.index(d["stage"])
                     if d["stage"] in STAGE_ORDER else 99, reverse=True):
-        m = json.loads(Path(d["manifest"]).read_text())
+        m = json.loads(cat.inside(workdir, d["manifest"], "dataset manifest").read_text())
         chain.append({"stage": d["stage"], "sha256": d["sha256"], "num_rows": d["num_rows"], "manifest": d["manifest"],
                       "code_version": m.get("code_version"), "config": m.get("config"),
                       "parents": [p["sha256"] for p in m.get("parents", [])],
@@ -118,7 +134,7 @@ def doc_lineage(con, ident: str) -> dict:
             events.append({"outcome": "kept", **{k: v for k, v in r.items() if v is not None}})
         rej_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE rejected")}
         rsel = ", ".join(["doc_id", "source_id", "dataset_path", "reason", "detail"] +
-                         [c for c in ("duplicate_of", "cluster_id") if c in rej_cols])
+                         [c for c in ("duplicate_of", "duplicate_kind", "cluster_id") if c in rej_cols])
         for r in cat.query(con, f"SELECT {rsel} FROM rejected WHERE {where}", params):
             events.append({"outcome": "rejected", **{k: v for k, v in r.items() if v is not None}})
         for r in cat.query(con, f"SELECT doc_id, source_id, dataset_path, split, shard, token_start, token_end "
@@ -237,15 +253,15 @@ def _fail(args, e: Exception) -> int:
 
 def cmd_model(args) -> int:
     try:
-        return _emit(args, model_lineage(_client(args), args.spec), print_model)
-    except Exception as e:  # unknown model/version/alias: MlflowException, LookupError
+        return _emit(args, model_lineage(_client(args), args.spec, _workdir(args)), print_model)
+    except Exception as e:  # unknown model/version/alias: MlflowException, LookupError; PathEscape
         return _fail(args, e)
 
 
 def cmd_doc(args) -> int:
     try:
-        r = doc_lineage(cat.connect(args.workdir, args.tracking_uri), args.id)
-    except FileNotFoundError as e:
+        r = doc_lineage(cat.connect(_workdir(args), args.tracking_uri), args.id)
+    except (FileNotFoundError, PathEscape) as e:
         return _fail(args, e)
     _emit(args, r, print_doc)
     return 0 if r["events"] else 3
@@ -253,19 +269,35 @@ def cmd_doc(args) -> int:
 
 def cmd_forget(args) -> int:
     try:
-        r = forget_report(cat.connect(args.workdir, args.tracking_uri), args.source_ids)
-    except FileNotFoundError as e:
+        wd = _workdir(args)
+        r = forget_report(cat.connect(wd, args.tracking_uri), args.source_ids)
+        out = wd / "audit" / f"forget-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+        cat.inside(wd, out.parent, "report directory").mkdir(parents=True, exist_ok=True)
+        out = cat.inside(wd, out, "report")  # `audit` may exist already: a symlink out of the work dir is refused
+    except (FileNotFoundError, PathEscape) as e:
         return _fail(args, e)
-    out = Path(args.workdir) / "audit" / f"forget-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=2, default=str))
     r["report"] = str(out)
     return _emit(args, r, lambda x: print_forget(x, out))
 
 
+SQL_STATEMENTS = ("SELECT", "EXPLAIN")  # DESCRIBE, SHOW, SUMMARIZE and WITH ... SELECT are SELECT statements
+
+
+def read_only_query(sql: str) -> None:
+    """`lifecycle sql` answers questions; it changes nothing: COPY, ATTACH, SET, PRAGMA, INSTALL, CREATE... are
+    refused before anything runs (and the connection itself can read only the catalog's files)."""
+    import duckdb
+
+    for st in duckdb.extract_statements(sql):
+        if st.type.name not in SQL_STATEMENTS:
+            raise PermissionError(f"only SELECT queries are allowed, not {st.type.name}: {st.query.strip()[:80]!r}")
+
+
 def cmd_sql(args) -> int:
     try:
-        con = cat.connect(args.workdir, args.tracking_uri)
+        read_only_query(args.query)
+        con = cat.connect(_workdir(args), args.tracking_uri)
         rows = cat.query(con, args.query)
     except Exception as e:  # duckdb errors name the table/column
         return _fail(args, e)

@@ -58,6 +58,7 @@ from lifecycle.dataset import (
     run_plan,
     sha256_file,
 )
+from lifecycle.paths import confine_matches
 from tasks import extract
 
 STAGE = "collect"
@@ -132,6 +133,7 @@ def resolve_inputs(patterns: list[str]) -> list[RawFile]:
         matched = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
         if not matched:
             raise InputError(f"collect.inputs: pattern {pattern!r} matches no file")
+        confine_matches(pattern, matched, error=InputError)  # no symlink or `..` leads out of the pattern's dir
         paths.extend(m for m in matched if m not in paths)
     for p in paths:
         file_kind(p)  # fail on an unknown type before any work starts

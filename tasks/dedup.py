@@ -5,8 +5,10 @@ Keep policy: within a cluster of duplicates, a document kept by an earlier dedup
 wins; otherwise the document that comes first in the parent dataset's order (file order, then row order) is
 kept; that order is the collect order of the raw inputs, so the earliest-seen copy survives. The kept row
 records `cluster_id` (the kept document's `doc_id`) and `cluster_size` (copies in this run); every removed row
-is rejected with reason `exact_duplicate` or `near_duplicate` and `duplicate_of` = the kept document's `doc_id`
-(for a match in the index, `detail` names the earlier dedup dataset that kept it).
+is rejected with reason `duplicate`, `duplicate_of` = the kept document's `doc_id` and `duplicate_kind` = `exact`
+(same normalised text) or `near` (MinHash LSH); `detail` says both in words and, for a match in the index, names
+the earlier dedup dataset that kept it. The stats count each kind (`counters`: `duplicate_exact`,
+`duplicate_near`, and `duplicate_of_earlier_run` for matches in the index).
 
 Signatures are `tasks.minhash.signatures` (vectorised, datasketch's permutations and `affine32` scheme); LSH
 candidates are documents sharing one of `bands` band keys (`tasks.minhash.band_keys`, the rule of datasketch's
@@ -51,6 +53,9 @@ from tasks import minhash as minhash_module
 STAGE = "dedup"
 INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
 INDEX_MANIFEST = "_index.json"
+REJECT_REASON = "duplicate"  # one reason for every removed copy; `duplicate_kind` says exact or near
+DUPLICATE_KINDS = ("exact", "near")
+REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_kind", pa.string())]
 BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -90,6 +95,13 @@ def signature(sh: set[bytes], cfg: DedupConfig) -> LeanMinHash:
     if sh:
         m.update_batch(list(sh))
     return LeanMinHash(m)
+
+
+def duplicate_row(doc_id: str, source_id: str, kind: str, of: str, earlier: str | None) -> dict:
+    """The rejected row of a removed copy: reason `duplicate`, its kind and the doc_id it duplicates."""
+    detail = f"{kind} duplicate of {of}" + (f"; {earlier}" if earlier else "")
+    return {"doc_id": doc_id, "source_id": source_id, "reason": REJECT_REASON, "detail": detail,
+            "duplicate_of": of, "duplicate_kind": kind}
 
 
 class _UnionFind:
@@ -340,18 +352,15 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: In
             stats.rows_in += 1
             assert t.column("doc_id")[row].as_py() == doc_ids[i], "parent order changed under dedup"
             root = roots[m + i]
-            if exact_dup[i]:
-                node = exact_idx[i]
-                rejected.append({"doc_id": doc_ids[i], "source_id": source_ids[i], "reason": "exact_duplicate",
-                                 "detail": index.dataset_of(node) if node >= 0 else None,
-                                 "duplicate_of": index.doc_ids[node] if node >= 0 else first_ids[i]})
-                stats.rejected["exact_duplicate"] += 1
-                keep_mask.append(False)
-            elif root != m + i:
-                rejected.append({"doc_id": doc_ids[i], "source_id": source_ids[i], "reason": "near_duplicate",
-                                 "detail": index.dataset_of(root) if root < m else None,
-                                 "duplicate_of": index.doc_ids[root] if root < m else doc_ids[root - m]})
-                stats.rejected["near_duplicate"] += 1
+            if exact_dup[i] or root != m + i:
+                kind, node = ("exact", int(exact_idx[i])) if exact_dup[i] else ("near", int(root) if root < m else -1)
+                of = index.doc_ids[node] if node >= 0 else (first_ids[i] if kind == "exact" else doc_ids[root - m])
+                rejected.append(duplicate_row(doc_ids[i], source_ids[i], kind, of,
+                                              index.dataset_of(node) if node >= 0 else None))
+                stats.rejected[REJECT_REASON] += 1
+                stats.counters[f"duplicate_{kind}"] += 1
+                if node >= 0:
+                    stats.counters["duplicate_of_earlier_run"] += 1
                 keep_mask.append(False)
             else:
                 keep_mask.append(True)
@@ -368,7 +377,7 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: In
         if kept.num_rows:
             writer.write_table(kept)
     if rejected:
-        writer.write_table(rejected_table(rejected, STAGE, [pa.field("duplicate_of", pa.string())]), kind="rejected")
+        writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
     if cfg.incremental:
         kp = np.array(kept_pos, dtype=np.int64)
         kept_ids = [doc_ids[survivors[p]] for p in kp]

@@ -1,5 +1,8 @@
 """Export a committed checkpoint to the Hugging Face format: `lifecycle export hf CHECKPOINT OUT_DIR`.
 
+The command reads CHECKPOINT and --tokenizer only inside --workdir (default runs/demo) or an --input-root,
+and writes OUT_DIR only inside --workdir; paths are resolved, symlinks followed (lifecycle/paths.py).
+
 Our default decoder (tasks/model.py: pre-norm RMSNorm, SwiGLU, rotary embeddings, no biases, optionally tied
 embeddings) is exactly `transformers.LlamaForCausalLM`, so the export is a renaming of tensors plus a
 `LlamaConfig`; no weight is changed except by slicing:
@@ -35,6 +38,7 @@ import shutil
 from pathlib import Path
 
 from lifecycle.dataset import DatasetRef, atomic_write_json, sha256_file
+from lifecycle.paths import PathEscape, resolve_within
 from tasks import checkpoint as ckpt
 
 TOLERANCE = 1e-4
@@ -170,12 +174,22 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path
 # CLI: `lifecycle export hf CHECKPOINT OUT_DIR`
 
 
+def confined_args(args) -> tuple[Path, Path, Path | None]:
+    """CHECKPOINT and --tokenizer resolved inside --workdir or an --input-root; OUT_DIR inside --workdir."""
+    roots = [args.workdir, *(args.input_root or [])]
+    checkpoint = resolve_within(args.checkpoint, roots, "CHECKPOINT is not inside --workdir or an --input-root")
+    tokenizer = args.tokenizer and resolve_within(args.tokenizer, roots,
+                                                  "--tokenizer is not inside --workdir or an --input-root")
+    out = resolve_within(args.out_dir, [args.workdir], "OUT_DIR is not inside --workdir")
+    return checkpoint, out, tokenizer
+
+
 def cmd_export_hf(args) -> int:
     import sys
 
     try:
-        report = export_hf(args.checkpoint, args.out_dir, args.tokenizer)
-    except (ExportError, FileNotFoundError) as e:
+        report = export_hf(*confined_args(args))
+    except (ExportError, FileNotFoundError, PathEscape) as e:
         print(f"lifecycle export hf: {e}", file=sys.stderr)
         if args.json:
             print(json.dumps({"status": "failed", "error": str(e)}))
@@ -199,5 +213,9 @@ def register(sub) -> None:
                                        "(datasets/checkpoint/<fp>)")
     hf.add_argument("out_dir")
     hf.add_argument("--tokenizer", help="tokenizer.json (default: found from the checkpoint's commit marker)")
+    hf.add_argument("--workdir", default="runs/demo", help="the work dir (default runs/demo): CHECKPOINT and "
+                    "--tokenizer must lie in it or in an --input-root, OUT_DIR in it (symlinks resolved)")
+    hf.add_argument("--input-root", action="append", metavar="DIR",
+                    help="another directory CHECKPOINT and --tokenizer may be read from. Repeatable.")
     hf.add_argument("--json", action="store_true", help="Print one JSON object.")
     hf.set_defaults(func=cmd_export_hf)

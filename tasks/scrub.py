@@ -30,12 +30,18 @@ labelled evaluation set.
 A document with more than `max_pii_per_doc` replacements (Dolma: 5) is rejected with reason `too_much_pii`
 (detail: the counts per type); every other row is kept. A disabled type's column is null, so "not scanned"
 never reads as "none found".
+
+Metadata is scrubbed too: the same detectors run over `source`, `url` and every string value inside the `meta`
+JSON (an author's e-mail, a token in a query string), and their replacements are counted in the stats as
+`metadata_pii_<type>`; they do not count towards `max_pii_per_doc` nor the per-document columns, which describe
+the text. `doc_id` and `source_id` are kept as they are: they are the keys that lineage and deletion requests use.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from typing import Literal
 
 import phonenumbers
@@ -142,6 +148,46 @@ def scrub_text(text: str, cfg: ScrubConfig) -> tuple[str, dict[str, int]]:
     return "".join(parts), counts
 
 
+METADATA_COLUMNS = ("source", "url", "meta")  # scrubbed like the text; `meta` value by value (it is JSON)
+
+
+def _scrub_json(value, cfg: ScrubConfig, counts: Counter):
+    if isinstance(value, str):
+        clean, found = scrub_text(value, cfg)
+        counts.update(found)
+        return clean
+    if isinstance(value, list):
+        return [_scrub_json(v, cfg, counts) for v in value]
+    if isinstance(value, dict):
+        return {k: _scrub_json(v, cfg, counts) for k, v in value.items()}
+    return value
+
+
+def scrub_metadata(table: pa.Table, cfg: ScrubConfig, stats: StageStats) -> pa.Table:
+    """`source`, `url` and the string values of `meta` with PII replaced; a `meta` value is re-serialised
+    only when something in it was replaced, so clean rows keep their bytes."""
+    for name in METADATA_COLUMNS:
+        if name not in table.column_names:
+            continue
+        counts: Counter = Counter()
+        out = []
+        for value in table.column(name).to_pylist():
+            if value is None:
+                out.append(None)
+            elif name != "meta":
+                out.append(_scrub_json(value, cfg, counts))
+            else:
+                before = sum(counts.values())
+                parsed = _scrub_json(json.loads(value), cfg, counts)
+                out.append(value if sum(counts.values()) == before else json.dumps(parsed, ensure_ascii=False))
+        for kind, n in counts.items():
+            if n:
+                stats.counters[f"metadata_pii_{kind}"] += n
+        idx = table.schema.get_field_index(name)
+        table = table.set_column(idx, table.schema.field(idx), pa.array(out, type=table.schema.field(idx).type))
+    return table
+
+
 def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, StageStats]:
     """(kept rows, text scrubbed, plus an int32 `pii_<type>` count per type (null: type disabled); rejected rows
     (reason too_much_pii); stats). Counters count every scanned document, rejected ones included."""
@@ -179,7 +225,7 @@ def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, 
     out = out.set_column(idx, out.schema.field(idx), pa.array(texts, type=pa.string()))
     for kind in PII_TYPES:
         out = out.append_column(pa.field(f"pii_{kind}", pa.int32()), pa.array(cols[kind], type=pa.int32()))
-    return out, rejected_table(rejected, STAGE), stats
+    return scrub_metadata(out, cfg, stats), rejected_table(rejected, STAGE), stats
 
 
 # --------------------------------------------------------------------------------------------------

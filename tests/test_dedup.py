@@ -6,6 +6,8 @@ import numpy as np
 from conftest import corpus_records
 from datasketch import MinHashLSH
 
+from lineage.charts import funnel_rows
+
 from tasks.collect import CollectConfig, run_collect
 from tasks.dedup import DedupConfig, run_dedup, shingles, signature
 
@@ -31,10 +33,17 @@ def test_exact_near_and_unique(tmp_path):
     assert [r["source_id"] for r in kept] == ["d0", "d3"]
     assert kept[0]["cluster_size"] == 3 and kept[0]["cluster_id"] == kept[0]["doc_id"]
     assert kept[1]["cluster_size"] == 1
-    rej = {r["source_id"]: (r["reason"], r["duplicate_of"]) for r in ref.read_rejected().to_pylist()}
-    assert rej == {"d1": ("exact_duplicate", kept[0]["doc_id"]), "d2": ("near_duplicate", kept[0]["doc_id"])}
+    rej = {r["source_id"]: r for r in ref.read_rejected().to_pylist()}
+    keeper = kept[0]["doc_id"]
+    assert {sid: (r["reason"], r["duplicate_kind"], r["duplicate_of"]) for sid, r in rej.items()} == {
+        "d1": ("duplicate", "exact", keeper), "d2": ("duplicate", "near", keeper)}
+    assert rej["d1"]["detail"] == f"exact duplicate of {keeper}" and rej["d2"]["detail"] == f"near duplicate of {keeper}"
     s = ref.manifest()["stats"]
     assert s["rows_in"] == 4 == s["rows_kept"] + s["rows_rejected"]
+    assert s["rejected_by_reason"] == {"duplicate": 2}
+    assert s["counters"] == {"duplicate_exact": 1, "duplicate_near": 1}  # the kinds are counted, not lost
+    # the funnel chart shows the one reason split by kind
+    assert funnel_rows({"dedup": ref.manifest()})[0]["top_reasons"] == [("duplicate (exact)", 1), ("duplicate (near)", 1)]
 
 
 def test_switches_and_verification(tmp_path):

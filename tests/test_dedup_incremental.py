@@ -47,11 +47,13 @@ def test_second_run_drops_duplicates_of_the_first(two_runs):
     assert set(kept1) == {"a0", "a1"} and set(by_source(first)) == {"a2"}  # within the first run, as before
     assert sorted(r["source_id"] for r in second.read().to_pylist()) == ["b2", "b3"]
     rej = by_source(second)
-    assert (rej["b0"]["reason"], rej["b0"]["duplicate_of"]) == ("near_duplicate", kept1["a0"])
-    assert (rej["b1"]["reason"], rej["b1"]["duplicate_of"]) == ("exact_duplicate", kept1["a1"])
+    assert (rej["b0"]["reason"], rej["b0"]["duplicate_kind"], rej["b0"]["duplicate_of"]) == ("duplicate", "near", kept1["a0"])
+    assert (rej["b1"]["reason"], rej["b1"]["duplicate_kind"], rej["b1"]["duplicate_of"]) == ("duplicate", "exact", kept1["a1"])
     assert first.fingerprint[:20] in rej["b0"]["detail"] and first.fingerprint[:20] in rej["b1"]["detail"]
+    assert rej["b0"]["detail"].startswith(f"near duplicate of {kept1['a0']}; kept by an earlier run")
     s = second.manifest()["stats"]
-    assert s["rows_in"] == 4 and s["rejected_by_reason"] == {"exact_duplicate": 1, "near_duplicate": 1}
+    assert s["rows_in"] == 4 and s["rejected_by_reason"] == {"duplicate": 2}
+    assert s["counters"] == {"duplicate_exact": 1, "duplicate_near": 1, "duplicate_of_earlier_run": 2}
     # only the second run's exact survivors were hashed: the first run's signatures came from the index
     assert sorted(hashed) == sorted([A.replace("winter", "summer"), C, D])
 
@@ -95,7 +97,7 @@ def test_crash_between_commit_and_publish_is_healed_by_a_rerun(tmp_path, monkeyp
     ref = run_dedup(parent, DedupConfig(), wd)
     assert ref.reused  # the committed dataset is found, not recomputed, and now published
     second = run_dedup(collect(tmp_path, "b", [A.replace("winter", "summer")], wd), DedupConfig(), wd)
-    assert second.num_rows == 0 and by_source(second)["b0"]["reason"] == "near_duplicate"
+    assert second.num_rows == 0 and by_source(second)["b0"]["duplicate_kind"] == "near"
 
 
 def test_a_damaged_index_is_refused(tmp_path):

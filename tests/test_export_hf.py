@@ -80,7 +80,9 @@ def test_refuses_damaged_checkpoint(tmp_path, tokenizer_file):
 def test_cli_export_json(tmp_path, tokenizer_file):
     tag, _ = committed(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", "export", "hf", str(tag), str(tmp_path / "out"),
-                           "--tokenizer", str(tokenizer_file), "--json"], cwd=ROOT, capture_output=True, text=True)
+                           "--tokenizer", str(tokenizer_file), "--workdir", str(tmp_path),
+                           "--input-root", str(tokenizer_file.parent), "--json"],
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["status"] == "ok" and out["max_abs_logit_diff_fp32"] <= 1e-4

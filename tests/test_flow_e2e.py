@@ -82,10 +82,11 @@ def test_full_run_outputs_and_accounting(first_run):
     collect = json.loads(open(out["datasets"]["collect"]).read())
     assert collect["stats"]["rejected_by_reason"] == {"invalid_json": 1}
     dedup = json.loads(open(out["datasets"]["dedup"]).read())
-    assert dedup["stats"]["rejected_by_reason"].get("exact_duplicate", 0) >= 1
+    assert dedup["stats"]["rejected_by_reason"].get("duplicate", 0) >= 1
+    assert dedup["stats"]["counters"].get("duplicate_exact", 0) >= 1
     dup = next(r for r in rows(out["datasets"]["dedup"], "rejected") if r["source_id"] == "planted-exact")
     notice = next(r for r in rows(out["datasets"]["dedup"]) if r["source_id"] == "planted-notice")
-    assert dup["reason"] == "exact_duplicate" and dup["duplicate_of"] == notice["doc_id"]
+    assert (dup["reason"], dup["duplicate_kind"], dup["duplicate_of"]) == ("duplicate", "exact", notice["doc_id"])
     pii = next(r for r in rows(out["datasets"]["scrub"]) if r["source_id"] == "planted-pii")
     assert "jane.doe@example.com" not in pii["text"] and "81.2.69.160" not in pii["text"]
     assert "650-253-0000" not in pii["text"] and "<EMAIL>" in pii["text"]
@@ -221,7 +222,8 @@ def test_audit_cli(first_run, capsys):
     notice = next(r for r in rows(out["datasets"]["dedup"]) if r["source_id"] == "planted-notice")
     rejected = [e for e in dup["events"] if e["outcome"] == "rejected"]
     assert rc == 0 and [e["stage"] for e in rejected] == ["dedup"]
-    assert rejected[0]["reason"] == "exact_duplicate" and rejected[0]["duplicate_of"] == notice["doc_id"]
+    assert rejected[0]["reason"] == "duplicate" and rejected[0]["duplicate_kind"] == "exact"
+    assert rejected[0]["duplicate_of"] == notice["doc_id"]
     assert dup["trained_by"] == [] and dup["evaluated_by"] == []
 
     rc, pii = audit(capsys, "lineage", "doc", "planted-pii", "--workdir", str(wd))
