@@ -28,7 +28,7 @@ from tasks.collect import plan_collect, record_collected, resolve_inputs
 from tasks.dedup import run_dedup
 from tasks.evaluate import check_contamination, run_evaluate
 from tasks.filter import plan_filter
-from tasks.package import package_model
+from tasks.package import package_model, warm_start
 from tasks.scrub import plan_scrub
 from tasks.tokenizer import run_tokenize
 from tasks.train import run_train
@@ -82,6 +82,22 @@ def _log_card(tracker: Tracker, summary: dict, model_ref: DatasetRef, cfg: Pipel
                       lineage=json.loads((model_ref.dir / "lineage.json").read_text()), stage_configs=configs,
                       metrics=summary["metrics"], promotion=summary["promotion"], examples=examples)
     tracker.log_text(card, "model_card.md")
+
+
+def _warm_start(tracker: Tracker, cfg: PipelineConfig, summary: dict):
+    """`train.init_from: champion`: (champion's weights, tokenize config using its tokenizer) when the model
+    config is unchanged, else (None, the configured tokenize config). The decision goes on the parent run."""
+    found = tracker.champion_package()
+    weights, reason = (None, "no champion registered yet") if found is None else warm_start(found[1], cfg.train)
+    tok_cfg = cfg.tokenize
+    if weights is not None:
+        tok_cfg = cfg.tokenize.model_copy(update={"tokenizer_file": str(found[1] / "tokenizer.json")})
+    decision = {"from_version": found[0] if weights else None, "weights": str(weights) if weights else None,
+                "reason": reason}
+    summary["warm_start"] = decision
+    tracker.client.set_tag(tracker.parent_id, "lifecycle.warm_start", json.dumps(decision))
+    print(f"[train] warm start: {'champion version ' + found[0] if weights else 'from scratch'} ({reason})")
+    return weights, tok_cfg
 
 
 @flow(name="lifecycle", log_prints=True)
@@ -146,17 +162,21 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
             summary["status"] = "no_new_inputs"
             tracker.end("FINISHED")
             return summary
+        init_weights, stage_cfgs = None, {s: getattr(cfg, s) for s in ("filter", "dedup", "scrub", "tokenize")}
+        if cfg.train.init_from == "champion" and not done("scrub"):
+            init_weights, stage_cfgs["tokenize"] = _warm_start(tracker, cfg, summary)
         for stage, fn, sharded in (("filter", plan_filter, True), ("dedup", run_dedup, False),
                                    ("scrub", plan_scrub, True), ("tokenize", run_tokenize, False)):
             if done(STAGES[STAGES.index(stage) - 1]):
                 break
-            ref = (sharded_stage if sharded else data_stage)(stage, fn, ref, getattr(cfg, stage))
+            ref = (sharded_stage if sharded else data_stage)(stage, fn, ref, stage_cfgs[stage])
         shards.close()  # the Dask cluster is not needed past the data stages
         tokens = ref
         if not done("tokenize"):
             train_t = stage_task(run_train, "train", orch, orch.train_retries,
                                  extra_modules=(model_mod, loop_mod, ckpt_mod))
-            result, outcome = _call(train_t, tokens, cfg.train, wd)
+            result, outcome = _call(train_t, tokens, cfg.train, wd,
+                                    init_weights=str(init_weights) if init_weights else None)
             rows = [json.loads(l) for l in Path(result.metrics_path).read_text().splitlines() if l.strip()]
             tracker.log_stage("train", cfg.train, outcome, inputs=[tokens],
                               metrics={"final_loss": result.final_loss, "steps": result.steps},
@@ -193,9 +213,9 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
             _log_card(tracker, summary, model_ref, cfg, evaluation["examples"])
         _log_charts(tracker, summary, rows if "train" in summary["stages"] else None)
         tracker.log_parent_metrics({k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))})
-        if cfg.collect.incremental:
-            n = plain_task(record_collected, "record-collected")(wd, collected)
-            print(f"[collect] ledger: {n} input file(s) recorded as collected")
+        # every completed run records its raw files, so that a later incremental run skips them
+        n = plain_task(record_collected, "record-collected")(wd, collected)
+        print(f"[collect] ledger: {n} new input file(s) recorded in {wd}/collected.parquet")
         summary["status"] = "completed"
         tracker.end("FINISHED")
     except BaseException:

@@ -306,6 +306,17 @@ class Tracker:
         self.promote(name, version, metrics.get(PROMOTION_METRIC))
         return name, version
 
+    def champion_package(self) -> tuple[str, Path] | None:
+        """(version, package directory) of the registered model's champion, or None when there is none."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            champ = self.client.get_model_version_by_alias(self.cfg.model_name, CHAMPION)
+        except MlflowException:
+            return None
+        manifest = champ.tags.get("lifecycle.model_package_manifest")
+        return (str(champ.version), Path(manifest).parent) if manifest else None
+
     def promotion(self, name: str, version: str) -> dict[str, str]:
         """The promotion record of a version (`lifecycle.promotion.*` tags), also copied to the parent run."""
         tags = self.client.get_model_version(name, version).tags

@@ -24,8 +24,8 @@ by their size, unread.
 
 Incremental collection (`incremental: true`; `lifecycle serve` turns it on): files whose (path, sha256)
 is in the work dir's ledger `collected.parquet` are skipped, so a recurring run over a growing input
-directory collects only what is new (a file whose content changed is new). The flow appends a run's
-files to the ledger only when the run completes, so a run that crashed is redone in full by the next one.
+directory collects only what is new (a file whose content changed is new). Every run appends its files
+to the ledger when it completes, so a run that crashed is redone in full by the next one.
 """
 
 from __future__ import annotations

@@ -68,3 +68,21 @@ def package_model(checkpoint_dir: str, tokens: DatasetRef, workdir: str) -> Data
                                          "tokenizer_sha256": tok_manifest.get("tokenizer_sha256")}}
 
     return materialize(workdir, STAGE, config, code_version(sys.modules[__name__]), build, parents=[tokens])
+
+
+def warm_start(package_dir: str | Path, train_cfg) -> tuple[Path | None, str]:
+    """The package's weights if a run with `train_cfg` can start from them (`train.init_from: champion`):
+    the architecture must be the same (`model.vocab_size` null matches any, since the package's tokenizer
+    is reused). Returns (weights or None, the reason)."""
+    package_dir = Path(package_dir)
+    if train_cfg.model_size == "auto":
+        return None, "model_size is auto: the architecture is chosen per run, so it cannot be compared"
+    theirs = json.loads((package_dir / "model_config.json").read_text())
+    ours = train_cfg.model.model_dump(mode="json")
+    if ours.get("vocab_size") is None:
+        ours["vocab_size"] = theirs.get("vocab_size")
+    diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    if diff:
+        return None, "model config differs from the champion's in " + ", ".join(
+            f"{k} ({theirs.get(k)} -> {ours.get(k)})" for k in diff)
+    return package_dir / "model.safetensors", "same model config as the champion"

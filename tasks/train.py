@@ -41,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Fields that do not change the trajectory, so they are not part of the run fingerprint.
 OPERATIONAL = {"max_steps", "checkpoint_every", "keep_last", "eval_every", "eval_batches", "log_every",
                "master_port", "timeout_s", "threads_per_rank", "max_epochs", "peak_flops_per_rank", "prefetch",
-               "async_save"}
+               "async_save", "init_from"}
 
 
 class ModelConfig(BaseModel):
@@ -106,6 +106,10 @@ class TrainConfig(BaseModel):
 
     model: ModelConfig = ModelConfig()
     """Architecture. `model.vocab_size` null = take it from the tokenizer at run time."""
+    init_from: Literal["scratch", "champion"] = "scratch"
+    """`champion`: start from the weights of the registry's champion version (and tokenize with its tokenizer)
+    when its architecture equals `model`; otherwise from scratch, and the run says why. Only the weights carry
+    over: optimizer state and LR schedule start fresh. The weights' sha256 is part of the run fingerprint."""
     model_size: Literal["fixed", "auto"] = "fixed"
     """fixed: `model` as given. auto: keep `model`'s recipe (norm, mlp, pos, seq_len, ...) but pick n_layer,
     n_embd and n_head for the compute-optimal N = D/20 of the token dataset's actual train tokens D
@@ -284,10 +288,11 @@ class _MetricsTail:
 
 
 def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
-              on_metrics: Callable[[dict], None] | None = None) -> TrainResult:
+              on_metrics: Callable[[dict], None] | None = None, init_weights: str | None = None) -> TrainResult:
     """Train to `cfg.max_steps` (resuming from the run's last committed checkpoint) and return the final one.
 
-    `on_metrics(record)` is called from this process for each new metrics record while the ranks run."""
+    `on_metrics(record)` is called from this process for each new metrics record while the ranks run.
+    `init_weights`: a consolidated `model.safetensors` to start from instead of a fresh initialisation."""
     meta = token_shards(tokens)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
@@ -300,7 +305,8 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
     here = Path(__file__).resolve().parent
     code = ds.code_version(*(here / f for f in ("train.py", "train_loop.py", "model.py", "checkpoint.py",
                                                 "async_ckpt.py", "loader.py")))
-    fp = ds.fingerprint("train", cfg.run_key(), code, [tokens])
+    init = {"init_weights_sha256": ds.sha256_file(init_weights)} if init_weights else {}
+    fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])
     run_dir = Path(workdir).resolve() / "train" / fp[:20]
     ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +322,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         config_path = run_dir / "config.json"
         ds.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
                                            "run_dir": str(run_dir), "tokens": meta.model_dump(),
-                                           "token_dataset": tokens.path})
+                                           "token_dataset": tokens.path, "init_weights": init_weights, **init})
         with socket.socket() as s:  # a free port, unless one is configured
             s.bind(("127.0.0.1", 0))
             port = cfg.master_port or s.getsockname()[1]

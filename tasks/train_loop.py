@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(cfg.model)
+    if launch.get("init_weights"):  # warm start; a resume below overwrites these with the checkpoint's
+        from safetensors.torch import load_file
+
+        model.load_export(load_file(launch["init_weights"]))
     n_params = model.num_params()  # before ZeRO-3 partitions the parameters
     n_matmul, fpt = model.num_params(exclude_embeddings=True), model.flops_per_token()
     decay = [p for p in model.parameters() if p.dim() >= 2]

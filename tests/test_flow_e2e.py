@@ -249,3 +249,33 @@ def test_audit_cli(first_run, capsys):
     assert rc == 0 and {"stage": "collect", "reason": "invalid_json", "n": 1} in q
     rc, err = audit(capsys, "sql", "SELECT nope FROM datasets", "--workdir", str(wd))
     assert rc == 1 and "nope" in err["error"]
+
+
+def test_next_run_starts_from_the_champion(first_run, tiny_inputs, tmp_path):
+    """Runs last: it adds a second run (new data, `train.init_from=champion`) to the shared work dir. It must
+    reuse the champion's tokenizer, start from its weights, and register a new version."""
+    wd, out = first_run
+    extra = tmp_path / "more.jsonl"
+    extra.write_text("".join(json.dumps({**r, "id": f"more-{k}"}) + "\n"
+                             for k, r in enumerate(corpus_records(200)[120:200])))
+    client = MlflowClient(tracking_uri=f"sqlite:///{wd}/mlflow.db")
+    champion = client.get_model_version_by_alias(out["model"]["name"], "champion")
+    package = os.path.dirname(champion.tags["lifecycle.model_package_manifest"])
+    again = run_cli(wd, [*tiny_inputs, str(extra)], extra=["train.init_from=champion", "collect.incremental=true"])
+    assert again["status"] == "completed" and again["stages"]["collect"] == "computed"
+    assert again["warm_start"]["from_version"] == str(champion.version), again["warm_start"]
+    collect = json.loads(open(again["datasets"]["collect"]).read())
+    assert [i["path"] for i in collect["inputs"]] == [str(extra)]  # the first run's file was collected before
+    tok = json.loads(open(again["datasets"]["tokenize"]).read())
+    first_tok = json.loads(open(out["datasets"]["tokenize"]).read())
+    assert tok["tokenizer_sha256"] == first_tok["tokenizer_sha256"]  # the champion's tokenizer, not a new one
+    run_dir = os.path.dirname(os.path.dirname(again["checkpoint"]))
+    launch = json.load(open(os.path.join(run_dir, "config.json")))
+    assert launch["init_weights"] == os.path.join(package, "model.safetensors")
+    assert launch["init_weights_sha256"] == sha256_file(launch["init_weights"])
+    losses = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
+    first_losses = [json.loads(l) for l in open(os.path.join(os.path.dirname(os.path.dirname(out["checkpoint"])),
+                                                             "metrics.jsonl")) if '"loss"' in l]
+    # a warm start begins near where the champion ended, far below a fresh model's first loss
+    assert losses[0]["loss"] < first_losses[0]["loss"] - 0.5, (losses[0], first_losses[0])
+    assert again["model"]["version"] != out["model"]["version"]
