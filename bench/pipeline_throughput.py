@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import re
 import shutil
 import statistics
@@ -154,6 +155,22 @@ def _log_time(lines: list[str], marker: str) -> float:
     return t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
 
 
+def timed_run(cmd: list[str], what: str, **kw) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run a command; wall seconds and CPU seconds (user + system, the command and every process it waited for).
+    CPU time is less sensitive than wall time to other load on the machine and to the worker count."""
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    info = {"command_s": time.perf_counter() - t0, "cpu_s": _children_cpu() - cpu0}
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc, info
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def ours_has_workers_key() -> bool:
     from lifecycle.config import OrchestrationConfig
 
@@ -171,11 +188,7 @@ def run_ours(corpus: Path, wd: Path, workers: int) -> tuple[float, dict, dict]:
     cmd = [str(ROOT / ".venv" / "bin" / "lifecycle"), "run", str(path), "--until", "scrub", "--json"]
     if ours_has_workers_key():
         cmd += ["--set", f"orchestration.dask_workers={workers}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    total = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"lifecycle run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    proc, info = timed_run(cmd, "lifecycle run", cwd=ROOT)
     lines = (proc.stdout + proc.stderr).splitlines()
     data_s = _log_time(lines, "[scrub] computed") - _log_time(lines, "Task run 'resolve-inputs")
     data_s += 86400 if data_s < 0 else 0
@@ -185,18 +198,14 @@ def run_ours(corpus: Path, wd: Path, workers: int) -> tuple[float, dict, dict]:
         t = DatasetRef.from_dir(Path(summary["datasets"][stage]).parent).read(["source_id", "text"])
         return dict(zip(t.column("source_id").to_pylist(), t.column("text").to_pylist()))
 
-    return data_s, {"command_s": total}, {s: texts(s) for s in ("filter", "dedup", "scrub")}
+    return data_s, info, {s: texts(s) for s in ("filter", "dedup", "scrub")}
 
 
 def run_datatrove(corpus: Path, wd: Path, workers: int) -> tuple[float, dict, dict]:
     script = wd / "datatrove_pipeline.py"  # a file, not `-c`: the executor's forkserver workers re-import __main__
     script.write_text(DATATROVE_SCRIPT)
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(DTVENV / "bin" / "python"), str(script), str(corpus), str(wd), str(workers)],
-                          capture_output=True, text=True)
-    total = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"datatrove failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    proc, info = timed_run([str(DTVENV / "bin" / "python"), str(script), str(corpus), str(wd), str(workers)],
+                           "datatrove")
 
     def texts(folder: str) -> dict[str, str]:
         out = {}
@@ -207,7 +216,7 @@ def run_datatrove(corpus: Path, wd: Path, workers: int) -> tuple[float, dict, di
     filtered, output = texts("filtered"), texts("output")
     dedup_in_text = {i: filtered[i] for i in output}  # PIIFormatter drops nothing: its input is the dedup output
     seconds = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
-    return seconds, {"command_s": total}, {"filter": filtered, "dedup": dedup_in_text, "scrub": output}
+    return seconds, info, {"filter": filtered, "dedup": dedup_in_text, "scrub": output}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,9 +272,9 @@ def main(argv: list[str] | None = None) -> None:
                 wd.mkdir()
                 s, info, outs[side] = fn(corpus, wd, args.workers)
                 times[side].append(s)
-                extra[side].append(info["command_s"])
-                print(f"  rep {rep + 1}: {side:<9} {s:7.1f} s data stages ({info['command_s']:.1f} s whole command)",
-                      flush=True)
+                extra[side].append(info)
+                print(f"  rep {rep + 1}: {side:<9} {s:7.1f} s data stages ({info['command_s']:.1f} s whole command, "
+                      f"{info['cpu_s']:.1f} CPU s)", flush=True)
                 shutil.rmtree(wd / "work", ignore_errors=True) if side == "ours" else None
         ratios = [d / o for o, d in zip(times["ours"], times["datatrove"])]
         q = {side: quality(truth, outs[side]) for side in ("ours", "datatrove")}
@@ -273,19 +282,20 @@ def main(argv: list[str] | None = None) -> None:
     def med(side):
         return statistics.median(times[side])
 
-    print(f"\n  {'':<34} {'ours':>12} {'datatrove':>12}")
-    print(f"  {'workers':<34} {n_ours:>12} {args.workers:>12}")
-    print(f"  {'data-stage seconds (median)':<34} {med('ours'):>12.1f} {med('datatrove'):>12.1f}")
-    print(f"  {'whole command seconds (median)':<34} {statistics.median(extra['ours']):>12.1f} "
-          f"{statistics.median(extra['datatrove']):>12.1f}")
-    print(f"  {'docs/s':<34} {docs / med('ours'):>12,.0f} {docs / med('datatrove'):>12,.0f}")
-    print(f"  {'MB/s':<34} {mb / med('ours'):>12.2f} {mb / med('datatrove'):>12.2f}")
-    print(f"  {'rows after filter / dedup / PII':<34} {'/'.join(map(str, q['ours']['rows'])):>12} "
-          f"{'/'.join(map(str, q['datatrove']['rows'])):>12}")
-    def row(label: str, cells: list) -> None:  # cells: (share, count) or None
-        print(f"  {label:<34} " + " ".join(f"{f'{c[0]:.3f} ({c[1]})' if c else 'n/a':>12}" for c in cells))
-
     sides = ("ours", "datatrove")
+    print(f"\n  {'':<34} {'ours':>16} {'datatrove':>16}")
+    print(f"  {'workers':<34} {n_ours:>16} {args.workers:>16}")
+    print(f"  {'data-stage seconds (median)':<34} {med('ours'):>16.1f} {med('datatrove'):>16.1f}")
+    for key, label in (("command_s", "whole command seconds (median)"), ("cpu_s", "whole command CPU s (median)")):
+        print(f"  {label:<34} " + " ".join(f"{statistics.median(i[key] for i in extra[s]):>16.1f}" for s in sides))
+    print(f"  {'docs/s':<34} {docs / med('ours'):>16,.0f} {docs / med('datatrove'):>16,.0f}")
+    print(f"  {'MB/s':<34} {mb / med('ours'):>16.2f} {mb / med('datatrove'):>16.2f}")
+    print(f"  {'rows after filter / dedup / PII':<34} {'/'.join(map(str, q['ours']['rows'])):>16} "
+          f"{'/'.join(map(str, q['datatrove']['rows'])):>16}")
+
+    def row(label: str, cells: list) -> None:  # cells: (share, count) or None
+        print(f"  {label:<34} " + " ".join(f"{f'{c[0]:.3f} ({c[1]})' if c else 'n/a':>16}" for c in cells))
+
     row("dedup recall, J >= 0.8 (pairs)", [q[s]["recall"] for s in sides])
     row("false merges, J <= 0.3 (pairs)", [q[s]["false"] for s in sides])
     row("PII surviving, all kinds (values)", [q[s]["pii_all"] for s in sides])
@@ -293,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         row("  " + kind, [q[s]["pii"].get(kind) for s in sides])
     print(f"\n  throughput ratio ours/datatrove per rep: {', '.join(f'{x:.2f}' for x in ratios)}; "
           f"median {statistics.median(ratios):.2f}x (goal >= 2x at equal or better quality)")
+    cpu = [d["cpu_s"] / o["cpu_s"] for o, d in zip(extra["ours"], extra["datatrove"])]
+    print(f"  CPU-time ratio datatrove/ours, whole commands (ours' includes Prefect/MLflow start-up), per rep: "
+          f"{', '.join(f'{x:.2f}' for x in cpu)}; median {statistics.median(cpu):.2f}x")
 
 
 if __name__ == "__main__":
