@@ -90,7 +90,7 @@ class CollectConfig(BaseModel):
         False, description="Skip input files (same path and sha256) that a completed earlier run in this work dir "
         "already collected (ledger `<workdir>/collected.parquet`).")
     shard_bytes: int = Field(
-        64 << 20, gt=0, description="Input files are grouped, in order, into shards of about this many raw bytes; "
+        8 << 20, gt=0, description="Input files are grouped, in order, into shards of about this many raw bytes; "
         "shards are collected in parallel and each is resumable on its own. A file is never split.")
 
     @model_validator(mode="after")
