@@ -73,6 +73,12 @@ class PipelineConfig(BaseModel):
     @field_validator("workdir")
     @classmethod
     def _absolute(cls, v: str) -> str:
+        if v.startswith("file://"):
+            v = v[len("file://"):]
+        elif "://" in v:
+            raise ValueError(f"{v}: the work dir must be a POSIX file system (local or shared, e.g. NFS), not an "
+                             "object store: its commit protocol needs atomic rename, fsync and flock. Inputs may "
+                             "be fsspec URLs (collect.inputs).")
         return str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")

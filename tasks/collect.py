@@ -30,7 +30,6 @@ to the ledger when it completes, so a run that crashed is redone in full by the 
 
 from __future__ import annotations
 
-import glob
 import gzip
 import hashlib
 import io
@@ -56,9 +55,9 @@ from lifecycle.dataset import (
     plan_stage,
     rejected_table,
     run_plan,
-    sha256_file,
 )
 from lifecycle.paths import confine_matches
+from lifecycle import fs
 from tasks import extract
 
 STAGE = "collect"
@@ -130,14 +129,15 @@ def resolve_inputs(patterns: list[str]) -> list[RawFile]:
     """Expand the globs (sorted, de-duplicated) and fingerprint every file by its full sha256."""
     paths: list[str] = []
     for pattern in patterns:
-        matched = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+        matched = fs.glob_files(pattern)
         if not matched:
             raise InputError(f"collect.inputs: pattern {pattern!r} matches no file")
-        confine_matches(pattern, matched, error=InputError)  # no symlink or `..` leads out of the pattern's dir
+        if not fs.is_url(pattern) or pattern.startswith("file://"):  # no symlink or `..` leads out of its dir
+            confine_matches(fs.local_path(pattern), [fs.local_path(m) for m in matched], error=InputError)
         paths.extend(m for m in matched if m not in paths)
     for p in paths:
         file_kind(p)  # fail on an unknown type before any work starts
-    return [RawFile(path=p, sha256=sha256_file(p), bytes=Path(p).stat().st_size) for p in paths]
+    return [RawFile(path=p, sha256=fs.sha256(p), bytes=fs.size(p)) for p in paths]
 
 
 def make_doc_id(source_id: str, text: str) -> str:
@@ -205,10 +205,10 @@ class _ZstdRaw(io.RawIOBase):
 def _open(path: str):
     p = path.lower()
     if p.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.open(fs.open_bytes(path), "rb")
     if p.endswith(".zst"):
-        return io.BufferedReader(_ZstdRaw(open(path, "rb")), 1 << 16)
-    return open(path, "rb")
+        return io.BufferedReader(_ZstdRaw(fs.open_bytes(path)), 1 << 16)
+    return fs.open_bytes(path)
 
 
 def _bounded_lines(f, cap: int) -> Iterator[tuple[bytes | None, int]]:
@@ -290,7 +290,7 @@ def read_jsonl(path: str, cfg: CollectConfig) -> Iterator[tuple]:
 
 def read_parquet(path: str, cfg: CollectConfig) -> Iterator[tuple]:
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(fs.open_bytes(path))
     except Exception as e:  # pyarrow raises several types for a damaged footer
         yield ("bad", path, "unreadable_parquet", str(e)[:200])
         return
@@ -316,14 +316,14 @@ def read_parquet(path: str, cfg: CollectConfig) -> Iterator[tuple]:
 
 
 def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
-    size = Path(path).stat().st_size
+    size = fs.size(path)
     if size == 0:
         yield ("bad", f"{path}:0", "empty_file", "file is empty")
         return
     if size > cfg.max_doc_bytes:  # decided on the file size, never read
         yield ("bad", path, "too_large", f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
         return
-    data = Path(path).read_bytes()
+    data = fs.read_bytes(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

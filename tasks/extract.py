@@ -17,12 +17,13 @@ purpose: it would make the output depend on the day it was produced.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Iterator
 
 import trafilatura
 from warcio.archiveiterator import ArchiveIterator
 from warcio.exceptions import ArchiveLoadFailed
+
+from lifecycle import fs
 
 META_KEYS = ("title", "author", "date", "hostname", "sitename")
 
@@ -47,14 +48,14 @@ def html_to_record(html: str | bytes, source_id: str, source: str, url: str | No
 
 
 def read_html(path: str, max_doc_bytes: int) -> Iterator[tuple]:
-    size = Path(path).stat().st_size
+    size = fs.size(path)
     if size == 0:
         yield ("bad", f"{path}:0", "empty_file", "file is empty")
         return
     if size > max_doc_bytes:  # never read it: the rule is decided on the file size
         yield ("bad", path, "too_large", f"{size} bytes > max_doc_bytes={max_doc_bytes}")
         return
-    yield html_to_record(Path(path).read_bytes(), path, path, None, {})
+    yield html_to_record(fs.read_bytes(path), path, path, None, {})
 
 
 def _read_capped(stream, cap: int) -> bytes | None:
@@ -65,12 +66,12 @@ def _read_capped(stream, cap: int) -> bytes | None:
 
 def read_warc(path: str, max_doc_bytes: int) -> Iterator[tuple]:
     """Each `response` record is one document (other record types are not documents and are not rows)."""
-    if Path(path).stat().st_size == 0:
+    size = fs.size(path)
+    if size == 0:
         yield ("bad", f"{path}:0", "empty_file", "file is empty")
         return
     offset = end = 0
-    size = Path(path).stat().st_size
-    with open(path, "rb") as f:
+    with fs.open_bytes(path) as f:
         it = ArchiveIterator(f, arc2warc=True)
         try:
             for rec in it:
