@@ -155,6 +155,12 @@ class TrainConfig(BaseModel):
     """DeepSpeed ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 weights/activations with fp32 master weights. fp16 does not run on CPU."""
+    activation_checkpointing: bool = False
+    """Keep only each transformer block's input in forward and recompute the block in backward
+    (torch.utils.checkpoint, non-reentrant): activation memory drops from every intermediate of every block
+    to one (B, T, n_embd) tensor per block, for about one extra forward of compute. Gradients are the same
+    up to rounding; it stays in the run fingerprint, so switching it starts a new run rather than mixing
+    two numerics in one trajectory."""
     num_ranks: int = Field(2, ge=1)
     """Data-parallel processes started by the deepspeed launcher on this machine."""
     threads_per_rank: int | None = Field(None, ge=1)
