@@ -203,10 +203,12 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def export_state(self) -> dict[str, torch.Tensor]:
+    def export_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """fp32 CPU copies of the learned weights, one entry per unique parameter (a tied head is not repeated,
-        which is what safetensors wants: it refuses shared tensors)."""
-        return {name: p.detach().float().cpu().clone() for name, p in self.named_parameters()}
+        which is what safetensors wants: it refuses shared tensors). copy=False returns the fp32 parameters
+        themselves where they already are fp32 CPU tensors (for a caller that copies them anyway)."""
+        state = {name: p.detach().float().cpu() for name, p in self.named_parameters()}
+        return {name: t.clone() for name, t in state.items()} if copy else state
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of `export_state`; every parameter must be present (strict), a tied head is re-linked."""
