@@ -1,29 +1,47 @@
-"""Asynchronous checkpoints: snapshot to host memory in the training thread, persist in the background, commit
-only when every rank's files are durable.
+"""Asynchronous checkpoints: snapshot to host memory in the training thread, persist in a low-priority child
+process, commit only when every rank's files are durable.
 
 DeepSpeed's `save_checkpoint` builds its state dicts on every rank and hands each file to
 `engine.checkpoint_engine.save(state_dict, path)`. `SnapshotCheckpointEngine` replaces that engine: `save`
-copies every tensor of the state dict (a memcpy to host memory; the live tensors may change as soon as
-training goes on) and queues the copy for a background thread, which writes it to `<path>.tmp`, fsyncs
-it and renames it into place. The training thread returns to work after the copies.
+copies every tensor of the state dict into a shared-memory arena (a memcpy; the live tensors may change as
+soon as training goes on) and sends the state's small skeleton, with each tensor replaced by its place in
+the arena, to a persist process. That process rebuilds the state dict over the same memory and writes it
+with `torch.save` to `<path>.tmp`, fsyncs it and renames it into place. The training thread returns to
+work after the copies.
+
+Why a process and not a thread: a thread's `torch.save` holds the GIL while it pickles and writes (the
+training thread then waits between its ops), and with 2 cores a thread at nice 19 still shares the
+process. The persist process runs at nice 19 with its own interpreter, so training only gives it cycles it
+would not use. The arena is a memfd (no name in /dev/shm, so a SIGKILL leaks nothing) passed over a
+socketpair; it is reused from one checkpoint to the next (grown when a checkpoint needs more), so staging
+does not page-fault fresh memory every time. The persist process dies with its rank (PR_SET_PDEATHSIG), so a
+killed rank leaves no writer behind. Its working set is one checkpoint's bytes per rank, kept for the run.
 
 `AsyncSaver` keeps the commit protocol of `tasks.checkpoint` (files durable on every rank, then a
 marker written last by rank 0), only spread over the following steps: `poll()` is collective (every rank
 calls it at the same steps); it all-reduces "my files are durable" and, once every rank says so, rank 0
 queues `checkpoint.commit` (hash every file, write COMMITTED.json atomically) and pruning on its
-background thread. One save is in flight at a time: the next `start` (and `finish`) wait for the last.
-A crash before the marker leaves a tag directory that does not exist for resume (`latest_valid`), and
-the next save of that tag, or pruning, removes it.
+background thread (hashing and fsync release the GIL). One save is in flight at a time: the next `start`
+(and `finish`) wait for the last. A crash before the marker leaves a tag directory that does not exist for
+resume (`latest_valid`), and the next save of that tag, or pruning, removes it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
+import mmap
 import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
 import threading
-import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,23 +51,87 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from lifecycle.dataset import fsync_dir
 from tasks import checkpoint as ckpt
 
+ALIGN = 64  # arena offsets: distinct, aligned data pointers for every staged tensor
 
-def snapshot(obj: Any) -> Any:
-    """A copy of a state dict that shares no tensor or array memory with the live training state."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)  # on GPU: a device-to-host copy (pin it for speed)
-    if isinstance(obj, np.ndarray):
-        return obj.copy()
+
+def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """`obj` with `fn` applied to every tensor / ndarray / slot leaf of its dicts, lists and tuples."""
+    if isinstance(obj, (torch.Tensor, np.ndarray, _Slot)):
+        return fn(obj)
     if isinstance(obj, dict):
         out = obj.__class__()  # dict, OrderedDict (torch state dicts), defaultdict (its factory is not needed)
         for k, v in obj.items():
-            out[k] = snapshot(v)
+            out[k] = _map(v, fn)
         return out
     if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
+        return [_map(v, fn) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(snapshot(v) for v in obj)
+        return tuple(_map(v, fn) for v in obj)
     return obj
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of a state dict that shares no tensor or array memory with the live training state."""
+    return _map(obj, lambda t: t.copy() if isinstance(t, np.ndarray) else t.detach().to("cpu", copy=True))
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a staged tensor lives in the arena."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    numel: int
+
+
+class Arena:
+    """A memfd-backed buffer the persist process maps too; tensors are staged into it back to back."""
+
+    def __init__(self, size: int):
+        self.size = max(ALIGN, size)
+        self.fd = os.memfd_create("lifecycle-ckpt-arena")
+        os.ftruncate(self.fd, self.size)  # pages are only allocated when first written
+        self.mm = mmap.mmap(self.fd, self.size)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.cursor = 0
+
+    def stage(self, obj: Any) -> Any:
+        """Copy every non-empty tensor of `obj` into the arena; returns the skeleton with `_Slot`s in their place."""
+        def put(t):
+            if isinstance(t, np.ndarray):
+                return t.copy()
+            t = t.detach()
+            if t.numel() == 0:
+                return t.to("cpu", copy=True)
+            n = t.numel() * t.element_size()
+            self.bytes[self.cursor : self.cursor + n].view(t.dtype).view(t.shape).copy_(t)
+            slot = _Slot(self.cursor, t.dtype, tuple(t.shape), t.numel())
+            self.cursor += -(-n // ALIGN) * ALIGN
+            return slot
+        return _map(obj, put)
+
+    def close(self) -> None:
+        del self.bytes
+        self.mm.close()
+        os.close(self.fd)
+
+
+def staged_bytes(obj: Any) -> int:
+    """Arena bytes `Arena.stage(obj)` needs."""
+    total = [0]
+    def count(t):
+        if isinstance(t, torch.Tensor) and t.numel():
+            total[0] += -(-(t.numel() * t.element_size()) // ALIGN) * ALIGN
+        return t
+    _map(obj, count)
+    return total[0]
+
+
+def unstage(obj: Any, mm: mmap.mmap) -> Any:
+    """The state dict over the arena's memory: every tensor its own storage (so torch.save writes each alone)."""
+    return _map(obj, lambda s: torch.frombuffer(mm, dtype=s.dtype, count=s.numel, offset=s.offset).view(s.shape)
+                if isinstance(s, _Slot) else s)
 
 
 def persist(state: Any, path: str, zipfile: bool) -> str:
@@ -68,32 +150,159 @@ def persist(state: Any, path: str, zipfile: bool) -> str:
     return path
 
 
-def _lower_priority() -> None:
-    """Run the persist thread at nice 19: on a busy CPU it takes the cycles training leaves over instead of
-    competing with the training thread (Linux sets niceness per thread)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
+# --------------------------------------------------------------------------------------------------
+# the persist process and its channel: length-prefixed pickles over a socketpair, the arena's fd alongside
+
+
+def _send(sock: socket.socket, obj: Any, fds: tuple[int, ...] = ()) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    header = struct.pack("<Q", len(data))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+        sock.sendall(data)
+    else:
+        sock.sendall(header + data)
+
+
+def _recv_exact(sock: socket.socket, n: int, buf: bytes = b"") -> bytes | None:
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
+    """(message, fds), or None once the other side is gone."""
+    first, fds, _, _ = socket.recv_fds(sock, 8, 4)
+    header = _recv_exact(sock, 8, first) if first else None
+    if header is None:
+        return None
+    data = _recv_exact(sock, struct.unpack("<Q", header)[0])
+    return (pickle.loads(data), fds) if data is not None else None
+
+
+# Before any import: die with the rank (PR_SET_PDEATHSIG = 1), exit if it is already gone, and go to nice 19,
+# so even the process's start-up (importing torch and deepspeed) only takes cycles training leaves over.
+CHILD_BOOT = """import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[2]):
+    sys.exit(0)
+os.nice(19)
+from tasks.async_ckpt import _child_main
+_child_main(int(sys.argv[1]))
+"""
+
+
+def _child_main(fd: int) -> None:
+    """The persist process: write what the rank sends, reply per job, exit when the rank closes the channel."""
+    torch.set_num_threads(1)
+    sock = socket.socket(fileno=fd)
+    mm = None
+    while (got := _recv(sock)) is not None:
+        msg, fds = got
+        if msg[0] == "arena":
+            if mm is not None:
+                mm.close()
+            mm = mmap.mmap(fds[0], msg[1])
+            os.close(fds[0])
+            continue
+        _, job, kind, target, skeleton, arg = msg
+        try:
+            state = unstage(skeleton, mm)
+            if kind == "states":
+                persist(state, target, zipfile=arg)
+            else:
+                ckpt.write_model(target, state, arg)
+            _send(sock, (job, None))
+        except BaseException:
+            _send(sock, (job, traceback.format_exc()))
+
+
+class PersistProcess:
+    """The rank's side: an arena, the persist process, and a future per submitted file."""
+
+    def __init__(self):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        repo = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD_BOOT, str(child.fileno()), str(os.getpid())],
+                                     pass_fds=[child.fileno()], env=env, cwd=repo)
+        child.close()
+        self.sock, self.arena = parent, None
+        self.jobs: dict[int, cf.Future] = {}
+        self.ids = itertools.count()
+        self.lock = threading.Lock()
+        self.reader = threading.Thread(target=self._read, name="ckpt-persist-replies", daemon=True)
+        self.reader.start()
+
+    def reserve(self, nbytes: int) -> Arena:
+        """An arena with `nbytes` free after its cursor (a larger new one when needed; the process keeps
+        its mapping of the old one until it has written what was staged there)."""
+        if self.arena is None or self.arena.cursor + nbytes > self.arena.size:
+            old = self.arena
+            self.arena = Arena(max(nbytes, 2 * old.size if old else nbytes))
+            _send(self.sock, ("arena", self.arena.size), fds=(self.arena.fd,))
+            if old is not None:
+                old.close()
+        return self.arena
+
+    def submit(self, kind: str, target: str, state: Any, arg: Any) -> cf.Future:
+        """Stage `state` (blocking copy) and queue its write; kind 'states' (torch.save) or 'model' (safetensors)."""
+        fut: cf.Future = cf.Future()
+        with self.lock:
+            job = next(self.ids)
+            self.jobs[job] = fut
+        try:
+            skeleton = self.reserve(staged_bytes(state)).stage(state)
+            _send(self.sock, ("save", job, kind, target, skeleton, arg))
+        except OSError as e:  # the channel is broken: the process is gone
+            with self.lock:
+                self.jobs.pop(job, None)
+            raise RuntimeError(f"checkpoint persist process exited (code {self.proc.poll()})") from e
+        return fut
+
+    def _read(self) -> None:
+        while (got := _recv(self.sock)) is not None:
+            (job, error), _ = got
+            with self.lock:
+                fut = self.jobs.pop(job)
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(RuntimeError(f"checkpoint persist process failed:\n{error}"))
+        with self.lock:  # the process is gone: nothing pending will complete
+            for fut in self.jobs.values():
+                fut.set_exception(RuntimeError(f"checkpoint persist process exited (code {self.proc.poll()})"))
+            self.jobs.clear()
+
+    def new_checkpoint(self) -> None:
+        if self.arena is not None:
+            self.arena.cursor = 0
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_WR)  # the process finishes what it has and exits
+        self.proc.wait()
+        self.reader.join()
+        self.sock.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine whose `save` snapshots and returns; a thread persists the snapshot."""
+    """DeepSpeed checkpoint engine whose `save` stages the state and returns; the persist process writes it."""
 
-    def __init__(self, base: TorchCheckpointEngine, pool: cf.ThreadPoolExecutor):
+    def __init__(self, base: TorchCheckpointEngine, writer: PersistProcess):
         self.name = "SnapshotCheckpointEngine"
         self.zipfile_serialization = getattr(base, "zipfile_serialization", False)
-        self.pool, self.jobs = pool, []
-        self.snapshot_s = 0.0
+        self.writer, self.jobs = writer, []
 
     def create(self, info) -> None:
         pass
 
     def save(self, state_dict, path: str) -> None:
-        t0 = time.perf_counter()
-        snap = snapshot(state_dict)
-        self.snapshot_s += time.perf_counter() - t0
-        self.jobs.append(self.pool.submit(persist, snap, path, self.zipfile_serialization))
+        self.jobs.append(self.writer.submit("states", str(path), state_dict, self.zipfile_serialization))
 
     def commit(self, info) -> bool:
         return True
@@ -105,8 +314,9 @@ class AsyncSaver:
     def __init__(self, engine, ckpt_root: str | Path, keep_last: int, log=print):
         self.engine, self.root, self.keep_last, self.log = engine, Path(ckpt_root), keep_last, log
         self.rank = dist.get_rank()
-        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist", initializer=_lower_priority)
-        self.ds_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, self.pool)
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")  # rank 0's commits
+        self.writer = PersistProcess()
+        self.ds_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, self.writer)
         engine.checkpoint_engine = self.ds_engine
         self.pending: tuple[int, Path, dict | None] | None = None
         self.commit_job: cf.Future | None = None
@@ -124,12 +334,13 @@ class AsyncSaver:
                 ckpt.remove(tag_dir)
         dist.barrier()
         self.ds_engine.jobs = []
+        self.writer.new_checkpoint()  # the last one is written: its arena space is free again
         self.engine.save_checkpoint(str(self.root), tag=tag_dir.name, client_state=client_state, save_latest=False)
         module = self.engine.module
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            state = module.export_state() if self.rank == 0 else None  # export_state copies (fp32 clones)
-        if self.rank == 0:
-            self.ds_engine.jobs.append(self.pool.submit(ckpt.write_model, tag_dir, state, model_config))
+            if self.rank == 0:  # staged (copied) while ZeRO-3's gathered parameters are still there
+                self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), module.export_state(copy=False),
+                                                              model_config))
         self.pending = (step, tag_dir, marker_extra)
         return tag_dir
 
@@ -171,3 +382,4 @@ class AsyncSaver:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.writer.close()

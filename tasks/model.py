@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # The config lives in tasks.train so that importing the configs (CLI, flow) does not import torch.
 from tasks.train import ModelConfig
@@ -137,6 +138,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # Recompute each block's activations in backward instead of keeping them (set by the train loop from
+        # `train.activation_checkpointing`; not a ModelConfig field, since the weights do not depend on it).
+        self.activation_checkpointing = False
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
@@ -187,17 +191,24 @@ class GPT(nn.Module):
             rope = rope_tables(self.cfg, T, idx.device)
         x = self.drop(x)
         for block in self.blocks:
-            x = block(x, rope)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Non-reentrant: works with ZeRO-3's parameter hooks and with inputs that need no grad; the
+                # RNG state is stashed and restored, so a recomputed dropout mask equals the first one.
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def export_state(self) -> dict[str, torch.Tensor]:
+    def export_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """fp32 CPU copies of the learned weights, one entry per unique parameter (a tied head is not repeated,
-        which is what safetensors wants: it refuses shared tensors)."""
-        return {name: p.detach().float().cpu().clone() for name, p in self.named_parameters()}
+        which is what safetensors wants: it refuses shared tensors). copy=False returns the fp32 parameters
+        themselves where they already are fp32 CPU tensors (for a caller that copies them anyway)."""
+        state = {name: p.detach().float().cpu() for name, p in self.named_parameters()}
+        return {name: t.clone() for name, t in state.items()} if copy else state
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of `export_state`; every parameter must be present (strict), a tied head is re-linked."""

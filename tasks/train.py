@@ -41,7 +41,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Fields that do not change the trajectory, so they are not part of the run fingerprint.
 OPERATIONAL = {"max_steps", "checkpoint_every", "keep_last", "eval_every", "eval_batches", "log_every",
                "master_port", "timeout_s", "threads_per_rank", "max_epochs", "peak_flops_per_rank", "prefetch",
-               "async_save", "init_from"}
+               "async_save", "hostfile", "master_addr", "num_nodes", "include", "exclude", "launcher", "init_from"}
+LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 
 
 class ModelConfig(BaseModel):
@@ -159,6 +160,12 @@ class TrainConfig(BaseModel):
     """DeepSpeed ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 weights/activations with fp32 master weights. fp16 does not run on CPU."""
+    activation_checkpointing: bool = False
+    """Keep only each transformer block's input in forward and recompute the block in backward
+    (torch.utils.checkpoint, non-reentrant): activation memory drops from every intermediate of every block
+    to one (B, T, n_embd) tensor per block, for about one extra forward of compute. Gradients are the same
+    up to rounding; it stays in the run fingerprint, so switching it starts a new run rather than mixing
+    two numerics in one trajectory."""
     num_ranks: int = Field(2, ge=1)
     """Data-parallel processes started by the deepspeed launcher on this machine."""
     threads_per_rank: int | None = Field(None, ge=1)
@@ -179,6 +186,22 @@ class TrainConfig(BaseModel):
     """torch.distributed rendezvous port; null = pick a free one at launch."""
     timeout_s: float | None = Field(None, gt=0)
     """Kill the ranks and fail after this many seconds (null = no limit)."""
+    hostfile: str | None = None
+    """DeepSpeed hostfile (`<host> slots=<ranks>` per line, `#` comments) to run the ranks across the listed
+    hosts; null = `num_ranks` ranks on this machine. With a hostfile `num_ranks` is the total number of
+    ranks the (filtered) hostfile gives, and every host needs the same run directory (a shared file system)
+    and the same Python environment at the same path, reachable by passwordless ssh (pdsh by default)."""
+    master_addr: str | None = None
+    """Address of the rank-0 host for the rendezvous. Null: 127.0.0.1 when every rank is on one host, else
+    the DeepSpeed launcher asks the first host over ssh (`hostname -I`)."""
+    num_nodes: int | None = Field(None, ge=1)
+    """Use only the first this many hosts of the hostfile (launcher `--num_nodes`)."""
+    include: str | None = None
+    """Hosts/slots to use, DeepSpeed syntax `node1@node2:0,1` (launcher `--include`)."""
+    exclude: str | None = None
+    """Hosts/slots to leave out, same syntax (launcher `--exclude`)."""
+    launcher: Literal["pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm"] = "pdsh"
+    """How the DeepSpeed launcher starts the ranks on other hosts (launcher `--launcher`)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -186,6 +209,12 @@ class TrainConfig(BaseModel):
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.warmup_steps >= self.horizon:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below decay_steps/max_steps ({self.horizon})")
+        if self.hostfile is None and (self.num_nodes or self.include or self.exclude):
+            raise ValueError("num_nodes/include/exclude select hosts of a hostfile: set train.hostfile too")
+        if self.include and self.exclude:
+            raise ValueError("train.include and train.exclude are mutually exclusive")
+        if self.num_nodes and (self.include or self.exclude):
+            raise ValueError("train.num_nodes cannot be combined with include/exclude (the DeepSpeed launcher refuses it)")
         return self
 
     @property
@@ -329,9 +358,9 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
         if launcher is None:
             raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
-        cmd = [launcher, "--num_gpus", str(cfg.num_ranks), "--master_port", str(port),
-               "--module", "--no_local_rank", "tasks.train_loop", "--config", str(config_path)]
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.num_ranks)
+        cmd = [launcher, *launch_args(cfg, port, run_dir, threads), "--module", "--no_local_rank",
+               "tasks.train_loop", "--config", str(config_path)]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -363,6 +392,76 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         if final is None or ckpt.step_of(final) != cfg.max_steps:
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
         return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
+
+
+def read_hostfile(path: str | Path) -> dict[str, int]:
+    """{host: slots} of a DeepSpeed hostfile, validated line by line (DeepSpeed's own parser names neither
+    the file nor the line, and accepts trailing garbage after `slots=N`)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"train.hostfile {path}: cannot read it ({e.strerror})") from None
+    hosts: dict[str, int] = {}
+    for n, raw in enumerate(lines, start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit() or int(parts[1][6:]) < 1:
+            raise ValueError(f"hostfile {path}, line {n}: expected '<host> slots=<ranks >= 1>', got {raw.strip()!r}")
+        if parts[0] in hosts:
+            raise ValueError(f"hostfile {path}, line {n}: host {parts[0]!r} is listed twice")
+        hosts[parts[0]] = int(parts[1][6:])
+    if not hosts:
+        raise ValueError(f"hostfile {path}: no '<host> slots=<ranks>' line")
+    return hosts
+
+
+def select_hosts(hosts: dict[str, int], cfg: TrainConfig) -> dict[str, int]:
+    """{host: ranks} that the launcher's `--include`/`--exclude`/`--num_nodes` leave of a hostfile (the
+    selection rules of deepspeed/launcher/runner.py), so the world size is checked before anything starts."""
+    def parse(spec: str) -> dict[str, int | None]:  # "node1@node2:0,2" -> {node1: None (all), node2: 2}
+        out = {}
+        for part in spec.split("@"):
+            host, _, slots = part.partition(":")
+            if host not in hosts:
+                raise ValueError(f"host {host!r} of {spec!r} is not in hostfile {cfg.hostfile}")
+            out[host] = len(slots.split(",")) if slots else None
+        return out
+
+    if cfg.include:
+        return {h: n or hosts[h] for h, n in parse(cfg.include).items()}
+    if cfg.exclude:
+        drop = parse(cfg.exclude)
+        left = {h: hosts[h] - (drop[h] or hosts[h]) if h in drop else hosts[h] for h in hosts}
+        return {h: n for h, n in left.items() if n > 0}
+    return dict(list(hosts.items())[: cfg.num_nodes or len(hosts)])
+
+
+def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:
+    """Arguments of the `deepspeed` launcher before the module: `--num_gpus` local ranks, or the hostfile
+    with its host selection. With a hostfile, the rank environment that the launcher does not forward over
+    ssh itself (it forwards PYTHON* variables) is written to `<run_dir>/.deepspeed_env`, which it reads
+    from its working directory."""
+    if cfg.hostfile is None:
+        return ["--num_gpus", str(cfg.num_ranks), "--master_port", str(port)]
+    chosen = select_hosts(read_hostfile(cfg.hostfile), cfg)
+    if sum(chosen.values()) != cfg.num_ranks:
+        raise ValueError(f"hostfile {cfg.hostfile} gives {sum(chosen.values())} ranks "
+                         f"({', '.join(f'{h}: {n}' for h, n in chosen.items())}) but train.num_ranks={cfg.num_ranks}")
+    args = ["--hostfile", str(Path(cfg.hostfile).resolve()), "--master_port", str(port), "--launcher", cfg.launcher]
+    one_host = len(chosen) == 1
+    master = cfg.master_addr or ("127.0.0.1" if one_host and next(iter(chosen)) in LOCAL_HOSTS else None)
+    if master:
+        args += ["--master_addr", master]
+    if one_host:  # DeepSpeed starts a single host's ranks locally, but would still try ssh to it first
+        args.append("--no_ssh_check")
+    for flag, value in (("--num_nodes", cfg.num_nodes), ("--include", cfg.include), ("--exclude", cfg.exclude)):
+        if value:
+            args += [flag, str(value)]
+    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR=cpu\nOMP_NUM_THREADS={threads}\n")
+    return args
 
 
 SHM_DIR = Path("/dev/shm")

@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         from safetensors.torch import load_file
 
         model.load_export(load_file(launch["init_weights"]))
+    model.activation_checkpointing = cfg.activation_checkpointing
     n_params = model.num_params()  # before ZeRO-3 partitions the parameters
     n_matmul, fpt = model.num_params(exclude_embeddings=True), model.flops_per_token()
     decay = [p for p in model.parameters() if p.dim() >= 2]

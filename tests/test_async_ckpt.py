@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.async_ckpt import persist, snapshot
+from tasks.async_ckpt import PersistProcess, persist, snapshot
 
 
 def test_snapshot_shares_no_memory_with_the_live_state():
@@ -33,3 +33,40 @@ def test_persist_is_atomic_and_loadable(tmp_path, monkeypatch):
         persist({"w": torch.zeros(5)}, str(path), zipfile=True)
     assert torch.equal(torch.load(path)["w"], torch.arange(5))  # the old file is untouched, never half-written
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_persist_process_writes_the_staged_state_while_training_goes_on(tmp_path):
+    live = {"module": collections.OrderedDict(w=torch.arange(6, dtype=torch.float32).view(2, 3).t(),  # non-contiguous
+                                              b=torch.ones(3, dtype=torch.bfloat16), mask=torch.tensor([True, False]),
+                                              empty=torch.zeros(0)),
+            "opt": {"state": {0: {"exp_avg": torch.full((1000,), 2.0), "step": torch.tensor(7)}}},
+            "rng": ("MT19937", np.arange(4, dtype=np.uint32), 1), "step": 7}
+    expected = snapshot(live)
+    writer = PersistProcess()
+    try:
+        done = writer.submit("states", str(tmp_path / "a.pt"), live, True)
+        live["module"]["w"].add_(100)  # training goes on after the (blocking) staging copy
+        live["opt"]["state"][0]["exp_avg"].zero_()
+        live["rng"][1][:] = 9
+        done.result(timeout=60)
+        got = torch.load(tmp_path / "a.pt", weights_only=False)
+        assert isinstance(got["module"], collections.OrderedDict) and got["step"] == 7
+        for k in ("w", "b", "mask", "empty"):
+            assert got["module"][k].dtype == expected["module"][k].dtype and torch.equal(got["module"][k], expected["module"][k])
+        assert torch.equal(got["opt"]["state"][0]["exp_avg"], torch.full((1000,), 2.0))
+        assert got["rng"][1].tolist() == [0, 1, 2, 3] and not list(tmp_path.glob("*.tmp"))
+        # a bigger state than the arena holds: a new arena, the earlier write is unaffected
+        writer.new_checkpoint()
+        big = {"x": torch.randn(1 << 20)}
+        writer.submit("states", str(tmp_path / "b.pt"), big, True).result(timeout=60)
+        assert torch.equal(torch.load(tmp_path / "b.pt")["x"], big["x"]) and writer.arena.size >= 4 << 20
+        # a failed write raises in the rank, with the persist process's traceback
+        with pytest.raises(RuntimeError, match="(?s)persist process failed.*No such file"):
+            writer.submit("states", str(tmp_path / "missing" / "c.pt"), big, True).result(timeout=60)
+        writer.proc.kill()  # the process dies: what is pending fails instead of hanging
+        writer.proc.wait()
+        with pytest.raises(RuntimeError, match="persist process exited"):
+            writer.submit("states", str(tmp_path / "d.pt"), big, True).result(timeout=60)
+    finally:
+        writer.close()
+    assert not (tmp_path / "d.pt").exists()
