@@ -7,7 +7,7 @@ PIP_ARGS  ?=
 #   make demo PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install demo test bench clean-demo lock
+.PHONY: install demo test bench clean-demo lock audit
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -33,3 +33,8 @@ clean-demo:
 # Re-pin the whole environment after changing dependencies in pyproject.toml.
 lock:
 	$(PY) -m pip freeze --exclude-editable | sed -e 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > constraints.txt
+
+# Known vulnerabilities in the pinned versions (needs the PyPI JSON API or api.osv.dev; see README "Security").
+audit:
+	python3 -m venv .audit-venv && .audit-venv/bin/pip install -q pip-audit==2.10.1
+	.audit-venv/bin/pip-audit -r constraints.txt --no-deps --disable-pip --strict
