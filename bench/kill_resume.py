@@ -149,6 +149,9 @@ def main(kills: int = 10, seed: int = 0) -> dict:
             mid += t["mid_run"] and same
             print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
                   f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
+    from tasks.train import release_shm
+
+    release_shm()  # the last kill took the supervisor down before it could unlink DeepSpeed's buffers
     print(f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
           f"({mid} of them killed before the final commit, i.e. really resumed)")
     return {"kills": kills, "identical": identical, "identical_mid_run": mid}
