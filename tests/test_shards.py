@@ -173,3 +173,29 @@ def test_sigkill_during_each_data_stage_then_rerun_is_identical(tmp_path):
             assert [(e["path"], e["sha256"]) for e in b[kind]] == [(e["path"], e["sha256"]) for e in a[kind]]
         assert b["stats"] == a["stats"], stage
     assert not list((wd / "datasets").glob("*/.building-*")) and not list((wd / "datasets").glob("*/.tmp-*"))
+
+
+def test_shards_run_on_a_dask_cluster_given_by_address(tmp_path):
+    """`orchestration.dask_address`: the shards run on an existing cluster's workers (here a LocalCluster
+    started by the test, as `dask scheduler` + `dask worker` would be), and the result equals a serial run."""
+    from distributed import Client, LocalCluster
+
+    inputs = write_inputs(tmp_path / "in", files=3, per_file=20)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        cmd = cli(tmp_path / "w", inputs, 0)[:-4]  # drop the worker count: the address decides
+        cmd += ["--set", f"orchestration.dask_address={cluster.scheduler_address}", "--until", "filter"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        # the cluster's workers ran the tasks (Dask logs every task transition on the worker that ran it)
+        ran = client.run(lambda dask_worker: len({str(e[0]) for e in dask_worker.state.log}))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    collect = json.loads(open(out["datasets"]["collect"]).read())
+    assert collect["shards"] == 3 and sum(ran.values()) >= 3, ran  # 3 collect shards + the filter shards
+    serial = subprocess.run(cli(tmp_path / "s", inputs, 0) + ["--until", "filter"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert serial.returncode == 0, serial.stderr[-3000:]
+    ref = json.loads(serial.stdout.strip().splitlines()[-1])
+    for stage in ("collect", "filter"):
+        assert json.loads(open(out["datasets"][stage]).read())["sha256"] == \
+            json.loads(open(ref["datasets"][stage]).read())["sha256"]
