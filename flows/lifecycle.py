@@ -17,7 +17,7 @@ from prefect.context import get_run_context
 
 from flows.stage_tasks import ShardRunner, plain_task, shard_task, stage_task
 from lifecycle.config import STAGES, PipelineConfig
-from lifecycle.dataset import DatasetRef, RawFile, StagePlan, commit_plan
+from lifecycle.dataset import DatasetRef, RawFile, commit_plan
 from lineage.card import model_card
 from lineage.charts import funnel_png, loss_png
 from lineage.tracking import Tracker
@@ -118,10 +118,12 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
                                "datasets": {}, "stages": {}, "checkpoint": None, "model": None, "promotion": None,
                                "metrics": {}}
 
-    def record(stage: str, stage_cfg, parent: DatasetRef | None, ref: DatasetRef, outcome: str, raw_inputs=(),
+    def record(stage: str, stage_cfg, parent: DatasetRef | None, ref: DatasetRef, outcome: str,
                metrics: dict | None = None) -> DatasetRef:
+        # collect's raw files are those its manifest holds (an incremental run skips collected ones)
+        raw = [RawFile(**r) for r in ref.manifest()["inputs"]] if parent is None else []
         tracker.log_stage(stage, stage_cfg, outcome, inputs=[parent] if parent else [], outputs=[ref],
-                          raw_inputs=raw_inputs, metrics={**funnel_metrics(ref), **(metrics or {})})
+                          raw_inputs=raw, metrics={**funnel_metrics(ref), **(metrics or {})})
         summary["datasets"][stage] = str(ref.manifest_path)
         summary["stages"][stage] = outcome
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
@@ -131,23 +133,20 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
         t = stage_task(fn, stage, orch, orch.data_retries)
         args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
         ref, outcome = _call(t, *args, **kw)
-        return record(stage, stage_cfg, parent, ref, outcome, kw.get("inputs", ()))
+        return record(stage, stage_cfg, parent, ref, outcome)
 
     def sharded_stage(stage: str, plan_fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
         """plan -> one task per shard on the shard runner (Dask) -> commit. A committed dataset with the same
         fingerprint is reused; after a crash only the shards without a published marker run again."""
         args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
         plan = plain_task(plan_fn, f"{stage}-plan")(*args, **kw)
-        raw = ()
-        if parent is None:  # collect: the raw files this dataset holds (incremental runs skip collected ones)
-            raw = plan.inputs if isinstance(plan, StagePlan) else [RawFile(**r) for r in plan.manifest()["inputs"]]
         if isinstance(plan, DatasetRef):
-            return record(stage, stage_cfg, parent, plan, "reused", raw)
+            return record(stage, stage_cfg, parent, plan, "reused")
         reused = len(plan.done_shards())
         print(f"[{stage}] {len(plan.shards)} shards ({reused} already built by an earlier attempt)")
         shards.map(shard_task(stage, orch, orch.data_retries), plan, len(plan.shards))
         ref = plain_task(commit_plan, f"{stage}-commit")(plan)
-        return record(stage, stage_cfg, parent, ref, "resumed" if reused else "computed", raw,
+        return record(stage, stage_cfg, parent, ref, "resumed" if reused else "computed",
                       metrics={"shards": len(plan.shards), "shards_reused": reused})
 
     def done(stage: str) -> bool:

@@ -62,6 +62,13 @@ def _retry_unless_permanent(_task, _task_run, state) -> bool:
     return True
 
 
+def _retry_options(orchestration: OrchestrationConfig, retries: int) -> dict:
+    """Exponential backoff with jitter; errors a retry cannot heal are not retried."""
+    return {"retries": retries,
+            "retry_delay_seconds": exponential_backoff(backoff_factor=orchestration.retry_backoff_s),
+            "retry_jitter_factor": orchestration.retry_jitter, "retry_condition_fn": _retry_unless_permanent}
+
+
 def stage_modules(*roots) -> list:
     """The stage's modules and every `tasks.*` module they import from (e.g. dedup -> minhash), so that an
     edit to any of them changes the cache key, as it changes the stage's own dataset fingerprint."""
@@ -90,10 +97,7 @@ def stage_task(
         cache_key_fn=content_cache_key(stage, code),
         persist_result=True,
         result_serializer="json",
-        retries=retries,
-        retry_delay_seconds=exponential_backoff(backoff_factor=orchestration.retry_backoff_s),
-        retry_jitter_factor=orchestration.retry_jitter,
-        retry_condition_fn=_retry_unless_permanent,
+        **_retry_options(orchestration, retries),
         timeout_seconds=None if stage == "train" else orchestration.stage_timeout_s,
     )
 
@@ -107,10 +111,7 @@ def shard_task(stage: str, orchestration: OrchestrationConfig, retries: int):
         task_run_name=f"{stage}-shard-{{index}}",
         cache_policy=NO_CACHE,
         persist_result=False,
-        retries=retries,
-        retry_delay_seconds=exponential_backoff(backoff_factor=orchestration.retry_backoff_s),
-        retry_jitter_factor=orchestration.retry_jitter,
-        retry_condition_fn=_retry_unless_permanent,
+        **_retry_options(orchestration, retries),
         timeout_seconds=orchestration.stage_timeout_s,
     )
 
@@ -147,15 +148,9 @@ class ShardRunner:
         futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n))})
         return futures.result()  # raises the first shard failure (after that shard's retries)
 
-    def __enter__(self) -> "ShardRunner":
-        return self
-
     def close(self) -> None:
         self._stack.close()
         self._runner = None
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def plain_task(fn: Callable, name: str):

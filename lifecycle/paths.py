@@ -17,6 +17,8 @@ import glob
 from pathlib import Path
 from typing import Iterable
 
+from lifecycle import fs
+
 
 class PathEscape(ValueError):
     """A path that resolves outside the roots it is confined to."""
@@ -33,9 +35,9 @@ def resolve_within(path: str | Path, roots: Iterable[str | Path], what: str, err
 
 
 def pattern_root(pattern: str) -> Path:
-    """The fixed directory a glob pattern starts from: its parts before the first one with a glob character
-    (for a plain file path, its directory)."""
-    parts = Path(pattern).expanduser().parts
+    """The fixed directory a glob pattern (or `file://` URL) starts from: its parts before the first one with a
+    glob character (for a plain file path, its directory)."""
+    parts = Path(fs.local_path(pattern)).expanduser().parts
     fixed = []
     for part in parts:
         if glob.has_magic(part):
@@ -48,11 +50,11 @@ def pattern_root(pattern: str) -> Path:
 
 def is_url(path: str) -> bool:
     """A URL (s3://, http://...) names no local file, so local confinement does not apply; file:// is local."""
-    return "://" in path and not path.startswith("file://")
+    return fs.is_url(path) and not path.startswith("file://")
 
 
 def confine_matches(pattern: str, matches: Iterable[str], error: type = PathEscape) -> None:
     """Every file a glob pattern matched must resolve inside the pattern's fixed directory."""
     root = pattern_root(pattern)
     for m in matches:
-        resolve_within(m, [root], f"collect.inputs pattern {pattern!r}", error)
+        resolve_within(fs.local_path(m), [root], f"collect.inputs pattern {pattern!r}", error)

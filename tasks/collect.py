@@ -56,7 +56,7 @@ from lifecycle.dataset import (
     rejected_table,
     run_plan,
 )
-from lifecycle.paths import confine_matches
+from lifecycle.paths import confine_matches, is_url
 from lifecycle import fs
 from tasks import extract
 
@@ -132,8 +132,8 @@ def resolve_inputs(patterns: list[str]) -> list[RawFile]:
         matched = fs.glob_files(pattern)
         if not matched:
             raise InputError(f"collect.inputs: pattern {pattern!r} matches no file")
-        if not fs.is_url(pattern) or pattern.startswith("file://"):  # no symlink or `..` leads out of its dir
-            confine_matches(fs.local_path(pattern), [fs.local_path(m) for m in matched], error=InputError)
+        if not is_url(pattern):  # local (file:// too): no symlink or `..` leads out of the pattern's dir
+            confine_matches(pattern, matched, error=InputError)
         paths.extend(m for m in matched if m not in paths)
     for p in paths:
         file_kind(p)  # fail on an unknown type before any work starts
@@ -416,8 +416,12 @@ def read_ledger(workdir: str) -> pa.Table:
     return pq.read_table(p) if p.exists() else LEDGER_SCHEMA.empty_table()
 
 
+def _ledger_keys(ledger: pa.Table) -> set[tuple[str, str]]:
+    return set(zip(ledger.column("path").to_pylist(), ledger.column("sha256").to_pylist()))
+
+
 def new_inputs(inputs: list[RawFile], workdir: str) -> list[RawFile]:
-    seen = set(zip(*(read_ledger(workdir).column(c).to_pylist() for c in ("path", "sha256"))))
+    seen = _ledger_keys(read_ledger(workdir))
     return [r for r in inputs if (r.path, r.sha256) not in seen]
 
 
@@ -426,7 +430,7 @@ def record_collected(workdir: str, ref: DatasetRef) -> int:
     many were new to it."""
     old = read_ledger(workdir)
     m = ref.manifest()
-    seen = set(zip(old.column("path").to_pylist(), old.column("sha256").to_pylist()))
+    seen = _ledger_keys(old)
     rows = [{**r, "collect_sha256": m["sha256"], "collected_at": m["created_at"]} for r in m["inputs"]
             if (r["path"], r["sha256"]) not in seen]
     if rows:

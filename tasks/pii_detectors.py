@@ -28,11 +28,19 @@ _DECIMAL = re.compile(r"\d+[.,]\d+")
 _ISBN = re.compile(r"ISBN(?:-1[03])?:?\s*$")
 
 
-def email_spans(text: str, cfg):
-    if "@" not in text:
-        return
-    for m in _EMAIL.finditer(text):
-        yield m.start(), m.end(), True
+def _pattern_spans(pattern: re.Pattern, *cues: str):
+    """A detector that replaces every match of `pattern`; the regex runs only when the text holds a cue."""
+
+    def spans(text: str, cfg):
+        if cues and not any(c in text for c in cues):
+            return
+        for m in pattern.finditer(text):
+            yield m.start(), m.end(), True
+
+    return spans
+
+
+email_spans = _pattern_spans(_EMAIL, "@")
 
 
 def ipv4_spans(text: str, cfg):
@@ -222,11 +230,7 @@ _SECRET_KW = re.compile(
 )
 
 
-def private_key_spans(text: str, cfg):
-    if "PRIVATE KEY-----" not in text:
-        return
-    for m in _PEM.finditer(text):
-        yield m.start(), m.end(), True
+private_key_spans = _pattern_spans(_PEM, "PRIVATE KEY-----")
 
 
 def aws_key_spans(text: str, cfg):
@@ -236,11 +240,7 @@ def aws_key_spans(text: str, cfg):
         yield m.start(1), m.end(1), True
 
 
-def github_token_spans(text: str, cfg):
-    if "gh" not in text and "github_pat_" not in text:
-        return
-    for m in _GITHUB.finditer(text):
-        yield m.start(), m.end(), True
+github_token_spans = _pattern_spans(_GITHUB, "gh", "github_pat_")
 
 
 def shannon_entropy(s: str) -> float:

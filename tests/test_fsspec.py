@@ -86,3 +86,10 @@ def test_run_with_file_urls_for_work_dir_and_inputs(inputs, tmp_path):
     collect = json.loads(open(out["datasets"]["collect"]).read())
     assert collect["shards"] == 3 and collect["stats"]["rows_in"] == 32  # 3 files, each its own shard (Dask)
     assert all(i["path"].startswith(f"file://{inputs}/") for i in collect["inputs"])
+
+
+def test_declared_input_roots_apply_to_file_urls(tmp_path):
+    ok = load_config(None, [f"input_roots=[\"{tmp_path}\"]", f"collect.inputs=[\"file://{tmp_path}/in/*.jsonl\"]"])
+    assert ok.collect.inputs == [f"file://{tmp_path}/in/*.jsonl"]
+    with pytest.raises(ConfigError, match="not inside `input_roots`"):
+        load_config(None, [f"input_roots=[\"{tmp_path}\"]", "collect.inputs=[\"file:///etc/*.conf\"]"])
