@@ -25,7 +25,7 @@ from tasks import checkpoint as ckpt_mod
 from tasks import model as model_mod
 from tasks import train_loop as loop_mod
 from tasks.collect import plan_collect, record_collected, resolve_inputs
-from tasks.dedup import run_dedup
+from tasks.dedup import plan_signatures, run_dedup
 from tasks.evaluate import check_contamination, run_evaluate
 from tasks.filter import plan_filter
 from tasks.package import package_model, warm_start
@@ -135,19 +135,33 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
         ref, outcome = _call(t, *args, **kw)
         return record(stage, stage_cfg, parent, ref, outcome)
 
-    def sharded_stage(stage: str, plan_fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
+    def build_sharded(stage: str, plan_fn, *args, **kw) -> tuple[DatasetRef, str, dict]:
         """plan -> one task per shard on the shard runner (Dask) -> commit. A committed dataset with the same
         fingerprint is reused; after a crash only the shards without a published marker run again."""
-        args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
         plan = plain_task(plan_fn, f"{stage}-plan")(*args, **kw)
         if isinstance(plan, DatasetRef):
-            return record(stage, stage_cfg, parent, plan, "reused")
+            return plan, "reused", {}
         reused = len(plan.done_shards())
         print(f"[{stage}] {len(plan.shards)} shards ({reused} already built by an earlier attempt)")
         shards.map(shard_task(stage, orch, orch.data_retries), plan, len(plan.shards))
         ref = plain_task(commit_plan, f"{stage}-commit")(plan)
-        return record(stage, stage_cfg, parent, ref, "resumed" if reused else "computed",
-                      metrics={"shards": len(plan.shards), "shards_reused": reused})
+        return ref, "resumed" if reused else "computed", {"shards": len(plan.shards), "shards_reused": reused}
+
+    def sharded_stage(stage: str, plan_fn, parent: DatasetRef | None, stage_cfg, **kw) -> DatasetRef:
+        args = (parent, stage_cfg, wd) if parent is not None else (stage_cfg, wd)
+        ref, outcome, metrics = build_sharded(stage, plan_fn, *args, **kw)
+        return record(stage, stage_cfg, parent, ref, outcome, metrics=metrics)
+
+    def dedup_stage(stage: str, _fn, parent: DatasetRef, stage_cfg) -> DatasetRef:
+        """Signatures shard by shard (the costly half, resumable per shard), then one task for the global
+        decisions (exact copies, LSH clusters, the index) over them."""
+        sigs, sig_outcome, metrics = build_sharded("dedup-signatures", plan_signatures, parent, stage_cfg, wd)
+        print(f"[dedup] signatures {sig_outcome}: {sigs.num_rows} rows -> {sigs.path}")
+        t = stage_task(run_dedup, stage, orch, orch.data_retries)
+        ref, outcome = _call(t, parent, stage_cfg, wd, signatures=sigs)
+        if outcome == "computed" and sig_outcome == "resumed":
+            outcome = "resumed"
+        return record(stage, stage_cfg, parent, ref, outcome, metrics=metrics)
 
     def done(stage: str) -> bool:
         return STAGES.index(stage) >= stop_after
@@ -164,11 +178,11 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
         init_weights, stage_cfgs = None, {s: getattr(cfg, s) for s in ("filter", "dedup", "scrub", "tokenize")}
         if cfg.train.init_from == "champion" and not done("scrub"):
             init_weights, stage_cfgs["tokenize"] = _warm_start(tracker, cfg, summary)
-        for stage, fn, sharded in (("filter", plan_filter, True), ("dedup", run_dedup, False),
-                                   ("scrub", plan_scrub, True), ("tokenize", run_tokenize, False)):
+        for stage, fn, run_stage in (("filter", plan_filter, sharded_stage), ("dedup", None, dedup_stage),
+                                     ("scrub", plan_scrub, sharded_stage), ("tokenize", run_tokenize, data_stage)):
             if done(STAGES[STAGES.index(stage) - 1]):
                 break
-            ref = (sharded_stage if sharded else data_stage)(stage, fn, ref, stage_cfgs[stage])
+            ref = run_stage(stage, fn, ref, stage_cfgs[stage])
         shards.close()  # the Dask cluster is not needed past the data stages
         tokens = ref
         if not done("tokenize"):

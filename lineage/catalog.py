@@ -13,6 +13,9 @@ Tables and views (query them with `lifecycle sql "SELECT ..."`):
   dataset_path; join `datasets` on `path` for its run time or config.
 - `kept`: every kept document row of the document stages (collect, filter, dedup, scrub) plus dataset_path.
 - `tokens`: the tokenize side tables (doc_id, source_id, split, shard, token_start, token_end) plus dataset_path.
+- `signatures`: every row that holds a document's MinHash signature (data derived from its text): the
+  `dedup-signatures` datasets, each dedup dataset's index rows and the published `dedup-index/` parts
+  (doc_id, exact_hash, band_keys, signature) plus dataset_path (the index directory for a published part).
 - `checkpoints`: training runs and their committed checkpoints (run_dir, step, tag_dir, token_dataset_sha256,
   marker_sha256).
 - `models`: registered model versions (name, version, aliases, run_id, package_sha256, tokenize_sha256,
@@ -35,6 +38,7 @@ from lifecycle.dataset import MANIFEST, sha256_file
 from lifecycle.paths import resolve_within
 
 DOC_STAGES = ("collect", "filter", "dedup", "scrub")
+SIG_STAGE, INDEX_FILE = "dedup-signatures", "dedup-index.parquet"  # tasks.dedup's names (not imported: no numba here)
 
 
 def inside(workdir: str | Path, path: str | Path, what: str) -> Path:
@@ -131,7 +135,7 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
     tracking_uri_inside(workdir, tracking_uri)
     con = duckdb.connect()
     ds_rows, parent_rows, raw_rows, drop_rows = [], [], [], []
-    files: dict[str, list[str]] = {"rejected": [], "kept": [], "tokens": []}
+    files: dict[str, list[str]] = {"rejected": [], "kept": [], "tokens": [], "signatures": []}
     for mp, m in manifests(workdir):
         d, st = mp.parent, m.get("stats") or {}
         ds_rows.append({"stage": m["stage"], "fingerprint": m["fingerprint"], "sha256": m["sha256"],
@@ -150,6 +154,12 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
             files["kept"] += listed("files")
         elif m["stage"] == "tokenize":
             files["tokens"] += listed("files")
+        elif m["stage"] == SIG_STAGE:
+            files["signatures"] += listed("files")
+        if m["stage"] == "dedup":
+            files["signatures"] += [p for p in listed("extra") if p.endswith("/" + INDEX_FILE)]
+    files["signatures"] += [str(inside(workdir, p, "dedup index part"))
+                            for p in sorted(workdir.glob("dedup-index/*/part-*.parquet"))]
     s, i = pa.string(), pa.int64()
     con.register("datasets", _table(ds_rows, {"stage": s, "fingerprint": s, "sha256": s, "num_rows": i,
                                               "num_rejected": i, "created_at": s, "code_version": s, "path": s,
@@ -168,7 +178,7 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
                                            "checkpoint_dir": s, "checkpoint_marker_sha256": s,
                                            "val_bpb": pa.float64(), "promotion": s, "created": i}))
     fallback = {"rejected": "doc_id, source_id, stage, reason, detail",
-                "kept": "doc_id, source_id", "tokens": "doc_id, source_id, split, shard, token_start, token_end"}
+                "kept": "doc_id, source_id", "signatures": "doc_id", "tokens": "doc_id, source_id, split, shard, token_start, token_end"}
     for view, paths in files.items():
         if paths:
             lst = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)

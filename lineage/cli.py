@@ -190,7 +190,12 @@ def forget_report(con, source_ids: list[str]) -> dict:
         UNION ALL
         SELECT d.stage, d.sha256, d.path, count(*), 'rejected rows (text not stored)'
         FROM rejected r JOIN datasets d ON d.path = r.dataset_path WHERE r.doc_id IN (SELECT unnest(?)) GROUP BY ALL
-        ORDER BY 1, 2""", [doc_ids, doc_ids, doc_ids])
+        UNION ALL
+        SELECT coalesce(d.stage, 'dedup-index'), coalesce(d.sha256, ''), s.dataset_path, count(*),
+               'MinHash signatures (derived from the text)'
+        FROM signatures s LEFT JOIN datasets d ON d.path = s.dataset_path WHERE s.doc_id IN (SELECT unnest(?))
+        GROUP BY ALL
+        ORDER BY 1, 2""", [doc_ids, doc_ids, doc_ids, doc_ids])
     token_trained = cat.query(con, """
         SELECT DISTINCT d.sha256 FROM tokens t JOIN datasets d ON d.path = t.dataset_path
         WHERE t.doc_id IN (SELECT unnest(?)) AND t.split = 'train'""", [doc_ids])

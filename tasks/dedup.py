@@ -1,6 +1,13 @@
 """dedup: exact duplicates over normalised text (one DuckDB query), then MinHash LSH near-duplicates,
 within this run and, incrementally, against everything kept by earlier runs.
 
+Two halves. The costly one is sharded: `plan_signatures` plans one shard per kept file of the parent, and
+`signature_shard` writes, for every row in the parent's order, its doc_id, source_id, normalised-text hash
+(`exact_hash`), MinHash signature and LSH band keys, into the `dedup-signatures` dataset (committed like any
+sharded stage, so a killed run rebuilds only unfinished shards). The global half, `dedup`, reads the hashes
+and band keys back, decides every row and writes the kept rows file by file. Its memory is one hash, doc_id and
+`bands` keys per document; texts are read back only for candidate pairs when `verify_jaccard` is set.
+
 Keep policy: within a cluster of duplicates, a document kept by an earlier dedup run (the persisted index)
 wins; otherwise the document that comes first in the parent dataset's order (file order, then row order) is
 kept; that order is the collect order of the raw inputs, so the earliest-seen copy survives. The kept row
@@ -45,12 +52,13 @@ from datasketch import LeanMinHash, MinHash
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.dataset import (
-    DatasetRef, DatasetWriter, StageStats, atomic_write_bytes, atomic_write_json, code_version, materialize,
-    rejected_table, sha256_file, sha256_json,
+    DatasetRef, DatasetWriter, StagePlan, StageStats, atomic_write_bytes, atomic_write_json, code_version,
+    materialize, plan_per_file, rejected_table, run_plan, sha256_file, sha256_json,
 )
 from tasks import minhash as minhash_module
 
 STAGE = "dedup"
+SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
 INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
 INDEX_MANIFEST = "_index.json"
 REJECT_REASON = "duplicate"  # one reason for every removed copy; `duplicate_kind` says exact or near
@@ -121,20 +129,94 @@ class _UnionFind:
             self.parent[max(ra, rb)] = min(ra, rb)
 
 
-def exact_order(files: list[str]) -> pa.Table:
-    """One DuckDB query over the parent's files: every row in parent order, with its normalised-text hash, the
+# --------------------------------------------------------------------------------------------------
+# first half, sharded: per parent file, the normalised-text hash, signature and band keys of every row
+
+
+class SignatureConfig(BaseModel):
+    """What a signature file depends on (a `DedupConfig` minus the decisions made from the signatures)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ngram: int
+    bands: int
+    rows: int
+    seed: int
+    minhash: bool = Field(description="Compute signatures and band keys (false: exact dedup only, hashes alone).")
+
+    @property
+    def num_perm(self) -> int:
+        return self.bands * self.rows
+
+
+def signature_config(cfg: DedupConfig) -> SignatureConfig:
+    return SignatureConfig(ngram=cfg.ngram, bands=cfg.bands, rows=cfg.rows, seed=cfg.seed,
+                           minhash=cfg.near or cfg.incremental)
+
+
+_EXACT_HASH = r"md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g'))"  # lower-case, collapsed whitespace
+
+
+def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStats:
+    """One signature file per parent file, rows in the parent's order: doc_id, source_id, exact_hash and,
+    with `minhash`, the MinHash signature and its LSH band keys (`tasks.minhash`, one numba kernel)."""
+    stats = StageStats()
+    con = duckdb.connect()
+    try:
+        for path in files:
+            t = con.sql(f"SELECT doc_id, source_id, {_EXACT_HASH} AS exact_hash, text FROM read_parquet($f, "
+                        "file_row_number = true) ORDER BY file_row_number", params={"f": path}).to_arrow_table()
+            text = t.column("text").combine_chunks()
+            out = t.drop_columns(["text"])
+            if cfg.minhash:
+                sig = np.zeros((t.num_rows, cfg.num_perm), np.uint32)
+                for start in range(0, t.num_rows, BATCH_DOCS):  # a signature does not depend on its batch
+                    sig[start : start + BATCH_DOCS] = minhash_module.signatures(
+                        text.slice(start, BATCH_DOCS), cfg.ngram, cfg.num_perm, cfg.seed)
+                keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
+                out = out.append_column("band_keys", _fixed_list(keys, pa.uint64()))
+                out = out.append_column("signature", _fixed_list(sig, pa.uint32()))
+            writer.write_table(out)
+            stats.rows_in += t.num_rows
+            stats.rows_kept += t.num_rows
+            stats.bytes_in += pa.compute.sum(pa.compute.binary_length(text)).as_py() or 0
+    finally:
+        con.close()
+    return stats
+
+
+def _fixed_list(a: np.ndarray, t: pa.DataType) -> pa.FixedSizeListArray:
+    return pa.FixedSizeListArray.from_arrays(pa.array(a.ravel(), t), a.shape[1])
+
+
+def _matrix(col: pa.ChunkedArray | pa.Array, width: int, dtype) -> np.ndarray:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks else pa.array([], pa.list_(pa.uint8(), width))
+    return col.flatten().to_numpy().astype(dtype, copy=False).reshape(-1, width) if len(col) else np.zeros((0, width), dtype)
+
+
+def plan_signatures(parent: DatasetRef, cfg: DedupConfig, workdir: str) -> StagePlan | DatasetRef:
+    """One shard per kept file of `parent` (the committed signature dataset instead if it exists)."""
+    return plan_per_file(workdir, SIG_STAGE, signature_config(cfg), code_version(sys.modules[__name__], minhash_module),
+                         parent, signature_shard)
+
+
+# --------------------------------------------------------------------------------------------------
+# second half, global: exact copies, LSH candidates, clusters, keep policy
+
+
+def exact_order(sig_files: list[str]) -> pa.Table:
+    """One DuckDB query over the signature files: every row in parent order, with its normalised-text hash, the
     doc_id of the first row that has the same normalised text (itself when it is the first) and its copy number."""
-    if not files:  # an empty parent has no files, and read_parquet needs at least one
+    if not sig_files:  # an empty parent has no files, and read_parquet needs at least one
         return pa.table({c: pa.array([], t) for c, t in (("doc_id", pa.string()), ("source_id", pa.string()),
                          ("h", pa.string()), ("first_doc_id", pa.string()), ("copy_no", pa.int64()))})
     con = duckdb.connect()
     try:
         return con.sql(
-            r"""
+            """
             WITH docs AS (
-                SELECT doc_id, source_id, file_row_number,
-                       list_position($files, filename) AS file_idx,
-                       md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g')) AS h
+                SELECT doc_id, source_id, file_row_number, exact_hash AS h,
+                       list_position($files, filename) AS file_idx
                 FROM read_parquet($files, filename = true, file_row_number = true)
             )
             SELECT doc_id, source_id, h,
@@ -144,10 +226,23 @@ def exact_order(files: list[str]) -> pa.Table:
             WINDOW w AS (PARTITION BY h ORDER BY file_idx, file_row_number)
             ORDER BY file_idx, file_row_number
             """,
-            params={"files": files},
+            params={"files": sig_files},
         ).to_arrow_table()
     finally:
         con.close()
+
+
+def _take(files: list[str], counts: np.ndarray, rows: np.ndarray, column: str) -> dict[int, object]:
+    """{global row: value of `column`} for the given global rows (parent order) of files holding `counts` rows."""
+    ends = np.cumsum(counts)
+    out: dict[int, object] = {}
+    rows = np.unique(rows)
+    for k, path in enumerate(files):
+        mine = rows[(rows >= ends[k] - counts[k]) & (rows < ends[k])]
+        if len(mine):
+            col = pq.read_table(path, columns=[column]).column(column).take(pa.array(mine - (ends[k] - counts[k])))
+            out.update(zip(mine.tolist(), col.to_pylist()))
+    return out
 
 
 def _bucket_pairs(keys: np.ndarray, all_pairs: bool = False) -> np.ndarray:
@@ -268,12 +363,19 @@ def publish(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str 
 # the stage
 
 
-def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: Index | None = None) -> StageStats:
+def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: DatasetRef,
+          index: Index | None = None) -> StageStats:
+    """The global half: decide every row of `parent` from its signature dataset `sigs` (one file per parent
+    file, same rows in the same order) and write kept rows, rejected rows and the index rows."""
     files = [str(p) for p in parent.files()]
+    sig_files = [str(p) for p in sigs.files()]
+    if len(sig_files) != len(files):
+        raise RuntimeError(f"{sigs.dir}: {len(sig_files)} signature files for {len(files)} files of {parent.dir}")
+    counts = np.array([e["num_rows"] for e in sigs.manifest()["files"]], dtype=np.int64)
     stats = StageStats()
     rejected: list[dict] = []
-    # 1. exact: decided globally in DuckDB (and against the index's normalised-text hashes)
-    order = exact_order(files)
+    # 1. exact: decided globally in DuckDB over the hashes (and against the index's normalised-text hashes)
+    order = exact_order(sig_files)
     n = order.num_rows
     m = len(index) if index is not None else 0  # union-find nodes: index docs 0..m-1, then this run's docs
     doc_ids = order.column("doc_id").to_pylist()
@@ -289,48 +391,46 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: In
         exact_idx = np.array([first_node.get(h, -1) for h in hashes], dtype=np.int64)
         exact_dup |= exact_idx >= 0
 
-    # 2. signatures of the exact survivors, batch by batch; LSH band keys
+    # 2. LSH band keys of the exact survivors (computed by the shards)
     survivors = np.flatnonzero(~exact_dup)
-    sig = np.zeros((len(survivors), cfg.num_perm), np.uint32)
-    shingle_sets: dict[int, set[bytes]] = {}
-    if cfg.near or cfg.incremental:
-        i = pos = 0
-        for path in files:  # a document's signature does not depend on its batch (tests/test_minhash.py)
-            texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
-            todo = [t for t, dup in zip(texts, exact_dup[i : i + len(texts)]) if not dup]
-            for start in range(0, len(todo), BATCH_DOCS):
-                batch = todo[start : start + BATCH_DOCS]
-                sig[pos + start : pos + start + len(batch)] = minhash_module.signatures(
-                    batch, cfg.ngram, cfg.num_perm, cfg.seed)
-            if cfg.verify_jaccard is not None:
-                shingle_sets.update((pos + k, shingles(t, cfg.ngram)) for k, t in enumerate(todo))
-            i, pos = i + len(texts), pos + len(todo)
-    keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
+    keys = np.zeros((len(survivors), cfg.bands), np.uint64)
+    if cfg.near and len(survivors):
+        keys = np.concatenate([_matrix(pq.read_table(f, columns=["band_keys"]).column("band_keys"), cfg.bands,
+                                       np.uint64) for f in sig_files])[survivors]
 
     # 3. near: connected components of candidate pairs, this run's docs and the index's
     uf = _UnionFind(m + n)
     if cfg.near:
-        for a, b in _bucket_pairs(keys, all_pairs=cfg.verify_jaccard is not None):  # positions in `survivors`
+        pairs = _bucket_pairs(keys, all_pairs=cfg.verify_jaccard is not None)  # positions in `survivors`
+        shingle_sets: dict[int, set[bytes]] = {}
+        if cfg.verify_jaccard is not None and len(pairs):  # texts of the candidates only, read back
+            texts = _take(files, counts, survivors[np.unique(pairs)], "text")
+            shingle_sets = {i: shingles(t, cfg.ngram) for i, t in texts.items()}
+        for a, b in pairs:
             va, vb = m + int(survivors[a]), m + int(survivors[b])
             if cfg.verify_jaccard is not None:
                 if uf.find(va) == uf.find(vb):
                     continue
-                sa, sb = shingle_sets[a], shingle_sets[b]
+                sa, sb = shingle_sets[va - m], shingle_sets[vb - m]
                 if len(sa & sb) / max(1, len(sa | sb)) < cfg.verify_jaccard:
                     continue
             uf.union(va, vb)
         if m and len(survivors):
             ik = index.keys(cfg.bands)
+            matches = []  # (survivor position, index node)
             for b in range(cfg.bands):
                 o = np.argsort(ik[:, b], kind="stable")
                 s = ik[o, b]
                 lo, hi = np.searchsorted(s, keys[:, b], "left"), np.searchsorted(s, keys[:, b], "right")
-                for a in np.flatnonzero(hi > lo):
-                    for node in o[lo[a] : hi[a]]:
-                        if cfg.verify_jaccard is not None and \
-                                np.mean(index.signatures(cfg.num_perm)[node] == sig[a]) < cfg.verify_jaccard:
-                            continue
-                        uf.union(int(node), m + survivors[a])
+                matches += [(a, int(node)) for a in np.flatnonzero(hi > lo) for node in o[lo[a] : hi[a]]]
+            mine = {}
+            if cfg.verify_jaccard is not None and matches:  # the index's texts are not kept: signature estimate
+                mine = _take(sig_files, counts, survivors[np.unique([a for a, _ in matches])], "signature")
+            for a, node in matches:
+                if cfg.verify_jaccard is not None and np.mean(
+                        index.signatures(cfg.num_perm)[node] == np.array(mine[int(survivors[a])])) < cfg.verify_jaccard:
+                    continue
+                uf.union(node, m + int(survivors[a]))
     roots = np.array([uf.find(v) for v in range(m + n)], dtype=np.int64)
 
     # 4. write kept rows (with cluster ids) and rejected rows, in parent order
@@ -340,11 +440,9 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: In
     weight[m:] = [0 if exact_dup[j] else copies[doc_ids[j]] for j in range(n)]
     cluster_size = np.bincount(roots, weights=weight, minlength=m + n).astype(np.int64)
     source_ids = order.column("source_id").to_pylist()
-    kept_pos = []  # positions in `survivors` of the kept docs, for the index
-    surv_pos = np.full(n, -1)
-    surv_pos[survivors] = np.arange(len(survivors))
+    index_rows = []  # the kept docs' signature rows, for the index
     i = 0
-    for path in files:
+    for path, sig_path in zip(files, sig_files):
         t = pq.read_table(path)
         keep_mask = []
         cluster_ids, cluster_sizes = [], []
@@ -366,41 +464,47 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, index: In
                 keep_mask.append(True)
                 cluster_ids.append(doc_ids[i])
                 cluster_sizes.append(int(cluster_size[m + i]))
-                kept_pos.append(surv_pos[i])
                 stats.rows_kept += 1
             i += 1
-        kept = t.filter(pa.array(keep_mask, type=pa.bool_()))
+        mask = pa.array(keep_mask, type=pa.bool_())
+        kept = t.filter(mask)
         kept = kept.append_column("cluster_id", pa.array(cluster_ids, pa.string()))
         kept = kept.append_column("cluster_size", pa.array(cluster_sizes, pa.int32()))
         stats.bytes_in += sum(len(s.encode()) for s in t.column("text").to_pylist())
         stats.bytes_out += sum(len(s.encode()) for s in kept.column("text").to_pylist())
         if kept.num_rows:
             writer.write_table(kept)
+        if cfg.incremental:
+            index_rows.append(pq.read_table(sig_path, columns=["doc_id", "exact_hash", "band_keys", "signature"])
+                              .filter(mask))
     if rejected:
         writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
     if cfg.incremental:
-        kp = np.array(kept_pos, dtype=np.int64)
-        kept_ids = [doc_ids[survivors[p]] for p in kp]
-        table = pa.table({
-            "doc_id": pa.array(kept_ids, pa.string()),
-            "exact_hash": pa.array([hashes[survivors[p]] for p in kp], pa.string()),
-            "band_keys": pa.FixedSizeListArray.from_arrays(pa.array(keys[kp].ravel(), pa.uint64()), cfg.bands),
-            "signature": pa.FixedSizeListArray.from_arrays(pa.array(sig[kp].ravel(), pa.uint32()), cfg.num_perm),
-        })
-        writer.write_table(table, kind="extra", name=INDEX_FILE)
+        schema = pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
+                            ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
+                            ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
+        writer.write_table(pa.concat_tables(index_rows) if index_rows else schema.empty_table(), kind="extra",
+                           name=INDEX_FILE)
     return stats
 
 
-def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str) -> DatasetRef:
+def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: DatasetRef | None = None) -> DatasetRef:
+    """Dedup `parent` into a committed `dedup` dataset. `signatures`: its committed signature dataset (the flow
+    builds it shard by shard on its task runner); built here, one shard after another, when not given."""
+    if signatures is None:
+        signatures = run_plan(plan_signatures(parent, cfg, workdir))
     code = code_version(sys.modules[__name__], minhash_module)
+    extra = {"signatures": {"stage": signatures.stage, "sha256": signatures.sha256,
+                            "manifest": str(signatures.manifest_path)}}
     if not cfg.incremental:
-        return materialize(workdir, STAGE, cfg, code, lambda w: {"stats": dedup(parent, cfg, w)}, parents=[parent])
+        return materialize(workdir, STAGE, cfg, code,
+                           lambda w: {"stats": dedup(parent, cfg, w, signatures), "extra": extra}, parents=[parent])
     directory = index_dir(workdir, cfg)
     with _locked(directory):
         index = Index(directory, base_parts(_read_parts(directory), parent))
     # the index state is part of the fingerprint: a dataset is reused only against the same index
     fp_config = {**cfg.model_dump(mode="json"), "index_state": index.state}
-    ref = materialize(workdir, STAGE, fp_config, code, lambda w: {"stats": dedup(parent, cfg, w, index)},
-                      parents=[parent])
+    ref = materialize(workdir, STAGE, fp_config, code,
+                      lambda w: {"stats": dedup(parent, cfg, w, signatures, index), "extra": extra}, parents=[parent])
     publish(ref, parent, cfg, workdir)
     return ref

@@ -139,3 +139,37 @@ def test_signature_batches_do_not_change_the_output(tmp_path, monkeypatch):
     monkeypatch.setattr("tasks.dedup.BATCH_DOCS", 2)
     batched = run_dedup(parent, DedupConfig(), str(tmp_path / "b"))
     assert batched.sha256 == whole.sha256 and whole.read_rejected().num_rows >= 2
+
+
+def test_decisions_do_not_depend_on_how_the_parent_is_split_into_files(tmp_path):
+    """Signatures are computed per parent file (one shard each) and decided globally: the same documents split
+    over many files give the same kept rows and the same duplicate links, with the true-Jaccard check reading
+    back candidate texts across files."""
+    texts = [BASE, "unrelated words about river fishing licences and trout in the spring season", BASE.upper(),
+             BASE.replace("winter", "summer"), "short one", BASE.replace("books", "maps"), "short one"]
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+
+    def outcome(rows_per_shard, cfg):
+        wd = str(tmp_path / f"w{rows_per_shard}")
+        parent = run_collect(CollectConfig(inputs=[str(p)], rows_per_shard=rows_per_shard), wd)
+        ref = run_dedup(parent, cfg, wd)
+        by_id = {r["doc_id"]: r["source_id"] for r in parent.read().to_pylist()}
+        return (len(parent.files()), [(r["source_id"], r["cluster_size"]) for r in ref.read().to_pylist()],
+                sorted((r["source_id"], by_id[r["duplicate_of"]], r["duplicate_kind"])
+                       for r in ref.read_rejected().to_pylist()))
+
+    for cfg in (DedupConfig(), DedupConfig(verify_jaccard=0.5), DedupConfig(verify_jaccard=0.99)):
+        one, split = outcome(100, cfg), outcome(2, cfg)
+        assert one[0] == 1 and split[0] == 4 and one[1:] == split[1:], cfg
+    links = outcome(2, DedupConfig())[2]
+    assert {("d2", "d0", "exact"), ("d3", "d0", "near"), ("d6", "d4", "exact")} <= set(links), links
+    assert outcome(2, DedupConfig(verify_jaccard=0.99))[2] == [("d2", "d0", "exact"), ("d6", "d4", "exact")]
+
+
+def test_catalog_knows_the_signature_files():
+    """lineage.catalog names dedup's signature stage and index file without importing it (numba)."""
+    from lineage import catalog
+    from tasks import dedup
+
+    assert (catalog.SIG_STAGE, catalog.INDEX_FILE) == (dedup.SIG_STAGE, dedup.INDEX_FILE)

@@ -236,7 +236,11 @@ def test_audit_cli(first_run, capsys):
 
     rc, forget = audit(capsys, "lineage", "forget", "planted-pii", "no-such-source", "--workdir", str(wd))
     assert rc == 0 and forget["not_found"] == ["no-such-source"] and len(forget["doc_ids"]) == 1
-    assert {d["stage"] for d in forget["datasets"]} == {"collect", "filter", "dedup", "scrub", "tokenize"}
+    assert {d["stage"] for d in forget["datasets"]} == {"collect", "filter", "dedup", "scrub", "tokenize",
+                                                         "dedup-signatures", "dedup-index"}
+    # a document's MinHash signature is derived from its text: the report names every place that holds it
+    assert {d["stage"] for d in forget["datasets"] if d["held_as"].startswith("MinHash")} == \
+        {"dedup-signatures", "dedup", "dedup-index"}
     assert json.loads(open(forget["report"]).read())["doc_ids"] == forget["doc_ids"]
     if tok["split"] == "train":
         assert {c["tag_dir"] for c in forget["checkpoints"]} >= {out["checkpoint"]}

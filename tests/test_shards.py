@@ -105,6 +105,39 @@ def test_filter_plan_is_one_shard_per_parent_file(tmp_path):
     assert plan_filter(collect, FilterConfig(), str(tmp_path)) == filtered.model_copy(update={"reused": True})
 
 
+def test_dedup_signatures_resume_only_unfinished_shards(tmp_path, monkeypatch):
+    """dedup's costly half (signatures) is sharded per parent file: after a crash the rerun hashes only the
+    documents of unfinished shards, and the dedup dataset equals an uninterrupted run's."""
+    from tasks import minhash
+    from tasks.dedup import DedupConfig, plan_signatures, run_dedup
+
+    inputs = resolve_inputs(write_inputs(tmp_path / "in", files=3, per_file=20))
+    ccfg = CollectConfig(inputs=[str(tmp_path / "in" / "*.jsonl")], shard_bytes=1, rows_per_shard=10)
+    cfg = DedupConfig(incremental=False)
+    parent = run_plan(plan_collect(ccfg, str(tmp_path / "ref"), inputs))
+    reference = run_dedup(parent, cfg, str(tmp_path / "ref"))
+
+    wd = str(tmp_path / "w")
+    plan = plan_signatures(parent, cfg, wd)
+    assert plan.shards == [[str(p)] for p in parent.files()] and len(plan.shards) == 6
+    run_shard(plan, 0)
+    run_shard(plan, 3)
+    before = {i: (plan.shard_dir(i) / SHARD_MARKER).stat().st_mtime_ns for i in (0, 3)}
+    hashed = []
+    real = minhash.signatures
+    monkeypatch.setattr(minhash, "signatures", lambda t, *a, **k: hashed.extend(pa.array(t).to_pylist()) or real(t, *a, **k))
+    again = plan_signatures(parent, cfg, wd)  # the rerun
+    assert again.fingerprint == plan.fingerprint and again.done_shards() == [0, 3]
+    sigs = run_plan(again)
+    # the finished shards were kept as they were (the building directory became the dataset)
+    assert {i: (sigs.dir / again.shard_dir(i).name / SHARD_MARKER).stat().st_mtime_ns for i in (0, 3)} == before
+    assert len(hashed) == 40  # 4 unfinished shards x 10 documents; the 20 of shards 0 and 3 were not hashed again
+    ref = run_dedup(parent, cfg, wd, signatures=sigs)
+    assert ref.sha256 == reference.sha256 and ref.manifest()["stats"] == reference.manifest()["stats"]
+    assert ref.manifest()["signatures"]["sha256"] == sigs.sha256 == \
+        json.loads(open(reference.manifest()["signatures"]["manifest"]).read())["sha256"]
+
+
 # --------------------------------------------------------------------------------------------------
 # the real flow process, killed during each data stage
 
@@ -119,11 +152,8 @@ def cli(workdir: Path, inputs: list[str], workers: int) -> list[str]:
 
 
 def in_progress(workdir: Path, stage: str) -> bool:
-    """The stage has started writing and has not committed: a published shard (sharded stages) or the
-    private build directory (dedup)."""
-    d = workdir / "datasets" / stage
-    if stage == "dedup":
-        return any(d.glob(".tmp-*"))
+    """The stage has started writing and has not committed: a published shard (dedup: of its signatures)."""
+    d = workdir / "datasets" / ("dedup-signatures" if stage == "dedup" else stage)
     return any(d.glob(f".building-*/shard-*/{SHARD_MARKER}"))
 
 
