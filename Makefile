@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/lifecycle run deploy/configs/demo.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(PY) -m bench
