@@ -47,6 +47,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from datasketch import LeanMinHash, MinHash
 from pydantic import BaseModel, ConfigDict, Field
@@ -178,7 +179,7 @@ def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStat
             writer.write_table(out)
             stats.rows_in += t.num_rows
             stats.rows_kept += t.num_rows
-            stats.bytes_in += pa.compute.sum(pa.compute.binary_length(text)).as_py() or 0
+            stats.bytes_in += pc.sum(pc.binary_length(text)).as_py() or 0
     finally:
         con.close()
     return stats
