@@ -90,7 +90,11 @@ class CollectConfig(BaseModel):
         "already collected (ledger `<workdir>/collected.parquet`).")
     shard_bytes: int = Field(
         8 << 20, gt=0, description="Input files are grouped, in order, into shards of about this many raw bytes; "
-        "shards are collected in parallel and each is resumable on its own. A file is never split.")
+        "shards are collected in parallel and each is resumable on its own.")
+    split_bytes: int = Field(
+        64 << 20, ge=0, description="An uncompressed JSONL file larger than this is split at line boundaries into "
+        "shards of about this many bytes, so one huge file is still collected in parallel (0: never split). "
+        "Compressed files, Parquet, text, HTML and WARC files are never split.")
 
     @model_validator(mode="after")
     def _sizes(self) -> "CollectConfig":
@@ -239,13 +243,22 @@ def json_depth(obj) -> int:
     return depth
 
 
-def read_jsonl(path: str, cfg: CollectConfig) -> Iterator[tuple]:
-    lineno = 0
+def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) -> Iterator[tuple]:
+    """Every line of `path` as ("ok", record) or ("bad", source_id, reason, detail); with `part`, only the lines
+    of that byte range (line numbers, and so source ids, as in a read of the whole file)."""
+    lineno = part.first_line - 1 if part else 0
     records = 0
+    left = part.end - part.start if part else None
     truncated = "truncated_zstd" if path.lower().endswith(".zst") else "truncated_gzip"
     try:
         with _open(path) as f:
+            if part:
+                f.seek(part.start)
             for raw, size in _bounded_lines(f, cfg.max_line_bytes):
+                if left is not None:
+                    if left <= 0:
+                        break
+                    left -= size
                 lineno += 1
                 sid = f"{path}:{lineno}"
                 if raw is None:
@@ -284,7 +297,7 @@ def read_jsonl(path: str, cfg: CollectConfig) -> Iterator[tuple]:
     except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, OSError) as e:
         records += 1
         yield ("bad", f"{path}:{lineno + 1}", truncated, f"stream broke after line {lineno}: {e}")
-    if not records:
+    if not records and part is None:
         yield ("bad", f"{path}:0", "empty_file", "no records (empty file or only blank lines)")
 
 
@@ -349,6 +362,60 @@ READERS = {
 # the stage
 
 
+# --------------------------------------------------------------------------------------------------
+# splitting a large uncompressed JSONL file into line-aligned byte ranges
+
+_PART = "\0part\0"  # a shard item naming a byte range of a file (no path holds a NUL byte)
+
+
+class FilePart(BaseModel):
+    """The lines of `path` in bytes [start, end), numbered from `first_line`; start is the start of a line."""
+
+    model_config = ConfigDict(frozen=True)
+    path: str
+    start: int
+    end: int
+    first_line: int
+
+    def item(self) -> str:
+        return _PART + self.model_dump_json()
+
+
+def parse_item(item: str) -> tuple[str, FilePart | None]:
+    """(path, part) of a shard item: a plain path, or a byte range written by `FilePart.item`."""
+    if item.startswith(_PART):
+        part = FilePart.model_validate_json(item[len(_PART):])
+        return part.path, part
+    return item, None
+
+
+def splittable(raw: RawFile, split_bytes: int) -> bool:
+    return raw.bytes > split_bytes and raw.path.lower().endswith((".jsonl", ".ndjson"))  # not .gz/.zst
+
+
+def split_file(path: str, split_bytes: int, chunk: int = 4 << 20) -> list[FilePart]:
+    """Line-aligned byte ranges of about `split_bytes` each, with the number of each range's first line: one
+    sequential read of the file counting newlines, in memory one chunk at a time."""
+    parts, start, first_line = [], 0, 1
+    pos = lines = 0  # bytes and newlines before the current chunk
+    target = split_bytes
+    with fs.open_bytes(path) as f:
+        while buf := f.read(chunk):
+            at = 0
+            while target < pos + len(buf):
+                nl = buf.find(b"\n", max(at, target - pos))
+                if nl < 0:
+                    break
+                end = pos + nl + 1
+                parts.append(FilePart(path=path, start=start, end=end, first_line=first_line))
+                start, first_line, at = end, lines + buf.count(b"\n", 0, nl + 1) + 1, nl + 1
+                target = end + split_bytes
+            pos, lines = pos + len(buf), lines + buf.count(b"\n")
+    if pos > start or not parts:
+        parts.append(FilePart(path=path, start=start, end=pos, first_line=first_line))
+    return parts
+
+
 def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
     """Read the shard's input files in order; kept rows in files of `rows_per_shard`, rejected rows beside."""
     stats = StageStats()
@@ -360,8 +427,9 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
             writer.write_table(pa.Table.from_pylist(kept, schema=DOC_SCHEMA))
             kept.clear()
 
-    for path in paths:
-        for item in READERS[file_kind(path)](path, cfg):
+    for entry in paths:
+        path, part = parse_item(entry)
+        for item in (read_jsonl(path, cfg, part) if part else READERS[file_kind(path)](path, cfg)):
             stats.rows_in += 1
             if item[0] == "bad":
                 _, sid, reason, detail = item
@@ -393,11 +461,17 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
     return stats
 
 
-def shard_inputs(inputs: list[RawFile], shard_bytes: int) -> list[list[str]]:
-    """Consecutive input files, grouped until a group holds at least `shard_bytes` raw bytes."""
+def shard_inputs(inputs: list[RawFile], shard_bytes: int, split_bytes: int = 0) -> list[list[str]]:
+    """Consecutive input files, grouped until a group holds at least `shard_bytes` raw bytes; an uncompressed
+    JSONL file larger than `split_bytes` (when > 0) becomes shards of its own, one per line-aligned byte range of
+    about `split_bytes` (`split_file`)."""
     shards: list[list[str]] = []
     size = shard_bytes
     for raw in inputs:
+        if split_bytes and splittable(raw, split_bytes):
+            shards += [[part.item()] for part in split_file(raw.path, split_bytes)]
+            size = shard_bytes
+            continue
         if size >= shard_bytes:
             shards.append([])
             size = 0
@@ -446,7 +520,7 @@ def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None 
     if cfg.incremental:
         inputs = new_inputs(inputs, workdir)
     return plan_stage(workdir, STAGE, cfg, code_version(sys.modules[__name__], extract), collect_shard,
-                      shard_inputs(inputs, cfg.shard_bytes), inputs=inputs)
+                      shard_inputs(inputs, cfg.shard_bytes, cfg.split_bytes), inputs=inputs)
 
 
 def run_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> DatasetRef:

@@ -229,3 +229,39 @@ def test_shards_run_on_a_dask_cluster_given_by_address(tmp_path):
     for stage in ("collect", "filter"):
         assert json.loads(open(out["datasets"][stage]).read())["sha256"] == \
             json.loads(open(ref["datasets"][stage]).read())["sha256"]
+
+
+def test_a_large_jsonl_file_is_split_at_line_boundaries(tmp_path):
+    """One big uncompressed JSONL file becomes several shards (byte ranges starting at line starts); the rows,
+    source ids (path:line), quarantined bad lines and stats are those of reading the file whole."""
+    from tasks.collect import parse_item, split_file
+
+    recs = [json.dumps(r) for r in __import__("tests.conftest", fromlist=["x"]).corpus_records(60)]
+    lines = recs[:10] + ["not json", "", "   "] + recs[10:30] + ['{"text": 5}', "\ufffe" * 3] + recs[30:] + [""]
+    big = tmp_path / "in" / "big.jsonl"
+    big.parent.mkdir()
+    big.write_text("\n".join(lines) + "\n")
+    size = big.stat().st_size
+    parts = split_file(str(big), size // 5)
+    assert len(parts) >= 4 and parts[0].start == 0 and parts[-1].end == size
+    assert all(a.end == b.start for a, b in zip(parts, parts[1:]))
+    data = big.read_bytes()
+    for p in parts:  # every range starts at a line start and knows its line number
+        assert p.start == 0 or data[p.start - 1 : p.start] == b"\n"
+        assert data[: p.start].count(b"\n") + 1 == p.first_line
+    assert split_file(str(big), size // 5, chunk=7) == parts  # ranges found across read chunks alike
+    assert split_file(str(big), size * 2) == [parts[0].model_copy(update={"end": size})]
+    assert len(plan_collect(CollectConfig(inputs=[str(big)], split_bytes=0), str(tmp_path / "n")).shards) == 1
+
+    whole = run_plan(plan_collect(CollectConfig(inputs=[str(big)]), str(tmp_path / "whole")))
+    cfg = CollectConfig(inputs=[str(big)], split_bytes=size // 5)
+    plan = plan_collect(cfg, str(tmp_path / "split"))
+    assert len(plan.shards) == len(parts) and all(parse_item(s[0])[1] is not None for s in plan.shards)
+    split = run_plan(plan)
+    cols = ["doc_id", "source_id", "text"]
+    assert split.read(columns=cols).to_pylist() == whole.read(columns=cols).to_pylist()
+    key = lambda t: sorted((r["source_id"], r["reason"], r["detail"]) for r in t.to_pylist())
+    assert key(split.read_rejected()) == key(whole.read_rejected())
+    assert {r["reason"] for r in whole.read_rejected().to_pylist()} >= {"invalid_json", "text_not_string"}
+    a, b = split.manifest()["stats"], whole.manifest()["stats"]
+    assert a == b and a["rows_in"] == 63 and a["rows_kept"] == 60  # 3 bad lines quarantined
