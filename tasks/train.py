@@ -160,6 +160,10 @@ class TrainConfig(BaseModel):
     """DeepSpeed ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 weights/activations with fp32 master weights. fp16 does not run on CPU."""
+    accelerator: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks run: `cpu` (DeepSpeed's CPU accelerator, gloo) or `cuda` (one GPU per rank, NCCL; the
+    launcher's `--num_gpus` picks the local GPUs). Every rank fails at start-up, naming this field, when `cuda`
+    is asked for and torch sees no GPU."""
     activation_checkpointing: bool = False
     """Keep only each transformer block's input in forward and recompute the block in backward
     (torch.utils.checkpoint, non-reentrant): activation memory drops from every intermediate of every block
@@ -361,7 +365,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.num_ranks)
         cmd = [launcher, *launch_args(cfg, port, run_dir, threads), "--module", "--no_local_rank",
                "tasks.train_loop", "--config", str(config_path)]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, "DS_ACCELERATOR": cfg.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
@@ -460,7 +464,7 @@ def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> lis
     for flag, value in (("--num_nodes", cfg.num_nodes), ("--include", cfg.include), ("--exclude", cfg.exclude)):
         if value:
             args += [flag, str(value)]
-    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR=cpu\nOMP_NUM_THREADS={threads}\n")
+    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.accelerator}\nOMP_NUM_THREADS={threads}\n")
     return args
 
 

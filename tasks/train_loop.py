@@ -75,14 +75,38 @@ def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[in
             "skipped": sorted(skipped)}
 
 
-def measure_peak_flops(seconds: float = 0.3, n: int = 512) -> float:
-    """FLOP/s of an fp32 n×n matmul on this process's threads: the MFU denominator when none is configured."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+DEVICE = torch.device("cpu")  # this rank's device, set by `select_device` at start-up
+
+
+def select_device(cfg: TrainConfig) -> tuple[torch.device, str]:
+    """(device, process-group backend) for `train.accelerator`: the CPU with gloo, or this rank's GPU
+    (LOCAL_RANK, set by the launcher) with NCCL."""
+    global DEVICE
+    if cfg.accelerator == "cpu":
+        DEVICE = torch.device("cpu")
+        return DEVICE, "gloo"
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.accelerator=cuda, but torch sees no CUDA device on this host "
+                           f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use accelerator: cpu")
+    DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(DEVICE)
+    return DEVICE, "nccl"
+
+
+def measure_peak_flops(seconds: float = 0.3, n: int = 512, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n×n matmul in `dtype` on this rank's device (on the CPU, this process's threads): the MFU
+    denominator when none is configured."""
+    if DEVICE.type == "cuda":
+        n = max(n, 4096)
+    a, b = torch.randn(n, n, device=DEVICE, dtype=dtype), torch.randn(n, n, device=DEVICE, dtype=dtype)
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
     a @ b  # warm-up
+    sync()
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a @ b
         reps += 1
+    sync()
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
@@ -121,17 +145,22 @@ def val_batches(shards: TokenShards, cfg: TrainConfig, rank: int, world: int):
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if DEVICE.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(DEVICE)
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and DEVICE.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], DEVICE)
 
 
 def mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=DEVICE)  # NCCL reduces device tensors only
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -182,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
 
     stub_muon()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    deepspeed.init_distributed(dist_backend="gloo")
+    device, backend = select_device(cfg)
+    deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.num_ranks:
         raise RuntimeError(f"launched with {world} ranks but num_ranks={cfg.num_ranks}")
@@ -193,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         from safetensors.torch import load_file
 
         model.load_export(load_file(launch["init_weights"]))
+    model.to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     n_params = model.num_params()  # before ZeRO-3 partitions the parameters
     n_matmul, fpt = model.num_params(exclude_embeddings=True), model.flops_per_token()
@@ -207,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_json(run_dir / "ds_config.json", ds_config(cfg))
         print(f"{n_params:,} parameters, ranks ready after {time.time() - T_START:.1f}s", flush=True)
 
-    peak = cfg.peak_flops_per_rank or measure_peak_flops()
+    peak = cfg.peak_flops_per_rank or measure_peak_flops(dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     saver = None
     if cfg.async_save:
         from tasks.async_ckpt import AsyncSaver
@@ -254,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         loss_sum = 0.0
         dstep = data_step(step, skipped)
         for micro in range(cfg.grad_accum):
-            x, y = loader.get((step, dstep, micro))
+            x, y = (t.to(device, non_blocking=True) for t in loader.get((step, dstep, micro)))
             _, loss = engine(x, y)
             if dstep in faults:
                 loss = loss * float("nan")
@@ -360,7 +391,7 @@ def gather_rng(world: int) -> list[dict]:
 @torch.no_grad()
 def evaluate(engine, shards: TokenShards, cfg: TrainConfig, rank: int, world: int) -> float:
     engine.eval()
-    losses = [engine(x, y)[1].item() for x, y in val_batches(shards, cfg, rank, world)]
+    losses = [engine(x.to(DEVICE), y.to(DEVICE))[1].item() for x, y in val_batches(shards, cfg, rank, world)]
     engine.train()
     return mean_over_ranks(sum(losses) / len(losses))
 

@@ -333,3 +333,21 @@ def test_deepspeed_bf16_zero2_trains(tokens, tmp_path):
     assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3  # it learns in bf16
     assert ckpt.read_marker(r.checkpoint_dir)["precision"] == "bf16" and ckpt.verify(r.checkpoint_dir) is None
     assert json.loads((Path(r.run_dir) / "ds_config.json").read_text())["bf16"] == {"enabled": True}
+
+
+def test_accelerator_picks_device_and_backend(monkeypatch):
+    """`train.accelerator`: cpu -> gloo on the CPU; cuda -> this rank's GPU (LOCAL_RANK) and NCCL, or a clear
+    error naming the field on a host where torch sees no GPU. The launcher's environment follows the field."""
+    from tasks import train_loop
+    from tasks.train import launch_args
+
+    assert train_loop.select_device(CFG) == (torch.device("cpu"), "gloo")
+    cuda = CFG.model_copy(update={"accelerator": "cuda"})
+    if torch.cuda.is_available():
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        assert train_loop.select_device(cuda) == (torch.device("cuda", 0), "nccl")
+    else:
+        with pytest.raises(RuntimeError, match="train.accelerator=cuda, but torch sees no CUDA device"):
+            train_loop.select_device(cuda)
+    train_loop.select_device(CFG)
+    assert launch_args(cuda, 29500, Path("/tmp"), 1) == ["--num_gpus", str(CFG.num_ranks), "--master_port", "29500"]
