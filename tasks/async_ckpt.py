@@ -17,6 +17,9 @@ would not use. The arena is a memfd (no name in /dev/shm, so a SIGKILL leaks not
 socketpair; it is reused from one checkpoint to the next (grown when a checkpoint needs more), so staging
 does not page-fault fresh memory every time. The persist process dies with its rank (PR_SET_PDEATHSIG), so a
 killed rank leaves no writer behind. Its working set is one checkpoint's bytes per rank, kept for the run.
+When the rank has to wait for it (the next save, the end of training), the process runs at the rank's
+priority until the wait is over (`PersistProcess.wait`, where the rank may lower a nice value): on a machine
+saturated by other work a nice-19 writer would otherwise get almost no CPU while training stands still.
 
 `AsyncSaver` keeps the commit protocol of `tasks.checkpoint` (files durable on every rank, then a
 marker written last by rank 0), only spread over the following steps: `poll()` is collective (every rank
@@ -274,6 +277,27 @@ class PersistProcess:
                 fut.set_exception(RuntimeError(f"checkpoint persist process exited (code {self.proc.poll()})"))
             self.jobs.clear()
 
+    def wait(self, futures: list[cf.Future]) -> None:
+        """Block until `futures` are done. Meanwhile the persist process runs at the rank's priority, not
+        nice 19 (priority inheritance: the rank has nothing to do but wait for it, so on a busy machine it
+        should not get only a nice-19 share of a core). Lowering a nice value needs CAP_SYS_NICE or
+        RLIMIT_NICE; without either the process stays at nice 19."""
+        if all(f.done() for f in futures):
+            return
+        boosted = self._renice(os.getpriority(os.PRIO_PROCESS, 0))
+        try:
+            cf.wait(futures)
+        finally:
+            if boosted:
+                self._renice(19)
+
+    def _renice(self, nice: int) -> bool:
+        try:  # its main thread, the one that writes
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, nice)
+            return True
+        except (PermissionError, ProcessLookupError):
+            return False
+
     def new_checkpoint(self) -> None:
         if self.arena is not None:
             self.arena.cursor = 0
@@ -361,7 +385,7 @@ class AsyncSaver:
             return None
         jobs = self.ds_engine.jobs
         if block:
-            cf.wait(jobs)
+            self.writer.wait(jobs)
         done = torch.tensor([int(all(j.done() for j in jobs))])
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if not done.item():

@@ -110,3 +110,31 @@ def test_digests_hashed_while_writing_match_the_files(tmp_path, zipfile):
 def test_merge_digests_leaves_out_paths_ranks_disagree_on():
     a, b = ("a" * 64, 1), ("b" * 64, 2)
     assert merge_digests([{"x": a, "y": a}, {"y": a, "z": b}, {"x": b}]) == {"y": a, "z": b}
+
+
+def test_wait_runs_the_persist_process_at_the_ranks_priority_meanwhile(tmp_path):
+    import concurrent.futures as cf
+    import os
+    import threading
+
+    writer = PersistProcess()
+    try:
+        writer.submit("states", str(tmp_path / "a.pt"), {"x": torch.ones(3)}, True).result(timeout=60)  # booted
+        assert os.getpriority(os.PRIO_PROCESS, writer.proc.pid) == 19
+        calls, real = [], writer._renice
+        writer._renice = lambda nice: calls.append((nice, real(nice))) or calls[-1][1]
+        done = cf.Future()
+        writer.wait([done.set_result(None) or done])  # nothing to wait for: no renice
+        pending = cf.Future()
+        seen = []
+        threading.Timer(0.3, lambda: seen.append(os.getpriority(os.PRIO_PROCESS, writer.proc.pid))
+                        or pending.set_result(None)).start()
+        writer.wait([pending])
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        if calls[0][1]:  # lowered while waiting, and back to 19 after
+            assert calls == [(mine, True), (19, True)] and seen == [mine]
+        else:  # no privilege to lower a nice value: it stays at 19
+            assert calls == [(mine, False)] and seen == [19]
+        assert os.getpriority(os.PRIO_PROCESS, writer.proc.pid) == 19
+    finally:
+        writer.close()
