@@ -10,8 +10,11 @@ ourselves. One checkpoint is one tag directory `<root>/step_<8 digits>/`:
 3. (all ranks) gather the weights (ZeRO-3 partitions them: `deepspeed.zero.GatheredParameters`); rank 0
    writes a consolidated fp32 `model.safetensors` and `model_config.json` into the tag directory.
 4. (all ranks) fsync every file they can see in the tag directory; barrier.
-5. (rank 0) fsync everything again, hash every file, and write `COMMITTED.json` (path, sha256, bytes of
-   every file, step, time) to a temporary name, fsync, rename, fsync the directory; barrier.
+5. (rank 0) write `COMMITTED.json` (path, sha256, bytes of every file in the tag directory, step, time) to
+   a temporary name, fsync, rename, fsync the directory; barrier. The sha256 of a file its writer hashed
+   while writing it (`write_model`'s two files; every file of the async save, `tasks.async_ckpt`) is taken
+   from that writer, once the size on disk is checked against it; every other file (DeepSpeed's own writes)
+   is fsynced again and hashed from disk here.
 
 A tag directory without `COMMITTED.json` does not exist for resume or export. `latest_valid` re-hashes
 the files and falls back to the previous committed checkpoint, logging why, when one was damaged after
@@ -27,15 +30,19 @@ imports this module to find committed checkpoints without loading torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lifecycle.dataset import atomic_write_bytes, atomic_write_json, fsync_dir, fsync_file, sha256_file
+from lifecycle.dataset import atomic_write_json, fsync_dir, fsync_file, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +77,37 @@ def _files(tag_dir: Path) -> list[Path]:
 # commit and verify (plain files, no torch)
 
 
-def commit(tag_dir: str | Path, step: int, extra: dict[str, Any] | None = None) -> dict:
-    """Hash every file of a fully written tag directory and write its marker last (atomic)."""
+Digest = tuple[str, int]  # (sha256 hex, bytes) of a file, as its writer hashed it
+
+
+def commit(tag_dir: str | Path, step: int, extra: dict[str, Any] | None = None,
+           known: Mapping[str, Digest] | None = None) -> dict:
+    """Write the marker of a fully written tag directory last (atomic), listing every file in it.
+
+    `known` maps paths relative to `tag_dir` to the digest their writer computed while writing them, after it
+    had made them durable (file fsynced, renamed into place, directory fsynced: `hashed_atomic_file`). Those
+    files are listed with that digest once their size on disk matches it; a known file that is missing or has
+    another size raises ValueError and nothing is committed (the directory is not what was written). Every
+    other file is fsynced and hashed here."""
     tag_dir = Path(tag_dir)
+    known = dict(known or {})
+    paths = _files(tag_dir)
     files = []
-    for p in _files(tag_dir):
-        fsync_file(p)
-        files.append({"path": p.relative_to(tag_dir).as_posix(), "sha256": sha256_file(p), "bytes": p.stat().st_size})
-    for d in {p.parent for p in _files(tag_dir)} | {tag_dir}:
+    for p in paths:
+        rel = p.relative_to(tag_dir).as_posix()
+        size = p.stat().st_size
+        if (digest := known.pop(rel, None)) is not None:
+            sha, written = digest
+            if size != written:
+                raise ValueError(f"{tag_dir}: {rel} has {size} bytes on disk, its writer wrote {written}; not committed")
+        else:
+            fsync_file(p)
+            sha = sha256_file(p)
+            size = p.stat().st_size
+        files.append({"path": rel, "sha256": sha, "bytes": size})
+    if known:
+        raise ValueError(f"{tag_dir}: {sorted(known)} written but missing; not committed")
+    for d in {p.parent for p in paths} | {tag_dir}:
         fsync_dir(d)
     marker = {"step": step, "tag": tag_dir.name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "files": files, **(extra or {})}
@@ -158,15 +188,74 @@ def prune(ckpt_root: str | Path, keep_last: int, keep: tuple[str | Path, ...] = 
 # weights
 
 
-def write_model(tag_dir: str | Path, state: dict, model_config: Any) -> None:
-    """Consolidated fp32 weights as safetensors plus the architecture as JSON (both atomic)."""
+class HashingWriter:
+    """Write-only file-like object over a binary file that hashes (sha256) and counts what goes through it.
+
+    It has no `fileno`, `seek` or `tell`, so `torch.save` writes through `write()` alone, in file order: its
+    zipfile writer emits the archive sequentially (the C++ writer refuses out-of-order offsets), and its
+    legacy writer writes storages through `write()` when the file has no fileno. A writer that wanted to
+    seek would fail with AttributeError instead of hashing other bytes than the file holds. Each write is
+    hashed and written in 1 MiB pieces, so the bytes are read from memory once and are still in the CPU cache
+    when they are copied to the page cache."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, f):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self.CHUNK):
+            piece = view[i : i + self.CHUNK]
+            self.sha.update(piece)
+            while piece:
+                piece = piece[self.f.write(piece) :]
+        self.bytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def digest(self) -> Digest:
+        return self.sha.hexdigest(), self.bytes
+
+
+@contextmanager
+def hashed_atomic_file(path: str | Path) -> Iterator[HashingWriter]:
+    """A `HashingWriter` over `<path>.tmp`; on leaving the block the file is fsynced, renamed into place and its
+    directory fsynced (on an error it is removed): `path` is either absent, as before, or complete and durable."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield HashingWriter(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_hashed(path: str | Path, data: bytes) -> Digest:
+    """`data` to `path` atomically and durably (`hashed_atomic_file`); returns its digest."""
+    with hashed_atomic_file(path) as w:
+        w.write(data)
+    return w.digest()
+
+
+def write_model(tag_dir: str | Path, state: dict, model_config: Any) -> dict[str, Digest]:
+    """Consolidated fp32 weights as safetensors plus the architecture as JSON (both atomic and durable);
+    returns {file name: (sha256, bytes)} for `commit`."""
     from safetensors.torch import save
 
     tag_dir = Path(tag_dir)
     # One metadata key only: safetensors writes a multi-key metadata map in random (Rust HashMap) order,
     # which would make identical weights hash differently. The step is in the commit marker.
-    atomic_write_bytes(tag_dir / WEIGHTS, save(state, metadata={"format": "pt"}))
-    atomic_write_json(tag_dir / MODEL_CONFIG, model_config.model_dump(mode="json"))
+    config = json.dumps(model_config.model_dump(mode="json"), indent=2, sort_keys=True, default=str) + "\n"
+    return {WEIGHTS: write_bytes_hashed(tag_dir / WEIGHTS, save(state, metadata={"format": "pt"})),
+            MODEL_CONFIG: write_bytes_hashed(tag_dir / MODEL_CONFIG, config.encode())}
 
 
 def load_model(tag_dir: str | Path, check: bool = True):
@@ -206,11 +295,11 @@ def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_con
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):  # no-op below ZeRO-3
         state = module.export_state() if rank == 0 else None
     if rank == 0:
-        write_model(tag_dir, state, model_config)
+        written = write_model(tag_dir, state, model_config)
     for p in _files(tag_dir):
         fsync_file(p)
     dist.barrier()
     if rank == 0:
-        commit(tag_dir, step, marker_extra)
+        commit(tag_dir, step, marker_extra, known=written)
     dist.barrier()
     return tag_dir

@@ -1,10 +1,14 @@
 import collections
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tasks.async_ckpt import PersistProcess, persist, snapshot
+from lifecycle.dataset import sha256_file
+from tasks import checkpoint as ckpt
+from tasks.async_ckpt import PersistProcess, merge_digests, persist, snapshot
+from tasks.model import GPT, ModelConfig
 
 
 def test_snapshot_shares_no_memory_with_the_live_state():
@@ -22,8 +26,9 @@ def test_snapshot_shares_no_memory_with_the_live_state():
 
 def test_persist_is_atomic_and_loadable(tmp_path, monkeypatch):
     path = tmp_path / "states.pt"
-    persist({"w": torch.arange(5)}, str(path), zipfile=True)
+    sha, size = persist({"w": torch.arange(5)}, str(path), zipfile=True)
     assert torch.equal(torch.load(path)["w"], torch.arange(5)) and not list(tmp_path.glob("*.tmp"))
+    assert (sha, size) == (sha256_file(path), path.stat().st_size)
 
     def crash(*a, **k):
         raise OSError("disk full")
@@ -70,3 +75,66 @@ def test_persist_process_writes_the_staged_state_while_training_goes_on(tmp_path
     finally:
         writer.close()
     assert not (tmp_path / "d.pt").exists()
+
+
+STATE = {"module": collections.OrderedDict(w=torch.randn(300, 700), b=torch.ones(3, dtype=torch.bfloat16),
+                                           empty=torch.zeros(0), view=torch.arange(10.0)[2:5]),
+         "opt": {"state": {0: {"exp_avg": torch.randn(3 << 18), "step": torch.tensor(7)}}, "lr": 0.1},
+         "rng": ("MT19937", np.arange(4, dtype=np.uint32), 1)}
+
+
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_digests_hashed_while_writing_match_the_files(tmp_path, zipfile):
+    # both torch.save formats write sequentially through write() alone (the writer has no seek or tell)
+    path = tmp_path / "direct.pt"
+    assert persist(STATE, str(path), zipfile) == (sha256_file(path), path.stat().st_size)
+    assert torch.equal(torch.load(path, weights_only=False)["module"]["view"], torch.arange(2.0, 5.0))
+    cfg = ModelConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, seq_len=8)
+    tag = tmp_path / ckpt.tag_name(3)
+    tag.mkdir()
+    writer = PersistProcess()
+    try:
+        states = writer.submit("states", str(tag / "mp_rank_00_model_states.pt"), STATE, zipfile)
+        model = writer.submit("model", str(tag), GPT(cfg).export_state(), cfg)
+        reported = {**states.result(timeout=60), **model.result(timeout=60)}
+    finally:
+        writer.close()
+    on_disk = {str(p): (sha256_file(p), p.stat().st_size) for p in tag.iterdir()}
+    assert reported == on_disk and len(on_disk) == 3  # states, model.safetensors, model_config.json
+    known = {Path(p).name: d for p, d in reported.items()}
+    (tag / "zero_to_fp32.py").write_text("# a file DeepSpeed writes itself: hashed by commit\n")
+    ckpt.commit(tag, 3, known=known)
+    assert ckpt.verify(tag) is None and len(ckpt.read_marker(tag)["files"]) == 4
+
+
+def test_merge_digests_leaves_out_paths_ranks_disagree_on():
+    a, b = ("a" * 64, 1), ("b" * 64, 2)
+    assert merge_digests([{"x": a, "y": a}, {"y": a, "z": b}, {"x": b}]) == {"y": a, "z": b}
+
+
+def test_wait_runs_the_persist_process_at_the_ranks_priority_meanwhile(tmp_path):
+    import concurrent.futures as cf
+    import os
+    import threading
+
+    writer = PersistProcess()
+    try:
+        writer.submit("states", str(tmp_path / "a.pt"), {"x": torch.ones(3)}, True).result(timeout=60)  # booted
+        assert os.getpriority(os.PRIO_PROCESS, writer.proc.pid) == 19
+        calls, real = [], writer._renice
+        writer._renice = lambda nice: calls.append((nice, real(nice))) or calls[-1][1]
+        done = cf.Future()
+        writer.wait([done.set_result(None) or done])  # nothing to wait for: no renice
+        pending = cf.Future()
+        seen = []
+        threading.Timer(0.3, lambda: seen.append(os.getpriority(os.PRIO_PROCESS, writer.proc.pid))
+                        or pending.set_result(None)).start()
+        writer.wait([pending])
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        if calls[0][1]:  # lowered while waiting, and back to 19 after
+            assert calls == [(mine, True), (19, True)] and seen == [mine]
+        else:  # no privilege to lower a nice value: it stays at 19
+            assert calls == [(mine, False)] and seen == [19]
+        assert os.getpriority(os.PRIO_PROCESS, writer.proc.pid) == 19
+    finally:
+        writer.close()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lifecycle.dataset import sha256_file
 from tasks import checkpoint as ckpt
 from tasks.model import GPT, ModelConfig
 
@@ -95,8 +96,9 @@ def test_model_weights_round_trip_through_safetensors(tmp_path):
     model = GPT(cfg).eval()
     d = tmp_path / ckpt.tag_name(7)
     d.mkdir()
-    ckpt.write_model(d, model.export_state(), cfg)
-    ckpt.commit(d, 7)
+    written = ckpt.write_model(d, model.export_state(), cfg)
+    assert written == {p.name: (sha256_file(p), p.stat().st_size) for p in d.iterdir()}
+    ckpt.commit(d, 7, known=written)
     assert json.loads((d / ckpt.MODEL_CONFIG).read_text())["vocab_size"] == 50
     loaded = ckpt.load_model(d)
     assert loaded.cfg == cfg and not loaded.training
@@ -116,3 +118,33 @@ def test_remove_uncommits_first(tmp_path):
     assert not d.exists() and ckpt.list_committed(tmp_path) == []
     with pytest.raises(ValueError):
         ckpt.step_of(tmp_path / "latest")
+
+
+def test_commit_takes_known_digests_and_checks_their_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt.time, "strftime", lambda *a: "2026-01-01T00:00:00Z")
+    d = make_tag(tmp_path, 10)
+    hashed = ckpt.read_marker(d)
+    known = {f["path"]: (f["sha256"], f["bytes"]) for f in hashed["files"]}
+    rehashed = []
+    monkeypatch.setattr(ckpt, "sha256_file", lambda p: rehashed.append(p.name) or sha256_file(p))
+    assert ckpt.commit(d, 10, {"loss": 0.1}, known=known) == hashed and rehashed == []
+    # only what the writers did not report is hashed here
+    part = {"mp_rank_00_model_states.pt": known["mp_rank_00_model_states.pt"]}
+    assert ckpt.commit(d, 10, {"loss": 0.1}, known=part) == hashed
+    assert rehashed == ["zero_pp_rank_1_optim_states.pt"] and ckpt.verify(d) is None
+    # a reported file whose size on disk differs, or that is gone, is refused: nothing is committed
+    ckpt.remove(d)
+    d = make_tag(tmp_path, 20, committed=False)
+    sha, size = known["mp_rank_00_model_states.pt"]
+    with pytest.raises(ValueError, match="bytes on disk, its writer wrote"):
+        ckpt.commit(d, 20, known={"mp_rank_00_model_states.pt": (sha, size + 1)})
+    with pytest.raises(ValueError, match="missing"):
+        ckpt.commit(d, 20, known={"sub/gone.pt": (sha, size)})
+    assert ckpt.verify(d) == "no commit marker"
+
+
+def test_hashing_writer_digest_matches_the_file(tmp_path):
+    data = bytes(range(256)) * 9000  # > 2 chunks
+    digest = ckpt.write_bytes_hashed(tmp_path / "f.bin", memoryview(data))
+    assert digest == (sha256_file(tmp_path / "f.bin"), len(data)) and (tmp_path / "f.bin").read_bytes() == data
+    assert ckpt.write_bytes_hashed(tmp_path / "empty", b"") == (sha256_file(tmp_path / "empty"), 0)
