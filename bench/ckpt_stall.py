@@ -1,13 +1,14 @@
 """Training stall of an async checkpoint save versus a synchronous one, on the same model and run.
 
-`python -m bench.ckpt_stall` (one process, DeepSpeed ZeRO-2 on the CPU, gloo with world size 1).
+`python -m bench.ckpt_stall [rounds]` (default 15 rounds; one process, DeepSpeed ZeRO-2 on the CPU, gloo with world size 1).
 The stall of a save is the extra wall time it costs training: the wall time of a window of `window`
 training steps with the save issued after its first step, minus the wall time of a window of the same
 steps without a save, in the same round. Rounds interleave none/sync/async windows, so load from other
 users of the machine hits all three alike; each figure is the median over rounds of the per-round
 difference, printed with its quartiles (on a shared machine the spread is the honest error bar). For the
 async save the window ends by waiting for the commit, so a persist that did not finish within the window
-counts as stall too. The time `save` blocks the training thread is printed beside it.
+counts as stall too. The time `save` blocks the training thread is printed beside it, and the load average
+before and after the run (other work on the machine is the main source of noise).
 Goal: async <= 10 % of sync.
 """
 
@@ -23,8 +24,10 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 9, batch: int = 2) -> dict:
+def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15, batch: int = 2) -> dict:
     import socket
+
+    load_before = os.getloadavg()
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,7 +103,8 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 9,
     blocking = {m: statistics.median(out[f"{m}_blocking"]) for m in ("sync", "async")}
     base = statistics.median(out["none"]) / window
     print(f"checkpoint stall, {out['params']:,}-parameter GPT, ZeRO-2, {size / 1e6:.0f} MB per checkpoint, "
-          f"{rounds} rounds of {window}-step windows (median step time {base * 1e3:.0f} ms)")
+          f"{rounds} rounds of {window}-step windows (median step time {base * 1e3:.0f} ms); load average "
+          f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
     print(f"  sync save : {sync:.3f} s of training stalled (quartiles {s25:.3f} .. {s75:.3f})")
     print(f"    blocking the training thread: {blocking['sync']:.3f} s")
     print(f"  async save: {asyn:.3f} s of training stalled (quartiles {a25:.3f} .. {a75:.3f})")
@@ -112,4 +116,4 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 9,
 
 
 if __name__ == "__main__":
-    main()
+    main(**({"rounds": int(sys.argv[1])} if len(sys.argv) > 1 else {}))

@@ -347,6 +347,7 @@ class AsyncSaver:
     def __init__(self, engine, ckpt_root: str | Path, keep_last: int, log=print):
         self.engine, self.root, self.keep_last, self.log = engine, Path(ckpt_root), keep_last, log
         self.rank = dist.get_rank()
+        self.device = engine.device  # the rank's device (the CPU, or its GPU under train.accelerator=cuda)
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")  # rank 0's commits
         self.writer = PersistProcess()
         self.ds_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, self.writer)
@@ -386,7 +387,7 @@ class AsyncSaver:
         jobs = self.ds_engine.jobs
         if block:
             self.writer.wait(jobs)
-        done = torch.tensor([int(all(j.done() for j in jobs))])
+        done = torch.tensor([int(all(j.done() for j in jobs))], device=self.device)  # NCCL: a device tensor
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if not done.item():
             return None
