@@ -158,7 +158,7 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
         sigs, sig_outcome, metrics = build_sharded("dedup-signatures", plan_signatures, parent, stage_cfg, wd)
         print(f"[dedup] signatures {sig_outcome}: {sigs.num_rows} rows -> {sigs.path}")
         t = stage_task(run_dedup, stage, orch, orch.data_retries)
-        ref, outcome = _call(t, parent, stage_cfg, wd, signatures=sigs)
+        ref, outcome = _call(t, parent, stage_cfg, wd, signatures=sigs, memory_limit=orch.dedup_memory_limit)
         if outcome == "computed" and sig_outcome == "resumed":
             outcome = "resumed"
         return record(stage, stage_cfg, parent, ref, outcome, metrics=metrics)

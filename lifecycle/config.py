@@ -44,6 +44,10 @@ class OrchestrationConfig(BaseModel):
         default_factory=lambda: min(os.cpu_count() or 1, 4), ge=0,
         description="Worker processes of the Dask LocalCluster that runs the shards of collect, filter and "
         "scrub (one thread each). 0 = run shards one after another in the flow process. Default: cores, up to 4.")
+    dedup_memory_limit: str = Field(
+        "2GB", pattern=r"^\d+(\.\d+)?\s*[KMGT]i?B$", description="DuckDB memory limit of dedup's global half "
+        "(exact copies, LSH buckets, clusters over the whole dataset); past it DuckDB spills to a scratch directory "
+        "beside the dataset, so this, not the corpus size, bounds its memory. Changes no decision.")
     dask_address: str | None = Field(
         None, description="Address of a running Dask scheduler (tcp://host:8786): shards run on that cluster "
         "instead of a LocalCluster. Its workers need this package installed and the work dir at the same path.")

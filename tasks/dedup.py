@@ -4,9 +4,12 @@ within this run and, incrementally, against everything kept by earlier runs.
 Two halves. The costly one is sharded: `plan_signatures` plans one shard per kept file of the parent, and
 `signature_shard` writes, for every row in the parent's order, its doc_id, source_id, normalised-text hash
 (`exact_hash`), MinHash signature and LSH band keys, into the `dedup-signatures` dataset (committed like any
-sharded stage, so a killed run rebuilds only unfinished shards). The global half, `dedup`, reads the hashes
-and band keys back, decides every row and writes the kept rows file by file. Its memory is one hash, doc_id and
-`bands` keys per document; texts are read back only for candidate pairs when `verify_jaccard` is set.
+sharded stage, so a killed run rebuilds only unfinished shards). The global half, `dedup`, decides every row in
+DuckDB over those files (`decide`): exact copies by a window over the hashes, LSH buckets by grouping the
+unnested band keys, connected components by large-star/small-star rounds over the candidate edges
+(`components`), then one `decision` table; it runs in a scratch database beside the dataset under a memory
+limit (`memory_limit`, `orchestration.dedup_memory_limit`, default 2GB) and spills past it, so its memory does
+not grow with the corpus. Kept rows, rejected rows and index rows are then written one parent file at a time.
 
 Keep policy: within a cluster of duplicates, a document kept by an earlier dedup run (the persisted index)
 wins; otherwise the document that comes first in the parent dataset's order (file order, then row order) is
@@ -19,9 +22,11 @@ the earlier dedup dataset that kept it. The stats count each kind (`counters`: `
 
 Signatures are `tasks.minhash.signatures` (vectorised, datasketch's permutations and `affine32` scheme); LSH
 candidates are documents sharing one of `bands` band keys (`tasks.minhash.band_keys`, the rule of datasketch's
-`MinHashLSH(params=(bands, rows))`). Near-duplicate clusters are connected components of candidate pairs
-(union-find), with an optional check of the true Jaccard of the shingle sets before a pair is merged (against
-the index, whose texts are not re-read, the check uses the signatures' Jaccard estimate).
+`MinHashLSH(params=(bands, rows))`). Near-duplicate clusters are connected components of the graph that links
+each member of a bucket to the bucket's smallest node (this run's rows and the index's kept documents; index
+documents are not linked to each other). With `verify_jaccard`, every pair sharing a bucket is checked before
+it becomes an edge: the true Jaccard of the two shingle sets for two documents of this run (texts streamed from
+DuckDB in batches), the signatures' Jaccard estimate against the index (whose texts are not kept).
 
 Incremental index (`incremental=True`): the doc_id, normalised-text hash, band keys and signature of every kept
 document are written into the dataset (`dedup-index.parquet`) and, after the dataset commit, published to
@@ -29,18 +34,18 @@ document are written into the dataset (`dedup-index.parquet`) and, after the dat
 under a file lock). A run is deduplicated against the parts published before the first part of its own parent
 (all parts for a new parent), and the sha256 of that part list is part of the dataset fingerprint, so a cached
 dataset is never reused against a different index and a rerun of the same inputs reproduces its dataset.
-Limits: the index's band keys (8 bytes x bands per kept doc) are loaded into memory; two runs in flight at
-once both dedup against the index as it was when they started, not against each other.
+Limit: two runs in flight at once both dedup against the index as it was when they started, not against each
+other.
 """
 
 from __future__ import annotations
 
 import fcntl
-import itertools
 import json
 import re
+import shutil
 import sys
-from collections import Counter
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -65,6 +70,7 @@ INDEX_MANIFEST = "_index.json"
 REJECT_REASON = "duplicate"  # one reason for every removed copy; `duplicate_kind` says exact or near
 DUPLICATE_KINDS = ("exact", "near")
 REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_kind", pa.string())]
+DUCKDB_MEMORY = "2GB"  # the global half's DuckDB memory limit (it spills to disk beyond it)
 BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -111,23 +117,6 @@ def duplicate_row(doc_id: str, source_id: str, kind: str, of: str, earlier: str 
     detail = f"{kind} duplicate of {of}" + (f"; {earlier}" if earlier else "")
     return {"doc_id": doc_id, "source_id": source_id, "reason": REJECT_REASON, "detail": detail,
             "duplicate_of": of, "duplicate_kind": kind}
-
-
-class _UnionFind:
-    def __init__(self, n: int):
-        self.parent = np.arange(n)
-
-    def find(self, i: int) -> int:
-        p = self.parent
-        while p[i] != i:
-            p[i] = p[p[i]]
-            i = p[i]
-        return i
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:  # the smaller index (earlier document) is the root, so it is the one kept
-            self.parent[max(ra, rb)] = min(ra, rb)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,79 +191,11 @@ def plan_signatures(parent: DatasetRef, cfg: DedupConfig, workdir: str) -> Stage
 
 
 # --------------------------------------------------------------------------------------------------
-# second half, global: exact copies, LSH candidates, clusters, keep policy
-
-
-def exact_order(sig_files: list[str]) -> pa.Table:
-    """One DuckDB query over the signature files: every row in parent order, with its normalised-text hash, the
-    doc_id of the first row that has the same normalised text (itself when it is the first) and its copy number."""
-    if not sig_files:  # an empty parent has no files, and read_parquet needs at least one
-        return pa.table({c: pa.array([], t) for c, t in (("doc_id", pa.string()), ("source_id", pa.string()),
-                         ("h", pa.string()), ("first_doc_id", pa.string()), ("copy_no", pa.int64()))})
-    con = duckdb.connect()
-    try:
-        return con.sql(
-            """
-            WITH docs AS (
-                SELECT doc_id, source_id, file_row_number, exact_hash AS h,
-                       list_position($files, filename) AS file_idx
-                FROM read_parquet($files, filename = true, file_row_number = true)
-            )
-            SELECT doc_id, source_id, h,
-                   first_value(doc_id) OVER w AS first_doc_id,
-                   row_number() OVER w AS copy_no
-            FROM docs
-            WINDOW w AS (PARTITION BY h ORDER BY file_idx, file_row_number)
-            ORDER BY file_idx, file_row_number
-            """,
-            params={"files": sig_files},
-        ).to_arrow_table()
-    finally:
-        con.close()
-
-
-def _take(files: list[str], counts: np.ndarray, rows: np.ndarray, column: str) -> dict[int, object]:
-    """{global row: value of `column`} for the given global rows (parent order) of files holding `counts` rows."""
-    ends = np.cumsum(counts)
-    out: dict[int, object] = {}
-    rows = np.unique(rows)
-    for k, path in enumerate(files):
-        mine = rows[(rows >= ends[k] - counts[k]) & (rows < ends[k])]
-        if len(mine):
-            col = pq.read_table(path, columns=[column]).column(column).take(pa.array(mine - (ends[k] - counts[k])))
-            out.update(zip(mine.tolist(), col.to_pylist()))
-    return out
-
-
-def _bucket_pairs(keys: np.ndarray, all_pairs: bool = False) -> np.ndarray:
-    """(p, 2) array of candidate pairs from the band buckets holding more than one document, over all bands:
-    (member, first member) for each bucket, which is enough for connected components, or every pair in the
-    bucket when each pair is verified before it is merged."""
-    out = [np.zeros((0, 2), np.int64)]
-    for b in range(keys.shape[1]):
-        order = np.argsort(keys[:, b], kind="stable")
-        s = keys[order, b]
-        start = np.r_[True, s[1:] != s[:-1]] if len(s) else np.zeros(0, bool)
-        gid = np.cumsum(start) - 1
-        first = order[start][gid]
-        m = order != first
-        if not all_pairs:
-            out.append(np.stack([order[m], first[m]], axis=1))
-            continue
-        starts = np.flatnonzero(start)
-        sizes = np.diff(np.r_[starts, len(s)])
-        for g in np.flatnonzero(sizes > 1):
-            members = order[starts[g] : starts[g] + sizes[g]]
-            out.append(np.array(list(itertools.combinations(members, 2)), np.int64))
-    return np.unique(np.concatenate(out), axis=0)
-
-
-# --------------------------------------------------------------------------------------------------
 # the persisted index of kept documents (incremental dedup)
 
 
 class Index:
-    """The index parts an incremental run deduplicates against (loaded lazily, column by column)."""
+    """The index parts an incremental run deduplicates against (read by DuckDB, never loaded whole)."""
 
     def __init__(self, directory: Path, parts: list[dict]):
         self.dir, self.parts = directory, parts
@@ -283,31 +204,15 @@ class Index:
             if not (directory / p["path"]).exists() or sha256_file(directory / p["path"]) != p["sha256"]:
                 raise RuntimeError(f"dedup index {directory / p['path']}: missing or not the sha256 in "
                                    f"{directory / INDEX_MANIFEST}; remove the index or restore the file")
-        tables = [pq.read_table(directory / p["path"], columns=["doc_id", "exact_hash", "band_keys"]) for p in parts]
-        self.part_of = np.concatenate([np.full(t.num_rows, k) for k, t in enumerate(tables)] or [np.zeros(0, int)])
-        self.doc_ids = [d for t in tables for d in t.column("doc_id").to_pylist()]
-        self.exact_hash = [h for t in tables for h in t.column("exact_hash").to_pylist()]
-        self._keys = tables
-        self._sig: np.ndarray | None = None
+        self.paths = [str(directory / p["path"]) for p in parts]
+        self.counts = [pq.ParquetFile(p).metadata.num_rows for p in self.paths]
+        self.num_rows = sum(self.counts)
 
     def __len__(self) -> int:
-        return len(self.doc_ids)
+        return self.num_rows
 
-    def keys(self, bands: int) -> np.ndarray:
-        cols = [t.column("band_keys").combine_chunks() for t in self._keys]
-        return np.concatenate([c.flatten().to_numpy().reshape(-1, bands) for c in cols] or [np.zeros((0, bands), np.uint64)])
-
-    def signatures(self, num_perm: int) -> np.ndarray:
-        if self._sig is None:
-            cols = [pq.read_table(self.dir / p["path"], columns=["signature"]).column("signature").combine_chunks()
-                    for p in self.parts]
-            self._sig = np.concatenate([c.flatten().to_numpy().reshape(-1, num_perm) for c in cols]
-                                       or [np.zeros((0, num_perm), np.uint32)])
-        return self._sig
-
-    def dataset_of(self, node: int) -> str:
-        p = self.parts[int(self.part_of[node])]
-        return f"kept by an earlier run: datasets/{STAGE}/{p['dataset'][:20]}"
+    def dataset_of(self, part: int) -> str:
+        return f"kept by an earlier run: datasets/{STAGE}/{self.parts[part]['dataset'][:20]}"
 
 
 def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
@@ -361,151 +266,272 @@ def publish(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str 
 
 
 # --------------------------------------------------------------------------------------------------
+# second half, global: exact copies, LSH candidates, clusters, keep policy -- all in DuckDB, which spills to
+# disk past its memory limit, so this half's memory does not grow with the corpus. Every document is a node:
+# the index's kept documents 0..m-1 (parts in order), then this run's rows m.. in parent order, so "the
+# smallest node of a cluster" is the keep policy.
+
+
+def _files_table(con: duckdb.DuckDBPyConnection, name: str, files: list[str], counts: list[int], base: int) -> None:
+    """A small table (file, file_idx, base): global node of row r of file k = base_k + r."""
+    starts = base + np.concatenate([[0], np.cumsum(counts, dtype=np.int64)[:-1]]).astype(np.int64)
+    con.register(f"{name}_arrow", pa.table({"file": pa.array(files, pa.string()),
+                                            "file_idx": pa.array(range(len(files)), pa.int32()),
+                                            "base": pa.array(starts, pa.int64())}))
+    con.execute(f"CREATE TABLE {name} AS SELECT * FROM {name}_arrow")
+    con.unregister(f"{name}_arrow")
+
+
+def _nodes(files_table: str, files: list[str], columns: str) -> str:
+    """SQL: the rows of `files` (listed in `files_table`) with their global node, file_idx and row."""
+    listed = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+    return (f"SELECT f.base + s.file_row_number AS node, f.file_idx, s.file_row_number AS row, {columns} "
+            f"FROM read_parquet({listed}, filename = true, file_row_number = true) s "
+            f"JOIN {files_table} f ON s.filename = f.file")
+
+
+def components(con: duckdb.DuckDBPyConnection) -> int:
+    """Connected components of the undirected graph `edges(a, b)` (a > b) as `lab(node, l)`: l = the smallest
+    node of the component, for every node on an edge. The large-star / small-star alternation of Kiveris et al.,
+    "Connected Components in MapReduce and Beyond" (SoCC 2014): each step is one aggregate and one join over
+    tables DuckDB can spill, it ends with every node linked to its component's minimum, in O(log^2 n) rounds
+    (about log n in practice). Returns the rounds."""
+    con.execute("CREATE OR REPLACE TABLE cc AS SELECT DISTINCT a, b FROM edges")
+    rounds = 0
+    while True:
+        rounds += 1
+        # large star: every larger neighbour of u links to the smallest node around u
+        con.execute("""
+            CREATE OR REPLACE TABLE cc2 AS
+            WITH m AS (SELECT a AS u, min(b) AS m FROM cc GROUP BY a)
+            SELECT DISTINCT e.a, coalesce(m.m, e.b) AS b FROM cc e LEFT JOIN m ON m.u = e.b""")
+        # small star: u and its smaller neighbours link to the smallest of them
+        con.execute("""
+            CREATE OR REPLACE TABLE cc3 AS
+            WITH m AS (SELECT a AS u, min(b) AS m FROM cc2 GROUP BY a)
+            SELECT DISTINCT e.b AS a, m.m AS b FROM cc2 e JOIN m ON m.u = e.a WHERE e.b <> m.m
+            UNION SELECT u, m FROM m""")
+        changed = con.execute("SELECT (SELECT count(*) FROM (SELECT a, b FROM cc3 EXCEPT SELECT a, b FROM cc)) + "
+                              "(SELECT count(*) FROM (SELECT a, b FROM cc EXCEPT SELECT a, b FROM cc3))").fetchone()[0]
+        con.execute("DROP TABLE cc")
+        con.execute("DROP TABLE cc2")
+        con.execute("ALTER TABLE cc3 RENAME TO cc")
+        if not changed:
+            break
+    con.execute("CREATE OR REPLACE TABLE lab AS SELECT a AS node, b AS l FROM cc "
+                "UNION SELECT DISTINCT b, b FROM cc")
+    con.execute("DROP TABLE cc")
+    return rounds
+
+
+def _verified_edges(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, m: int, spill: Path) -> None:
+    """`edges` = the candidate pairs (`pairs`) whose Jaccard is >= `verify_jaccard`: true shingle Jaccard of the
+    two texts for a pair of this run's documents, the signatures' estimate against the index (whose texts are
+    not kept). Pairs stream through in batches; the passing ones are written to a Parquet file in `spill`."""
+    out = spill / "verified-edges.parquet"
+    schema = pa.schema([("a", pa.int64()), ("b", pa.int64())])
+    with pq.ParquetWriter(out, schema) as w:
+        queries = (
+            ("SELECT p.a, p.b, x.text AS x, y.text AS y FROM pairs p JOIN texts x ON x.node = p.a "
+             f"JOIN texts y ON y.node = p.b WHERE p.b >= {m}", "text"),
+            ("SELECT p.a, p.b, x.signature AS x, y.signature AS y FROM pairs p JOIN sigs x ON x.node = p.a "
+             f"JOIN index_sigs y ON y.node = p.b WHERE p.b < {m}", "signature"),
+        )
+        for sql, kind in queries:
+            if kind == "signature" and not m:
+                continue
+            reader = con.sql(sql).to_arrow_reader(BATCH_DOCS)
+            for batch in reader:
+                if not batch.num_rows:
+                    continue
+                if kind == "text":
+                    j = np.array([_jaccard(shingles(x, cfg.ngram), shingles(y, cfg.ngram)) for x, y in
+                                  zip(batch.column("x").to_pylist(), batch.column("y").to_pylist())])
+                else:
+                    j = np.mean(_matrix(batch.column("x"), cfg.num_perm, np.uint32)
+                                == _matrix(batch.column("y"), cfg.num_perm, np.uint32), axis=1)
+                ok = pa.array(j >= cfg.verify_jaccard)
+                w.write_table(pa.table({"a": batch.column("a"), "b": batch.column("b")}, schema=schema).filter(ok))
+    con.execute("CREATE TABLE edges AS SELECT a, b FROM read_parquet($f)", {"f": str(out)})
+
+
+def _jaccard(a: set, b: set) -> float:
+    return len(a & b) / max(1, len(a | b))
+
+
+def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], sig_files: list[str],
+           counts: list[int], index: Index | None, spill: Path) -> None:
+    """Build the table `decision(node, file_idx, row, doc_id, source_id, kind, of_doc, part_idx, cluster_size)`,
+    ordered by node: `kind` NULL (kept), 'exact' or 'near'; `of_doc` the doc_id a removed row duplicates and
+    `part_idx` the index part that kept it (NULL: this run); `cluster_size` of a kept row."""
+    m = index.num_rows if index is not None else 0
+    _files_table(con, "sig_files", sig_files, counts, m)
+    _files_table(con, "parent_files", files, counts, m)
+    con.execute(f"CREATE TABLE docs AS {_nodes('sig_files', sig_files, 's.doc_id, s.source_id, s.exact_hash AS h')}")
+    if m:
+        _files_table(con, "index_files", index.paths, index.counts, 0)
+        con.execute(f"CREATE TABLE idx AS {_nodes('index_files', index.paths, 's.doc_id, s.exact_hash AS h')}")
+    else:
+        con.execute("CREATE TABLE idx (node BIGINT, file_idx INT, row BIGINT, doc_id VARCHAR, h VARCHAR)")
+    exact = "true" if cfg.exact else "false"
+    # 1. exact: the first row (smallest node) with the same normalised text, here or in the index
+    con.execute(f"""
+        CREATE TABLE ex AS
+        WITH g AS (SELECT node, h, min(node) OVER (PARTITION BY h) AS first_node,
+                          count(*) OVER (PARTITION BY h) AS copies FROM docs),
+             i AS (SELECT h, min(node) AS inode FROM idx GROUP BY h)
+        SELECT g.node, {exact} AND (g.first_node <> g.node OR i.inode IS NOT NULL) AS dup,
+               coalesce(i.inode, g.first_node) AS exact_of,
+               -- a kept row's cluster_size counts this run's rows: its exact copies and its near duplicates'
+               CASE WHEN NOT {exact} THEN 1 WHEN g.first_node = g.node AND i.inode IS NULL THEN g.copies ELSE 0
+               END AS weight
+        FROM g LEFT JOIN i USING (h)""")
+    # 2. near: LSH buckets (band, key) of the exact survivors and the index; candidate edges
+    if cfg.near:
+        con.execute(f"CREATE VIEW sigs AS {_nodes('sig_files', sig_files, 's.band_keys, s.signature')}")
+        con.execute(f"CREATE VIEW index_sigs AS {_nodes('index_files', index.paths, 's.band_keys, s.signature')}"
+                    if m else "CREATE VIEW index_sigs AS SELECT * FROM sigs WHERE false")
+        con.execute("""
+            CREATE TABLE bk AS
+            SELECT node, generate_subscripts(band_keys, 1) AS band, unnest(band_keys) AS key
+            FROM (SELECT s.node, s.band_keys FROM sigs s JOIN ex USING (node) WHERE NOT ex.dup
+                  UNION ALL SELECT node, band_keys FROM index_sigs)""")
+        if cfg.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
+            con.execute(f"""
+                CREATE TABLE edges AS
+                WITH buckets AS (SELECT band, key, min(node) AS first FROM bk GROUP BY band, key HAVING count(*) > 1)
+                SELECT DISTINCT bk.node AS a, buckets.first AS b FROM bk JOIN buckets USING (band, key)
+                WHERE bk.node <> buckets.first AND bk.node >= {m}""")
+        else:  # every pair sharing a bucket (at least one of this run), each verified before it is merged
+            con.execute(f"CREATE VIEW texts AS {_nodes('parent_files', files, 's.text')}")
+            con.execute(f"""
+                CREATE TABLE pairs AS
+                SELECT DISTINCT x.node AS a, y.node AS b FROM bk x JOIN bk y
+                    ON x.band = y.band AND x.key = y.key AND y.node < x.node
+                WHERE x.node >= {m}""")
+            _verified_edges(con, cfg, m, spill)
+    else:
+        con.execute("CREATE TABLE edges (a BIGINT, b BIGINT)")
+    components(con)
+    # 3. decisions, cluster sizes and the doc_id each removed row duplicates
+    con.execute("""
+        CREATE TABLE dec AS
+        SELECT d.node, d.file_idx, d.row, d.doc_id, d.source_id, ex.weight,
+               CASE WHEN ex.dup THEN 'exact' WHEN coalesce(lab.l, d.node) <> d.node THEN 'near' END AS kind,
+               CASE WHEN ex.dup THEN ex.exact_of ELSE coalesce(lab.l, d.node) END AS of_node
+        FROM docs d JOIN ex USING (node) LEFT JOIN lab USING (node)""")
+    con.execute("""
+        CREATE TABLE decision AS
+        WITH sizes AS (SELECT of_node AS node, sum(weight) AS size FROM dec WHERE kind IS NULL OR kind = 'near'
+                       GROUP BY of_node),
+             named AS (SELECT node, doc_id, NULL::INT AS part_idx FROM docs
+                       UNION ALL SELECT node, doc_id, file_idx FROM idx)
+        SELECT dec.node, dec.file_idx, dec.row, dec.doc_id, dec.source_id, dec.kind,
+               CASE WHEN dec.kind IS NOT NULL THEN named.doc_id END AS of_doc,
+               CASE WHEN dec.kind IS NOT NULL THEN named.part_idx END AS part_idx,
+               CASE WHEN dec.kind IS NULL THEN sizes.size::INT END AS cluster_size
+        FROM dec LEFT JOIN named ON named.node = dec.of_node LEFT JOIN sizes ON sizes.node = dec.node
+        ORDER BY dec.node""")
+    for t in ("dec", "ex", "bk", "pairs", "edges", "lab", "docs"):
+        con.execute(f"DROP TABLE IF EXISTS {t}")
+
+
+# --------------------------------------------------------------------------------------------------
 # the stage
 
 
 def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: DatasetRef,
-          index: Index | None = None) -> StageStats:
+          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY) -> StageStats:
     """The global half: decide every row of `parent` from its signature dataset `sigs` (one file per parent
-    file, same rows in the same order) and write kept rows, rejected rows and the index rows."""
+    file, same rows in the same order) in DuckDB (`decide`, at most `memory_limit`, spilling beyond it), then
+    write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time."""
     files = [str(p) for p in parent.files()]
     sig_files = [str(p) for p in sigs.files()]
     if len(sig_files) != len(files):
         raise RuntimeError(f"{sigs.dir}: {len(sig_files)} signature files for {len(files)} files of {parent.dir}")
-    counts = np.array([e["num_rows"] for e in sigs.manifest()["files"]], dtype=np.int64)
+    counts = [e["num_rows"] for e in sigs.manifest()["files"]]
     stats = StageStats()
-    rejected: list[dict] = []
-    # 1. exact: decided globally in DuckDB over the hashes (and against the index's normalised-text hashes)
-    order = exact_order(sig_files)
-    n = order.num_rows
-    m = len(index) if index is not None else 0  # union-find nodes: index docs 0..m-1, then this run's docs
-    doc_ids = order.column("doc_id").to_pylist()
-    first_ids = order.column("first_doc_id").to_pylist()
-    hashes = order.column("h").to_pylist()
-    copy_no = order.column("copy_no").to_numpy()
-    exact_dup = (copy_no > 1) if cfg.exact else np.zeros(n, dtype=bool)
-    exact_idx = np.full(n, -1)  # index node this doc is an exact copy of
-    if cfg.exact and m:
-        first_node: dict[str, int] = {}
-        for node, h in enumerate(index.exact_hash):
-            first_node.setdefault(h, node)
-        exact_idx = np.array([first_node.get(h, -1) for h in hashes], dtype=np.int64)
-        exact_dup |= exact_idx >= 0
-
-    # 2. LSH band keys of the exact survivors (computed by the shards)
-    survivors = np.flatnonzero(~exact_dup)
-    keys = np.zeros((len(survivors), cfg.bands), np.uint64)
-    if cfg.near and len(survivors):
-        keys = np.concatenate([_matrix(pq.read_table(f, columns=["band_keys"]).column("band_keys"), cfg.bands,
-                                       np.uint64) for f in sig_files])[survivors]
-
-    # 3. near: connected components of candidate pairs, this run's docs and the index's
-    uf = _UnionFind(m + n)
-    if cfg.near:
-        pairs = _bucket_pairs(keys, all_pairs=cfg.verify_jaccard is not None)  # positions in `survivors`
-        shingle_sets: dict[int, set[bytes]] = {}
-        if cfg.verify_jaccard is not None and len(pairs):  # texts of the candidates only, read back
-            texts = _take(files, counts, survivors[np.unique(pairs)], "text")
-            shingle_sets = {i: shingles(t, cfg.ngram) for i, t in texts.items()}
-        for a, b in pairs:
-            va, vb = m + int(survivors[a]), m + int(survivors[b])
-            if cfg.verify_jaccard is not None:
-                if uf.find(va) == uf.find(vb):
-                    continue
-                sa, sb = shingle_sets[va - m], shingle_sets[vb - m]
-                if len(sa & sb) / max(1, len(sa | sb)) < cfg.verify_jaccard:
-                    continue
-            uf.union(va, vb)
-        if m and len(survivors):
-            ik = index.keys(cfg.bands)
-            matches = []  # (survivor position, index node)
-            for b in range(cfg.bands):
-                o = np.argsort(ik[:, b], kind="stable")
-                s = ik[o, b]
-                lo, hi = np.searchsorted(s, keys[:, b], "left"), np.searchsorted(s, keys[:, b], "right")
-                matches += [(a, int(node)) for a in np.flatnonzero(hi > lo) for node in o[lo[a] : hi[a]]]
-            mine = {}
-            if cfg.verify_jaccard is not None and matches:  # the index's texts are not kept: signature estimate
-                mine = _take(sig_files, counts, survivors[np.unique([a for a, _ in matches])], "signature")
-            for a, node in matches:
-                if cfg.verify_jaccard is not None and np.mean(
-                        index.signatures(cfg.num_perm)[node] == np.array(mine[int(survivors[a])])) < cfg.verify_jaccard:
-                    continue
-                uf.union(node, m + int(survivors[a]))
-    roots = np.array([uf.find(v) for v in range(m + n)], dtype=np.int64)
-
-    # 4. write kept rows (with cluster ids) and rejected rows, in parent order
-    # cluster size of a kept doc = its exact copies + its near-duplicates' exact copies (this run's rows)
-    copies = Counter(first_ids) if cfg.exact else Counter(doc_ids)
-    weight = np.zeros(m + n, dtype=np.int64)
-    weight[m:] = [0 if exact_dup[j] else copies[doc_ids[j]] for j in range(n)]
-    cluster_size = np.bincount(roots, weights=weight, minlength=m + n).astype(np.int64)
-    source_ids = order.column("source_id").to_pylist()
-    index_rows = []  # the kept docs' signature rows, for the index
-    i = 0
-    for path, sig_path in zip(files, sig_files):
-        t = pq.read_table(path)
-        keep_mask = []
-        cluster_ids, cluster_sizes = [], []
-        for row in range(t.num_rows):
-            stats.rows_in += 1
-            assert t.column("doc_id")[row].as_py() == doc_ids[i], "parent order changed under dedup"
-            root = roots[m + i]
-            if exact_dup[i] or root != m + i:
-                kind, node = ("exact", int(exact_idx[i])) if exact_dup[i] else ("near", int(root) if root < m else -1)
-                of = index.doc_ids[node] if node >= 0 else (first_ids[i] if kind == "exact" else doc_ids[root - m])
-                rejected.append(duplicate_row(doc_ids[i], source_ids[i], kind, of,
-                                              index.dataset_of(node) if node >= 0 else None))
-                stats.rejected[REJECT_REASON] += 1
-                stats.counters[f"duplicate_{kind}"] += 1
-                if node >= 0:
+    spill = Path(tempfile.mkdtemp(prefix=".spill-", dir=writer.tmp.parent))  # beside the dataset, never in it
+    # a database file, not an in-memory one: its tables can leave memory, so memory_limit bounds the whole half
+    con = duckdb.connect(str(spill / "dedup.duckdb"), config={
+        "memory_limit": memory_limit, "temp_directory": str(spill / "duckdb"), "preserve_insertion_order": False})
+    index_path = writer.path(INDEX_FILE)
+    index_rows = 0
+    index_schema = _index_schema(cfg)
+    index_out = pq.ParquetWriter(index_path, index_schema, compression="zstd") if cfg.incremental else None
+    try:
+        if files:
+            decide(con, cfg, files, sig_files, counts, index, spill)
+        for k, (path, sig_path) in enumerate(zip(files, sig_files)):
+            t = pq.read_table(path)
+            d = con.sql("SELECT doc_id, source_id, kind, of_doc, part_idx, cluster_size FROM decision "
+                        "WHERE file_idx = $k ORDER BY row", params={"k": k}).to_arrow_table()
+            if d.num_rows != t.num_rows or not d.column("doc_id").cast(pa.string()).equals(
+                    t.column("doc_id").cast(pa.string())):
+                raise RuntimeError(f"{path}: rows differ from its signature file {sig_path}; rebuild the signatures")
+            keep = pc.is_null(d.column("kind"))
+            kept = t.filter(keep)
+            kept = kept.append_column("cluster_id", kept.column("doc_id"))
+            kept = kept.append_column("cluster_size", d.column("cluster_size").filter(keep).cast(pa.int32()))
+            rejected = []
+            for r in d.filter(pc.invert(keep)).to_pylist():
+                part = r["part_idx"]
+                rejected.append(duplicate_row(r["doc_id"], r["source_id"], r["kind"], r["of_doc"],
+                                              index.dataset_of(part) if part is not None else None))
+                stats.counters[f"duplicate_{r['kind']}"] += 1
+                if part is not None:
                     stats.counters["duplicate_of_earlier_run"] += 1
-                keep_mask.append(False)
-            else:
-                keep_mask.append(True)
-                cluster_ids.append(doc_ids[i])
-                cluster_sizes.append(int(cluster_size[m + i]))
-                stats.rows_kept += 1
-            i += 1
-        mask = pa.array(keep_mask, type=pa.bool_())
-        kept = t.filter(mask)
-        kept = kept.append_column("cluster_id", pa.array(cluster_ids, pa.string()))
-        kept = kept.append_column("cluster_size", pa.array(cluster_sizes, pa.int32()))
-        stats.bytes_in += sum(len(s.encode()) for s in t.column("text").to_pylist())
-        stats.bytes_out += sum(len(s.encode()) for s in kept.column("text").to_pylist())
-        if kept.num_rows:
-            writer.write_table(kept)
-        if cfg.incremental:
-            index_rows.append(pq.read_table(sig_path, columns=["doc_id", "exact_hash", "band_keys", "signature"])
-                              .filter(mask))
-    if rejected:
-        writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
-    if cfg.incremental:
-        schema = pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
-                            ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
-                            ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
-        writer.write_table(pa.concat_tables(index_rows) if index_rows else schema.empty_table(), kind="extra",
-                           name=INDEX_FILE)
+            stats.rows_in += t.num_rows
+            stats.rows_kept += kept.num_rows
+            if rejected:
+                stats.rejected[REJECT_REASON] += len(rejected)
+            stats.bytes_in += pc.sum(pc.binary_length(t.column("text"))).as_py() or 0
+            stats.bytes_out += pc.sum(pc.binary_length(kept.column("text"))).as_py() or 0
+            if kept.num_rows:
+                writer.write_table(kept)
+            if rejected:
+                writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
+            if index_out is not None:
+                rows = pq.read_table(sig_path, columns=index_schema.names).filter(keep)
+                index_out.write_table(rows.cast(index_schema))
+                index_rows += rows.num_rows
+    finally:
+        con.close()
+        shutil.rmtree(spill, ignore_errors=True)
+        if index_out is not None:
+            index_out.close()
+    if index_out is not None:
+        writer.add_file(INDEX_FILE, num_rows=index_rows)
+    else:
+        index_path.unlink(missing_ok=True)
     return stats
 
 
-def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: DatasetRef | None = None) -> DatasetRef:
+def _index_schema(cfg: DedupConfig) -> pa.Schema:
+    return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
+                      ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
+                      ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
+
+
+def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: DatasetRef | None = None,
+              memory_limit: str = DUCKDB_MEMORY) -> DatasetRef:
     """Dedup `parent` into a committed `dedup` dataset. `signatures`: its committed signature dataset (the flow
-    builds it shard by shard on its task runner); built here, one shard after another, when not given."""
+    builds it shard by shard on its task runner); built here, one shard after another, when not given.
+    `memory_limit`: DuckDB's limit for the global half (not part of the fingerprint: it changes no decision)."""
     if signatures is None:
         signatures = run_plan(plan_signatures(parent, cfg, workdir))
     code = code_version(sys.modules[__name__], minhash_module)
     extra = {"signatures": {"stage": signatures.stage, "sha256": signatures.sha256,
                             "manifest": str(signatures.manifest_path)}}
     if not cfg.incremental:
-        return materialize(workdir, STAGE, cfg, code,
-                           lambda w: {"stats": dedup(parent, cfg, w, signatures), "extra": extra}, parents=[parent])
+        return materialize(workdir, STAGE, cfg, code, lambda w: {
+            "stats": dedup(parent, cfg, w, signatures, memory_limit=memory_limit), "extra": extra}, parents=[parent])
     directory = index_dir(workdir, cfg)
     with _locked(directory):
         index = Index(directory, base_parts(_read_parts(directory), parent))
     # the index state is part of the fingerprint: a dataset is reused only against the same index
     fp_config = {**cfg.model_dump(mode="json"), "index_state": index.state}
-    ref = materialize(workdir, STAGE, fp_config, code,
-                      lambda w: {"stats": dedup(parent, cfg, w, signatures, index), "extra": extra}, parents=[parent])
+    ref = materialize(workdir, STAGE, fp_config, code, lambda w: {
+        "stats": dedup(parent, cfg, w, signatures, index, memory_limit), "extra": extra}, parents=[parent])
     publish(ref, parent, cfg, workdir)
     return ref

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pyarrow as pa
 from conftest import corpus_records
 from datasketch import MinHashLSH
 
@@ -173,3 +174,75 @@ def test_catalog_knows_the_signature_files():
     from tasks import dedup
 
     assert (catalog.SIG_STAGE, catalog.INDEX_FILE) == (dedup.SIG_STAGE, dedup.INDEX_FILE)
+
+
+def _union_find_roots(n, edges):
+    parent = list(range(n))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in edges:
+        ra, rb = find(a), find(b)
+        parent[max(ra, rb)] = min(ra, rb)
+    return {v: find(v) for e in edges for v in e}
+
+
+def test_components_in_duckdb_match_union_find():
+    """The global half's connected components (large-star / small-star in DuckDB) equal a union-find's, with
+    the smallest node as the root, on random graphs and on long chains, also with shuffled node numbers; a chain
+    converges in O(log n) rounds, not n."""
+    import duckdb
+
+    from tasks.dedup import components
+
+    rng = np.random.default_rng(0)
+    chain = [(i + 1, i) for i in range(4096)]
+    perm = rng.permutation(4097)  # the same chain with its nodes in random order: labels do not follow the path
+    cases = [chain, list(reversed(chain)), [(int(max(perm[i + 1], perm[i])), int(min(perm[i + 1], perm[i])))
+                                            for i in range(4096)],
+             [(2 * i + 1, 2 * i) for i in range(2000)] + [(4000 - i, 3999 - i) for i in range(0, 3990, 7)]]
+    for _ in range(5):
+        a = rng.integers(0, 3000, 2500)
+        b = rng.integers(0, 3000, 2500)
+        cases.append([(int(max(x, y)), int(min(x, y))) for x, y in zip(a, b) if x != y])
+    for edges in cases:
+        con = duckdb.connect()
+        arrow = pa.table({"a": pa.array([a for a, _ in edges], pa.int64()), "b": pa.array([b for _, b in edges], pa.int64())})
+        con.execute("CREATE TABLE edges AS SELECT * FROM arrow")
+        rounds = components(con)
+        got = dict(con.execute("SELECT node, l FROM lab").fetchall())
+        assert got == _union_find_roots(5000, edges)
+        assert rounds <= 20, rounds  # log2(4096) = 12; min-label propagation needs ~1500 on the shuffled chain
+
+
+def test_a_small_duckdb_memory_limit_spills_and_decides_the_same(tmp_path):
+    """The global half runs in DuckDB under `memory_limit` and spills past it: a limit far below what the
+    decision tables need gives the same dataset, byte for byte, as the default."""
+    rng = np.random.default_rng(1)
+    words = [f"w{i}" for i in range(3000)]
+    texts = []
+    for i in range(6000):
+        if i % 5 == 4:  # every fifth document a near copy of an earlier one, one word changed
+            t = texts[int(rng.integers(0, i))].split()
+            t[int(rng.integers(0, len(t)))] = "changed"
+            texts.append(" ".join(t))
+        elif i % 7 == 6:
+            texts.append(texts[int(rng.integers(0, i))].upper())  # an exact copy after normalisation
+        else:
+            texts.append(" ".join(rng.choice(words, 60)))
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    refs = []
+    for name, limit in (("big", "2GB"), ("small", "24MB")):
+        wd = str(tmp_path / name)
+        parent = run_collect(CollectConfig(inputs=[str(p)], rows_per_shard=1000), wd)
+        refs.append(run_dedup(parent, DedupConfig(), wd, memory_limit=limit))
+        assert not list((tmp_path / name / "datasets" / "dedup").glob(".spill-*"))  # the spill dir is removed
+    big, small = refs
+    assert big.sha256 == small.sha256 and big.num_rows == small.num_rows
+    s = big.manifest()["stats"]["counters"]
+    assert s["duplicate_near"] > 500 and s["duplicate_exact"] > 300, s

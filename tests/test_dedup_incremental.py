@@ -109,3 +109,16 @@ def test_a_damaged_index_is_refused(tmp_path):
     part.write_bytes(part.read_bytes()[:-10])
     with pytest.raises(RuntimeError, match="part-00000.parquet"):
         run_dedup(collect(tmp_path, "b", [C], wd), DedupConfig(), wd)
+
+
+@pytest.mark.parametrize("threshold, b0_kept", [(0.5, False), (0.99, True)])
+def test_verification_against_the_index_uses_the_signature_estimate(tmp_path, threshold, b0_kept):
+    """With `verify_jaccard`, a candidate pair against an earlier run's document is merged only when the
+    signatures' Jaccard estimate reaches the threshold (the index keeps no texts); exact copies are unaffected."""
+    wd = str(tmp_path / "w")
+    run_dedup(collect(tmp_path, "a", [A, B], wd), DedupConfig(), wd)
+    second = run_dedup(collect(tmp_path, "b", [A.replace("winter", "summer"), B.upper(), C], wd),
+                       DedupConfig(verify_jaccard=threshold), wd)
+    kept = sorted(r["source_id"] for r in second.read().to_pylist())
+    assert kept == (["b0", "b2"] if b0_kept else ["b2"])
+    assert by_source(second)["b1"]["duplicate_kind"] == "exact"
