@@ -5,7 +5,8 @@ For each corpus size the benchmark writes a synthetic corpus (60-word documents 
 every 5th document a one-word edit of an earlier one, every 7th an upper-cased exact copy), collects it in
 shards of 20,000 rows and builds the `dedup-signatures` dataset in this process. Then each global half runs in a
 fresh child process (`run_dedup` with the committed signatures, `memory_limit` as given, default 96MB: small, so the plateau shows at these sizes) and the
-child reports its own peak RSS (`VmHWM`; `ru_maxrss` would include the parent's peak from before exec) and how much DuckDB spilled. Two peers run in the same kind of child:
+child reports its own peak RSS (`VmHWM`; `ru_maxrss` would include the parent's peak from before exec) and the size of
+the scratch directory (DuckDB's database file and temp files) just before it is removed. Two peers run in the same kind of child:
 one that only imports the stage and reads one parent file (the floor every run pays), and one that holds what
 the global half held before it moved into DuckDB (every doc_id and hash as Python strings, the band keys as a
 numpy matrix). The figures are the growth of the peak from the smallest corpus to the largest, and the extra MB
@@ -107,7 +108,7 @@ def main(sizes: list[int], limit: str = "96MB") -> list[dict]:
             r = rows[-1]
             print(f"{n:>9,} docs in {r['files']:>3} files: global half peak RSS {r['peak_mb']:7.1f} MB "
                   f"(floor {r['floor_mb']:.1f} MB; holding ids, hashes and band keys in memory {r['in_memory_mb']:.1f} MB), "
-                  f"DuckDB spilled {r['spill_mb']:.1f} MB, {r['kept']:,} kept, {r['seconds']:.1f} s", flush=True)
+                  f"scratch on disk {r['spill_mb']:.1f} MB, {r['kept']:,} kept, {r['seconds']:.1f} s", flush=True)
     a, b = rows[0], rows[-1]
     per_m = lambda key: (b[key] - a[key]) / ((b["docs"] - a["docs"]) / 1e6)  # noqa: E731
     print(f"corpus x{b['docs'] / a['docs']:.0f}: global half peak RSS x{b['peak_mb'] / a['peak_mb']:.2f} "
