@@ -28,6 +28,12 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (its /proc stat; the process is alive, not a waited child)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15, batch: int = 2) -> dict:
     import socket
 
@@ -72,7 +78,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     for _ in range(3):
         step()
     out = {"params": model.num_params(), "none": [], "sync": [], "async": [], "async_blocking": [], "sync_blocking": [],
-           "async_finish_wait": [], "none_steps": [], "sync_steps": [], "async_steps": []}
+           "async_finish_wait": [], "persist_cpu": [], "none_steps": [], "sync_steps": [], "async_steps": []}
     with tempfile.TemporaryDirectory() as tmp:
         plain_engine = engine.checkpoint_engine
         saver = AsyncSaver(engine, Path(tmp) / "async", keep_last=1, log=lambda m: None)  # installs its engine
@@ -90,6 +96,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
                     ckpt.prune(Path(tmp) / "sync", 1, keep=(tag,))
                     out["sync_blocking"].append(time.perf_counter() - tb)
                 elif mode == "async":
+                    cpu0 = _cpu_seconds(saver.writer.proc.pid)
                     saver.start(r + 1, {"step": r + 1}, mcfg, {})
                     out["async_blocking"].append(time.perf_counter() - tb)
                 for _ in range(window - 1):
@@ -99,6 +106,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
                     tf = time.perf_counter()
                     saver.finish()  # whatever did not overlap the window is stall too
                     out["async_finish_wait"].append(time.perf_counter() - tf)
+                    out["persist_cpu"].append(_cpu_seconds(saver.writer.proc.pid) - cpu0)
                 out[mode].append(time.perf_counter() - t0)  # the window ends at the commit
                 out[f"{mode}_steps"].append(in_steps[0])
                 if mode == "async":  # the bench's check, outside the window: a re-hash of all files from disk
@@ -120,6 +128,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     print(f"  async save: {asyn:.3f} s of training stalled (quartiles {a25:.3f} .. {a75:.3f})")
     print(f"    blocking the training thread: {blocking['async']:.3f} s (staging into shared memory); "
           f"waiting at the window's end for the persist and commit: {statistics.median(out['async_finish_wait']):.3f} s")
+    print(f"    persist process CPU time per save (user + system): {statistics.median(out['persist_cpu']):.3f} s")
     for mode in ("sync", "async"):
         inside = [m - n for m, n in zip(out[f"{mode}_steps"], out["none_steps"])]
         outside = [(m - ms) - (n - ns) for m, ms, n, ns in
