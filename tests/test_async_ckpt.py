@@ -138,3 +138,24 @@ def test_wait_runs_the_persist_process_at_the_ranks_priority_meanwhile(tmp_path)
         assert os.getpriority(os.PRIO_PROCESS, writer.proc.pid) == 19
     finally:
         writer.close()
+
+
+def test_persist_process_prunes_after_the_writes_queued_before(tmp_path):
+    root = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        d = root / ckpt.tag_name(step)
+        d.mkdir(parents=True)
+        (d / "x.bin").write_bytes(b"x" * step)
+        ckpt.commit(d, step)
+    (root / ckpt.tag_name(25)).mkdir()  # a crash leftover (no marker), older than the newest commit
+    writer = PersistProcess()
+    try:
+        written = writer.submit("states", str(root / ckpt.tag_name(30) / "late.pt"), {"w": torch.ones(4)}, True)
+        gone = writer.prune(root, 1, keep=(root / ckpt.tag_name(10),)).result(timeout=60)
+        assert written.done()  # jobs run in the order they were queued
+        assert sorted(gone) == [str(root / ckpt.tag_name(s)) for s in (20, 25)]
+        assert sorted(p.name for p in root.iterdir()) == [ckpt.tag_name(10), ckpt.tag_name(30)]
+        with pytest.raises(RuntimeError, match="(?s)persist process failed.*keep_last must be >= 1"):
+            writer.prune(root, 0, keep=()).result(timeout=60)
+    finally:
+        writer.close()
