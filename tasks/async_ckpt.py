@@ -102,21 +102,34 @@ class Arena:
         self.mm = mmap.mmap(self.fd, self.size)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.cursor = 0
+        self.staged: dict[tuple, tuple[torch.Tensor, _Slot]] = {}  # this snapshot's copies, by source view
 
     def stage(self, obj: Any) -> Any:
-        """Copy every non-empty tensor of `obj` into the arena; returns the skeleton with `_Slot`s in their place."""
+        """Copy every non-empty tensor of `obj` into the arena; returns the skeleton with `_Slot`s in their place.
+        A tensor that is the same view of the same memory as one already staged in this snapshot (`seal` ends
+        it) is not copied again: its slot is reused. DeepSpeed's module state dict and rank 0's fp32 export
+        are the same parameter tensors in fp32 training, so their bytes are copied once. The source tensor
+        is held until `seal`, so its memory cannot be freed and reused for another tensor meanwhile."""
         def put(t):
             if isinstance(t, np.ndarray):
                 return t.copy()
             t = t.detach()
             if t.numel() == 0:
                 return t.to("cpu", copy=True)
+            key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+            if (seen := self.staged.get(key)) is not None:
+                return seen[1]
             n = t.numel() * t.element_size()
             self.bytes[self.cursor : self.cursor + n].view(t.dtype).view(t.shape).copy_(t)
             slot = _Slot(self.cursor, t.dtype, tuple(t.shape), t.numel())
             self.cursor += -(-n // ALIGN) * ALIGN
+            self.staged[key] = (t, slot)
             return slot
         return _map(obj, put)
+
+    def seal(self) -> None:
+        """End the snapshot: later `stage` calls copy every tensor again (training may change them now)."""
+        self.staged.clear()
 
     def close(self) -> None:
         del self.bytes
@@ -318,6 +331,12 @@ class PersistProcess:
     def new_checkpoint(self) -> None:
         if self.arena is not None:
             self.arena.cursor = 0
+            self.arena.seal()
+
+    def seal(self) -> None:
+        """The snapshot is complete (see `Arena.stage`)."""
+        if self.arena is not None:
+            self.arena.seal()
 
     def close(self) -> None:
         self.sock.shutdown(socket.SHUT_WR)  # the process finishes what it has and exits
@@ -392,6 +411,7 @@ class AsyncSaver:
             if self.rank == 0:  # staged (copied) while ZeRO-3's gathered parameters are still there
                 self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), module.export_state(copy=False),
                                                               model_config))
+        self.writer.seal()  # the snapshot is complete: training goes on and may change every tensor
         self.pending = (step, tag_dir, marker_extra)
         return tag_dir
 

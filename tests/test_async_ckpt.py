@@ -159,3 +159,23 @@ def test_persist_process_prunes_after_the_writes_queued_before(tmp_path):
             writer.prune(root, 0, keep=()).result(timeout=60)
     finally:
         writer.close()
+
+
+def test_arena_copies_a_tensor_staged_twice_in_one_snapshot_once():
+    from tasks.async_ckpt import Arena, unstage
+
+    w = torch.arange(12.0).view(3, 4)
+    arena = Arena(1 << 16)
+    try:
+        states = arena.stage({"module": {"w": w, "row": w[1]}}), arena.stage({"export": {"w": w.detach()}})
+        first, export = states[0]["module"]["w"], states[1]["export"]["w"]
+        assert export == first and states[0]["module"]["row"] != first  # same view: one copy; another view: its own
+        used = arena.cursor
+        w.add_(100)  # training goes on after the snapshot: a new snapshot must copy the new values
+        arena.seal()
+        again = arena.stage({"w": w})["w"]
+        assert again.offset >= used
+        assert torch.equal(unstage(first, arena.mm), torch.arange(12.0).view(3, 4))
+        assert torch.equal(unstage(again, arena.mm), torch.arange(12.0).view(3, 4) + 100)
+    finally:
+        arena.close()
