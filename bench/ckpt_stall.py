@@ -7,8 +7,12 @@ steps without a save, in the same round. Rounds interleave none/sync/async windo
 users of the machine hits all three alike; each figure is the median over rounds of the per-round
 difference, printed with its quartiles (on a shared machine the spread is the honest error bar). For the
 async save the window ends by waiting for the commit, so a persist that did not finish within the window
-counts as stall too. The time `save` blocks the training thread is printed beside it, and the load average
-before and after the run (other work on the machine is the main source of noise).
+counts as stall too; the window ends there, at the commit (the bench's own check that the committed files match
+their marker, a re-hash of every file, runs after the window's clock stops: it is not part of the save, and the
+sync window has no such check). The time `save` blocks the training thread is printed beside it, and the stall
+split into the extra time inside the training steps (the save's background work slowing them) and outside them
+(staging, polls, the final wait); and the load average before and after the run (other work on the machine is
+the main source of noise).
 Goal: async <= 10 % of sync.
 """
 
@@ -22,6 +26,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (its /proc stat; the process is alive, not a waited child)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15, batch: int = 2) -> dict:
@@ -55,17 +65,20 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
     x = torch.randint(0, 4096, (batch, 128))
 
+    in_steps = [0.0]  # wall time inside step() during the current window
+
     def step() -> float:
         t0 = time.perf_counter()
         _, loss = engine(x, x)
         engine.backward(loss)
         engine.step()
+        in_steps[0] += time.perf_counter() - t0
         return time.perf_counter() - t0
 
     for _ in range(3):
         step()
     out = {"params": model.num_params(), "none": [], "sync": [], "async": [], "async_blocking": [], "sync_blocking": [],
-           "async_finish_wait": []}
+           "async_finish_wait": [], "persist_cpu": [], "none_steps": [], "sync_steps": [], "async_steps": []}
     with tempfile.TemporaryDirectory() as tmp:
         plain_engine = engine.checkpoint_engine
         saver = AsyncSaver(engine, Path(tmp) / "async", keep_last=1, log=lambda m: None)  # installs its engine
@@ -73,6 +86,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
         saver.finish()
         for r in range(rounds):
             for mode in ("none", "sync", "async"):  # interleaved, so load from other users hits all alike
+                in_steps[0] = 0.0
                 t0 = time.perf_counter()
                 step()
                 tb = time.perf_counter()
@@ -82,6 +96,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
                     ckpt.prune(Path(tmp) / "sync", 1, keep=(tag,))
                     out["sync_blocking"].append(time.perf_counter() - tb)
                 elif mode == "async":
+                    cpu0 = _cpu_seconds(saver.writer.proc.pid)
                     saver.start(r + 1, {"step": r + 1}, mcfg, {})
                     out["async_blocking"].append(time.perf_counter() - tb)
                 for _ in range(window - 1):
@@ -91,8 +106,11 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
                     tf = time.perf_counter()
                     saver.finish()  # whatever did not overlap the window is stall too
                     out["async_finish_wait"].append(time.perf_counter() - tf)
+                    out["persist_cpu"].append(_cpu_seconds(saver.writer.proc.pid) - cpu0)
+                out[mode].append(time.perf_counter() - t0)  # the window ends at the commit
+                out[f"{mode}_steps"].append(in_steps[0])
+                if mode == "async":  # the bench's check, outside the window: a re-hash of all files from disk
                     assert ckpt.verify(Path(tmp) / "async" / ckpt.tag_name(r + 1)) is None
-                out[mode].append(time.perf_counter() - t0)
         size = sum(p.stat().st_size for p in tag.rglob("*") if p.is_file())
         saver.close()
 
@@ -110,6 +128,14 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     print(f"  async save: {asyn:.3f} s of training stalled (quartiles {a25:.3f} .. {a75:.3f})")
     print(f"    blocking the training thread: {blocking['async']:.3f} s (staging into shared memory); "
           f"waiting at the window's end for the persist and commit: {statistics.median(out['async_finish_wait']):.3f} s")
+    print(f"    persist process CPU time per save (user + system): {statistics.median(out['persist_cpu']):.3f} s")
+    for mode in ("sync", "async"):
+        inside = [m - n for m, n in zip(out[f"{mode}_steps"], out["none_steps"])]
+        outside = [(m - ms) - (n - ns) for m, ms, n, ns in
+                   zip(out[mode], out[f"{mode}_steps"], out["none"], out["none_steps"])]
+        print(f"    {mode} stall split (medians of per-round differences): inside the training steps "
+              f"{statistics.median(inside):+.3f} s (quartiles {' .. '.join(f'{q:+.3f}' for q in statistics.quantiles(inside, n=4)[::2])}), "
+              f"outside them {statistics.median(outside):+.3f} s")
     print(f"  async/sync: {asyn / sync:.3f} stalled, {blocking['async'] / blocking['sync']:.3f} blocking  (goal <= 0.10)")
     dist.destroy_process_group()
     return {**out, "ratio": asyn / sync, "blocking_ratio": blocking["async"] / blocking["sync"], "bytes": size}

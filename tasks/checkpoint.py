@@ -245,17 +245,50 @@ def write_bytes_hashed(path: str | Path, data: bytes) -> Digest:
     return w.digest()
 
 
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(w: HashingWriter, state: Mapping[str, Any], metadata: dict[str, str]) -> None:
+    """`state` (name -> CPU tensor) in the safetensors format, written through `w` straight from the tensors'
+    memory. `safetensors.torch.save` would first build the whole file in a Rust buffer and copy that into a
+    Python bytes object (two copies of the weights, in freshly faulted memory); here each tensor's bytes go
+    from where they are (the persist process's shared-memory arena) to the writer. The layout is
+    safetensors' (compact JSON header, `__metadata__` first, padded with spaces to 8 bytes, then the data in
+    header order, tensors sorted by name within a dtype); dtypes go by descending element size (safetensors
+    orders them by its own dtype enum, so a mixed-dtype file differs in layout, not in what it loads as). For
+    the all-fp32 weights of `write_model` the bytes equal `safetensors.torch.save`'s (a test checks it)."""
+    import torch
+
+    items = sorted(state.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    views, offset = [], 0
+    for name, t in items:
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            raise ValueError(f"{name}: safetensors needs dense CPU tensors, got {t.device} {t.layout}")
+        t = t.contiguous()  # a no-op for the arena's tensors and export_state's copies
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        views.append(t.reshape(-1).view(torch.uint8).numpy() if n else b"")
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    w.write(len(head).to_bytes(8, "little") + head)
+    for v in views:
+        w.write(v)
+
+
 def write_model(tag_dir: str | Path, state: dict, model_config: Any) -> dict[str, Digest]:
     """Consolidated fp32 weights as safetensors plus the architecture as JSON (both atomic and durable);
     returns {file name: (sha256, bytes)} for `commit`."""
-    from safetensors.torch import save
-
     tag_dir = Path(tag_dir)
-    # One metadata key only: safetensors writes a multi-key metadata map in random (Rust HashMap) order,
-    # which would make identical weights hash differently. The step is in the commit marker.
+    # One metadata key only (safetensors' own writer puts a multi-key metadata map in random Rust HashMap
+    # order; one key keeps the bytes deterministic whoever writes them). The step is in the commit marker.
     config = json.dumps(model_config.model_dump(mode="json"), indent=2, sort_keys=True, default=str) + "\n"
-    return {WEIGHTS: write_bytes_hashed(tag_dir / WEIGHTS, save(state, metadata={"format": "pt"})),
-            MODEL_CONFIG: write_bytes_hashed(tag_dir / MODEL_CONFIG, config.encode())}
+    with hashed_atomic_file(tag_dir / WEIGHTS) as w:
+        write_safetensors(w, state, {"format": "pt"})
+    return {WEIGHTS: w.digest(), MODEL_CONFIG: write_bytes_hashed(tag_dir / MODEL_CONFIG, config.encode())}
 
 
 def load_model(tag_dir: str | Path, check: bool = True):

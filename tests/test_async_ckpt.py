@@ -138,3 +138,44 @@ def test_wait_runs_the_persist_process_at_the_ranks_priority_meanwhile(tmp_path)
         assert os.getpriority(os.PRIO_PROCESS, writer.proc.pid) == 19
     finally:
         writer.close()
+
+
+def test_persist_process_prunes_after_the_writes_queued_before(tmp_path):
+    root = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        d = root / ckpt.tag_name(step)
+        d.mkdir(parents=True)
+        (d / "x.bin").write_bytes(b"x" * step)
+        ckpt.commit(d, step)
+    (root / ckpt.tag_name(25)).mkdir()  # a crash leftover (no marker), older than the newest commit
+    writer = PersistProcess()
+    try:
+        written = writer.submit("states", str(root / ckpt.tag_name(30) / "late.pt"), {"w": torch.ones(4)}, True)
+        gone = writer.prune(root, 1, keep=(root / ckpt.tag_name(10),)).result(timeout=60)
+        assert written.done()  # jobs run in the order they were queued
+        assert sorted(gone) == [str(root / ckpt.tag_name(s)) for s in (20, 25)]
+        assert sorted(p.name for p in root.iterdir()) == [ckpt.tag_name(10), ckpt.tag_name(30)]
+        with pytest.raises(RuntimeError, match="(?s)persist process failed.*keep_last must be >= 1"):
+            writer.prune(root, 0, keep=()).result(timeout=60)
+    finally:
+        writer.close()
+
+
+def test_arena_copies_a_tensor_staged_twice_in_one_snapshot_once():
+    from tasks.async_ckpt import Arena, unstage
+
+    w = torch.arange(12.0).view(3, 4)
+    arena = Arena(1 << 16)
+    try:
+        states = arena.stage({"module": {"w": w, "row": w[1]}}), arena.stage({"export": {"w": w.detach()}})
+        first, export = states[0]["module"]["w"], states[1]["export"]["w"]
+        assert export == first and states[0]["module"]["row"] != first  # same view: one copy; another view: its own
+        used = arena.cursor
+        w.add_(100)  # training goes on after the snapshot: a new snapshot must copy the new values
+        arena.seal()
+        again = arena.stage({"w": w})["w"]
+        assert again.offset >= used
+        assert torch.equal(unstage(first, arena.mm), torch.arange(12.0).view(3, 4))
+        assert torch.equal(unstage(again, arena.mm), torch.arange(12.0).view(3, 4) + 100)
+    finally:
+        arena.close()

@@ -112,6 +112,26 @@ def test_model_weights_round_trip_through_safetensors(tmp_path):
         ckpt.load_model(d)
 
 
+def test_safetensors_written_from_the_tensors_memory_match_safetensors_own(tmp_path):
+    from safetensors.torch import load_file, save
+
+    cfg = ModelConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=16, seq_len=8)
+    state = GPT(cfg).export_state()
+    d = tmp_path / ckpt.tag_name(1)
+    d.mkdir()
+    ckpt.write_model(d, state, cfg)
+    assert (d / ckpt.WEIGHTS).read_bytes() == save(state, metadata={"format": "pt"})  # fp32: the same bytes
+    mixed = {"b": torch.ones(3, dtype=torch.bfloat16), "a": torch.randn(4, 5), "z": torch.arange(7),
+             "m": torch.tensor([True, False]), "e": torch.zeros(0), "s": torch.tensor(2.5, dtype=torch.float64),
+             "t": torch.arange(12.0).view(3, 4).t()}  # non-contiguous: written as its contiguous copy
+    path = tmp_path / "mixed.safetensors"
+    with ckpt.hashed_atomic_file(path) as w:
+        ckpt.write_safetensors(w, mixed, {"format": "pt"})
+    assert w.digest() == (sha256_file(path), path.stat().st_size)
+    got = load_file(str(path))
+    assert set(got) == set(mixed) and all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in mixed.items())
+
+
 def test_remove_uncommits_first(tmp_path):
     d = make_tag(tmp_path, 10)
     ckpt.remove(d)
