@@ -1,7 +1,9 @@
 """SIGKILL a 2-rank DeepSpeed ZeRO-2 training run at random moments, resume it, and count the resumes whose loss
 curve and final weights are bitwise-identical to an uninterrupted run.
 
-`python -m bench.kill_resume [KILLS]` (default 10; each trial is two launches, about a minute on 2 cores).
+`python -m bench.kill_resume [KILLS] [--accelerator cpu|cuda] [--ranks N] [--precision fp32|bf16]` (default 10
+kills, 2 CPU ranks, fp32; each trial is two launches, about a minute on 2 cores). On a GPU host,
+`--accelerator cuda --ranks 1` runs the same trials on one GPU with NCCL.
 Every third trial waits for a checkpoint being written (a tag directory without its commit marker) and
 kills inside the save; the others kill after a uniform random delay into training. The kill takes the
 supervisor (`run_train`), the deepspeed launcher and both ranks down at once with SIGKILL; the rerun
@@ -28,17 +30,18 @@ import sys, json
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from bench.kill_resume import config, tokens
 from tasks.train import run_train
-r = run_train(tokens({tokdir!r}), config(), {workdir!r})
+r = run_train(tokens({tokdir!r}), config(**{opts!r}), {workdir!r})
 print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "resumed_from": r.resumed_from}}))
 """
 
 
-def config():
+def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32"):
     from tasks.train import ModelConfig, TrainConfig
 
     return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64, dropout=0.1), micro_batch_size=8,
-                       max_steps=40, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4, zero_stage=2, num_ranks=2,
-                       threads_per_rank=1, checkpoint_every=5, keep_last=2, log_every=1, timeout_s=600)
+                       max_steps=40, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4, zero_stage=2, num_ranks=ranks,
+                       precision=precision, accelerator=accelerator, threads_per_rank=1, checkpoint_every=5, keep_last=2,
+                       log_every=1, timeout_s=600)
 
 
 def tokens(tokdir: str):
@@ -47,10 +50,10 @@ def tokens(tokdir: str):
     return make_tokens(tokdir, 600)
 
 
-def launch(tokdir: str, workdir: str) -> subprocess.Popen:
-    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), tokdir=tokdir, workdir=workdir)
+def launch(tokdir: str, workdir: str, opts: dict) -> subprocess.Popen:
+    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), tokdir=tokdir, workdir=workdir, opts=opts)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                            text=True, env={**os.environ, "DS_ACCELERATOR": opts["accelerator"]})
 
 
 def descendants_of_supervisor(pid: int) -> list[int]:
@@ -93,8 +96,8 @@ def wait_ready(proc: subprocess.Popen, workdir: str) -> Path | None:
     return None
 
 
-def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, train_s: float) -> dict:
-    proc = launch(tokdir, workdir)
+def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, train_s: float, opts: dict) -> dict:
+    proc = launch(tokdir, workdir, opts)
     log = wait_ready(proc, workdir)
     started = time.monotonic()
     delay = rng.uniform(0.0, train_s)  # a uniform moment of the reference run's training time
@@ -120,18 +123,19 @@ def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, trai
     mpath = log.parent / "metrics.jsonl"
     lines = mpath.read_text().splitlines() if mpath.exists() else []
     killed_at = [json.loads(line)["step"] for line in lines if line.endswith("}")]
-    resumed = launch(tokdir, workdir)
+    resumed = launch(tokdir, workdir, opts)
     out, _ = resumed.communicate()
     info = json.loads(out.strip().splitlines()[-1]) if resumed.returncode == 0 else {"error": resumed.returncode}
     return {"where": where, "mid_run": not where.startswith("ended") and not final_committed, "last_logged_step_before_kill": killed_at[-1] if killed_at else 0,
             "resumed_from": info.get("resumed_from"), **result(workdir)}
 
 
-def main(kills: int = 10, seed: int = 0) -> dict:
+def main(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32") -> dict:
     rng = random.Random(seed)
+    opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision}
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = str(Path(tmp) / "tokens")
-        ref_proc = launch(tokdir, str(Path(tmp) / "ref"))
+        ref_proc = launch(tokdir, str(Path(tmp) / "ref"), opts)
         log = wait_ready(ref_proc, str(Path(tmp) / "ref"))
         t0 = time.monotonic()
         final = log.parent / "checkpoints" / "step_00000040" / "COMMITTED.json"
@@ -140,10 +144,11 @@ def main(kills: int = 10, seed: int = 0) -> dict:
         train_s = time.monotonic() - t0  # ranks ready -> final commit: the window a kill should hit
         ref_proc.communicate()
         ref = result(str(Path(tmp) / "ref"))
-        assert ref["weights"] is not None, "the uninterrupted reference run failed"
+        if ref["weights"] is None:
+            sys.exit(f"the uninterrupted reference run failed: see {log}")
         identical = mid = 0
         for i in range(kills):
-            t = trial(tokdir, str(Path(tmp) / f"trial{i}"), inside_save=i % 3 == 2, rng=rng, train_s=train_s)
+            t = trial(tokdir, str(Path(tmp) / f"trial{i}"), inside_save=i % 3 == 2, rng=rng, train_s=train_s, opts=opts)
             same = t["losses"] == ref["losses"] and t["weights"] == ref["weights"]
             identical += same
             mid += t["mid_run"] and same
@@ -152,10 +157,20 @@ def main(kills: int = 10, seed: int = 0) -> dict:
     from tasks.train import release_shm
 
     release_shm()  # the last kill took the supervisor down before it could unlink DeepSpeed's buffers
-    print(f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
+    print(f"{accelerator}, {ranks} rank(s), {precision}: "
+          f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
           f"({mid} of them killed before the final commit, i.e. really resumed)")
     return {"kills": kills, "identical": identical, "identical_mid_run": mid}
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.kill_resume", description=__doc__.split("\n\n")[0])
+    ap.add_argument("kills", type=int, nargs="?", default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    a = ap.parse_args()
+    main(a.kills, a.seed, a.accelerator, a.ranks, a.precision)
