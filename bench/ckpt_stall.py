@@ -1,6 +1,8 @@
 """Training stall of an async checkpoint save versus a synchronous one, on the same model and run.
 
 `python -m bench.ckpt_stall [rounds]` (default 15 rounds; one process, DeepSpeed ZeRO-2 on the CPU, gloo with world size 1).
+On a GPU host, `python -m bench.ckpt_stall 8 --accelerator cuda --precision bf16 --n-layer 12 --n-embd 768 --window 60
+--batch 8` measures the same on one GPU (NCCL, world size 1), with a model whose save is worth hiding.
 The stall of a save is the extra wall time it costs training: the wall time of a window of `window`
 training steps with the save issued after its first step, minus the wall time of a window of the same
 steps without a save, in the same round. Rounds interleave none/sync/async windows, so load from other
@@ -20,13 +22,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of process `pid` so far (its /proc stat; the process is alive, not a waited child)."""
@@ -34,8 +32,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15, batch: int = 2) -> dict:
+def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15, batch: int = 2,
+         accelerator: str = "cpu", precision: str = "fp32") -> dict:
     import socket
+
+    os.environ["DS_ACCELERATOR"] = accelerator  # before deepspeed is imported
 
     load_before = os.getloadavg()
 
@@ -55,15 +56,22 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     from tasks.train_loop import ds_config, stub_muon
 
     stub_muon()
-    torch.set_num_threads(1)  # the other core is the persist thread's (as with 2 ranks on 2 cores)
-    deepspeed.init_distributed(dist_backend="gloo")
+    if accelerator == "cuda":
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        sync = torch.cuda.synchronize
+    else:
+        device, sync = torch.device("cpu"), (lambda: None)
+        torch.set_num_threads(1)  # the other core is the persist thread's (as with 2 ranks on 2 cores)
+    deepspeed.init_distributed(dist_backend="nccl" if accelerator == "cuda" else "gloo")
     mcfg = ModelConfig(vocab_size=4096, n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, seq_len=128)
-    cfg = TrainConfig(model=mcfg, micro_batch_size=batch, num_ranks=1, zero_stage=2)
+    cfg = TrainConfig(model=mcfg, micro_batch_size=batch, num_ranks=1, zero_stage=2, accelerator=accelerator,
+                      precision=precision)
     torch.manual_seed(0)
-    model = GPT(mcfg)
+    model = GPT(mcfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
-    x = torch.randint(0, 4096, (batch, 128))
+    x = torch.randint(0, 4096, (batch, 128), device=device)
 
     in_steps = [0.0]  # wall time inside step() during the current window
 
@@ -72,6 +80,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
         _, loss = engine(x, x)
         engine.backward(loss)
         engine.step()
+        sync()  # a GPU step is done when its kernels are
         in_steps[0] += time.perf_counter() - t0
         return time.perf_counter() - t0
 
@@ -120,7 +129,8 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     (s25, sync, s75), (a25, asyn, a75) = quartiles("sync"), quartiles("async")
     blocking = {m: statistics.median(out[f"{m}_blocking"]) for m in ("sync", "async")}
     base = statistics.median(out["none"]) / window
-    print(f"checkpoint stall, {out['params']:,}-parameter GPT, ZeRO-2, {size / 1e6:.0f} MB per checkpoint, "
+    print(f"checkpoint stall, {out['params']:,}-parameter GPT, ZeRO-2, {accelerator}, {precision}, "
+          f"{size / 1e6:.0f} MB per checkpoint, "
           f"{rounds} rounds of {window}-step windows (median step time {base * 1e3:.0f} ms); load average "
           f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in os.getloadavg())} after")
     print(f"  sync save : {sync:.3f} s of training stalled (quartiles {s25:.3f} .. {s75:.3f})")
@@ -142,4 +152,15 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
 
 
 if __name__ == "__main__":
-    main(**({"rounds": int(sys.argv[1])} if len(sys.argv) > 1 else {}))
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.ckpt_stall", description=__doc__.split("\n\n")[0])
+    ap.add_argument("rounds", type=int, nargs="?", default=15)
+    ap.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-embd", type=int, default=384)
+    ap.add_argument("--window", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=2)
+    a = ap.parse_args()
+    main(a.n_layer, a.n_embd, a.window, a.rounds, a.batch, a.accelerator, a.precision)
