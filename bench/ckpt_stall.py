@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of process `pid` so far (its /proc stat; the process is alive, not a waited child)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -53,20 +54,17 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     from tasks.async_ckpt import AsyncSaver
     from tasks.model import GPT
     from tasks.train import ModelConfig, TrainConfig
-    from tasks.train_loop import ds_config, stub_muon
+    from tasks.train_loop import ds_config, select_device, stub_muon
 
     stub_muon()
-    if accelerator == "cuda":
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        sync = torch.cuda.synchronize
-    else:
-        device, sync = torch.device("cpu"), (lambda: None)
-        torch.set_num_threads(1)  # the other core is the persist thread's (as with 2 ranks on 2 cores)
-    deepspeed.init_distributed(dist_backend="nccl" if accelerator == "cuda" else "gloo")
     mcfg = ModelConfig(vocab_size=4096, n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, seq_len=128)
     cfg = TrainConfig(model=mcfg, micro_batch_size=batch, num_ranks=1, zero_stage=2, accelerator=accelerator,
                       precision=precision)
+    device, backend = select_device(cfg)
+    wait_device = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the other core is the persist thread's (as with 2 ranks on 2 cores)
+    deepspeed.init_distributed(dist_backend=backend)
     torch.manual_seed(0)
     model = GPT(mcfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -80,7 +78,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
         _, loss = engine(x, x)
         engine.backward(loss)
         engine.step()
-        sync()  # a GPU step is done when its kernels are
+        wait_device()  # a GPU step is done when its kernels are
         in_steps[0] += time.perf_counter() - t0
         return time.perf_counter() - t0
 

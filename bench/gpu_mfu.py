@@ -33,7 +33,7 @@ def main() -> dict:
         tok = tokens(str(Path(tmp) / "tok"))
         t0 = time.time()
         r = run_train(tok, cfg, str(Path(tmp) / "w"))
-        rows = [json.loads(line) for line in open(r.metrics_path) if '"train"' in line]
+        rows = [row for row in map(json.loads, open(r.metrics_path)) if row["kind"] == "train"]
         stalls = re.findall(r"save stall ([\d.]+)s at step (\d+)", Path(r.log_path).read_text())
     late = rows[20:]
     out = {k: statistics.median(x[k] for x in late) for k in ("step_time", "tokens_per_s", "mfu", "stall_frac")}
