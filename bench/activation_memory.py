@@ -16,8 +16,8 @@ def main(n_layer: int = 6, n_embd: int = 256, seq_len: int = 256, batch: int = 8
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from tasks.model import GPT
-    from tasks.train import ModelConfig
+    from lifecycle.tasks.train.model import GPT
+    from lifecycle.tasks.train.config import ModelConfig
 
     torch.set_num_threads(1)
     cfg = ModelConfig(vocab_size=4096, n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, seq_len=seq_len)

@@ -27,8 +27,8 @@ CHILD = r"""
 import json, os, shutil, sys, time
 from pathlib import Path
 import pyarrow.parquet as pq
-import tasks.dedup as d
-from lifecycle.dataset import DatasetRef
+import lifecycle.tasks.data.dedup.stage as d
+from lifecycle.core.dataset import DatasetRef
 parent, sigs, wd, limit, mode = sys.argv[1:6]
 parent, sigs = DatasetRef.from_dir(Path(parent)), DatasetRef.from_dir(Path(sigs))
 spilled = []
@@ -86,9 +86,9 @@ def child(parent, sigs, wd: str, limit: str, mode: str) -> dict:
 
 
 def main(sizes: list[int], limit: str = "96MB") -> list[dict]:
-    from lifecycle.dataset import run_plan
-    from tasks.collect import CollectConfig, run_collect
-    from tasks.dedup import DedupConfig, plan_signatures
+    from lifecycle.core.dataset import run_plan
+    from lifecycle.tasks.data.collect.stage import CollectConfig, run_collect
+    from lifecycle.tasks.data.dedup.stage import DedupConfig, plan_signatures
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,9 @@ def main(max_steps: int = 100) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_train import make_tokens
 
-    from tasks.train import TrainConfig, run_train
+    from lifecycle.tasks.train.config import TrainConfig
+
+    from lifecycle.tasks.train.launch import run_train
 
     demo = yaml.safe_load((ROOT / "deploy" / "configs" / "demo.yaml").read_text())["train"]
     cfg = TrainConfig.model_validate({**demo, "max_steps": max_steps, "log_every": 10, "timeout_s": 1200})

@@ -14,12 +14,11 @@ import gzip
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-from tasks.filter import FINEWEB, document_verdict
+from lifecycle.tasks.data.filter.stage import FINEWEB, document_verdict
 
 CORPUS = sorted((Path(__file__).resolve().parents[1] / "corpus" / "python-docs").glob("*.jsonl.gz"))
 DTVENV = Path(os.environ.get("DTVENV", "/tmp/dtvenv"))

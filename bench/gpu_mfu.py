@@ -23,7 +23,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 def main() -> dict:
     from bench.kill_resume import tokens
-    from tasks.train import ModelConfig, TrainConfig, run_train
+    from lifecycle.tasks.train.config import ModelConfig, TrainConfig
+    from lifecycle.tasks.train.launch import run_train
 
     cfg = TrainConfig(model=ModelConfig(n_layer=12, n_head=12, n_embd=768, seq_len=512), micro_batch_size=16,
                       max_steps=60, decay_steps=60, warmup_steps=5, lr=6e-4, min_lr=6e-5, zero_stage=2, num_ranks=1,

@@ -29,14 +29,14 @@ CHILD = r"""
 import sys, json
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from bench.kill_resume import config, tokens
-from tasks.train import run_train
+from lifecycle.tasks.train.launch import run_train
 r = run_train(tokens({tokdir!r}), config(**{opts!r}), {workdir!r})
 print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "resumed_from": r.resumed_from}}))
 """
 
 
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32"):
-    from tasks.train import ModelConfig, TrainConfig
+    from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
     return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64, dropout=0.1), micro_batch_size=8,
                        max_steps=40, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4, zero_stage=2, num_ranks=ranks,
@@ -154,7 +154,7 @@ def main(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 
             mid += t["mid_run"] and same
             print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
                   f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
-    from tasks.train import release_shm
+    from lifecycle.tasks.train.launch import release_shm
 
     release_shm()  # the last kill took the supervisor down before it could unlink DeepSpeed's buffers
     print(f"{accelerator}, {ranks} rank(s), {precision}: "

@@ -1,4 +1,4 @@
-"""MinHash signature speed: the dedup stage's `tasks.minhash.signatures` (numba kernel, serial and on numba's
+"""MinHash signature speed: the dedup stage's `lifecycle.tasks.data.dedup.minhash.signatures` (numba kernel, serial and on numba's
 threads) and its plain numpy reference `signatures_numpy` vs datasketch's per-shingle `update` loop and its
 `MinHash.bulk`, on the same documents (the bundled corpus), 5-gram word shingles and datasketch's own permutations
 (same num_perm and seed), measured side by side. Each timing includes shingling from the raw text; bulk, numpy and
@@ -22,8 +22,8 @@ import numba
 import numpy as np
 from datasketch import MinHash
 
-from tasks import minhash
-from tasks.dedup import DedupConfig, shingles, signature
+from lifecycle.tasks.data.dedup import minhash
+from lifecycle.tasks.data.dedup.stage import DedupConfig, shingles, signature
 
 ROUNDS = 3
 CORPUS = sorted((Path(__file__).resolve().parents[1] / "corpus" / "python-docs").glob("*.jsonl.gz"))

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.filter_agreement import DTVENV, load_texts
-from lifecycle.dataset import DatasetRef
+from lifecycle.core.dataset import DatasetRef
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/test_dedup_quality.py imports its conftest as a top-level module

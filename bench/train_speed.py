@@ -3,7 +3,7 @@
 `python -m bench.train_speed` (one process, world size 1, gloo; one torch thread each so the prefetch
 thread has the other core, as with 2 ranks on 2 cores). The plain loop is what a user would write: torch
 AdamW, gradient clipping, the same sampler called inline. Our path is the DeepSpeed engine with the
-background prefetcher of tasks.loader, whose stall fraction (time the step waited for data / step time)
+background prefetcher of lifecycle.tasks.train.loader, whose stall fraction (time the step waited for data / step time)
 is printed too. Configurations run interleaved in rounds, and each figure is the median over rounds,
 so load from other users of the machine hits them alike. Goal: ZeRO-0 >= 0.9x the plain loop.
 """
@@ -35,11 +35,11 @@ def main(steps: int = 20, rounds: int = 3) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_train import make_tokens
 
-    from tasks.loader import Prefetcher
-    from tasks.model import GPT
-    from tasks.tokenizer import token_shards
-    from tasks.train import ModelConfig, TrainConfig
-    from tasks.train_loop import ds_config, get_batch, stub_muon
+    from lifecycle.tasks.train.loader import Prefetcher
+    from lifecycle.tasks.train.model import GPT
+    from lifecycle.tasks.data.tokenize.stage import token_shards
+    from lifecycle.tasks.train.config import ModelConfig, TrainConfig
+    from lifecycle.tasks.train.trainer import ds_config, get_batch, stub_muon
 
     stub_muon()
     torch.set_num_threads(1)

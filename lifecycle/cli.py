@@ -22,7 +22,7 @@ def _prefect_env(cfg: PipelineConfig) -> str:
     """Use the work dir's servers when `lifecycle up` started them. Otherwise the embedded defaults: without
     a configured Prefect API, keep Prefect's home (its SQLite database and the ephemeral server it starts)
     inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite."""
-    from lifecycle import servers
+    from lifecycle.flows import servers
 
     live = servers.active(cfg.workdir)
     if live:
@@ -61,13 +61,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"status": "invalid_config", "error": str(e)}))
         return 2
-    from lifecycle.locking import WorkdirBusy, workdir_lock
+    from lifecycle.core.locking import WorkdirBusy, workdir_lock
 
     t0 = time.time()
     try:
         with workdir_lock(cfg.workdir, wait=args.wait):
             mode = _prefect_env(cfg)
-            from flows.lifecycle import lifecycle_flow
+            from lifecycle.flows.pipeline import lifecycle_flow
 
             summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
@@ -107,7 +107,7 @@ def print_summary(s: dict) -> None:
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
-COMMAND_MODULES: list[str] = ["lifecycle.servers", "lifecycle.serve", "tasks.plan", "tasks.export_hf", "lineage.cli"]
+COMMAND_MODULES: list[str] = ["lifecycle.flows.servers", "lifecycle.flows.serve", "lifecycle.tasks.train.sizing", "lifecycle.tasks.eval.export", "lifecycle.lineage.cli"]
 
 
 def register_run(sub) -> None:

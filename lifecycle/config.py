@@ -15,17 +15,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lifecycle.paths import PathEscape, is_url, pattern_root, resolve_within
-from lineage.tracking import TrackingConfig
-from tasks.collect import CollectConfig
-from tasks.dedup import DedupConfig
-from tasks.evaluate import EvaluateConfig
-from tasks.filter import FilterConfig
-from tasks.scrub import ScrubConfig
-from tasks.tokenizer import TokenizeConfig
-from tasks.train import TrainConfig
+from lifecycle.core.paths import PathEscape, is_url, pattern_root, resolve_within
+from lifecycle.lineage.tracking import TrackingConfig
+from lifecycle.tasks.data.collect.stage import CollectConfig
+from lifecycle.tasks.data.dedup.stage import DedupConfig
+from lifecycle.tasks.eval.evaluate.stage import EvaluateConfig
+from lifecycle.tasks.data.filter.stage import FilterConfig
+from lifecycle.tasks.data.scrub.stage import ScrubConfig
+from lifecycle.tasks.data.tokenize.stage import TokenizeConfig
+from lifecycle.tasks.train.config import TrainConfig
+from lifecycle.tasks.stages import NAMES as STAGES  # noqa: F401  (the CLI's --until choices)
 
-STAGES = ("collect", "filter", "dedup", "scrub", "tokenize", "train", "evaluate", "checkpoint")
 DEFAULT_CONFIG = "deploy/configs/demo.yaml"
 
 

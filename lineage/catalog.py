@@ -34,11 +34,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from lifecycle.dataset import MANIFEST, sha256_file
-from lifecycle.paths import resolve_within
+from lifecycle.core.dataset import MANIFEST, sha256_file
+from lifecycle.core.paths import resolve_within
+from lifecycle.tasks.stages import DOCUMENT_STAGES
 
-DOC_STAGES = ("collect", "filter", "dedup", "scrub")
-SIG_STAGE, INDEX_FILE = "dedup-signatures", "dedup-index.parquet"  # tasks.dedup's names (not imported: no numba here)
+DOC_STAGES = DOCUMENT_STAGES
+SIG_STAGE, INDEX_FILE = "dedup-signatures", "dedup-index.parquet"  # lifecycle.tasks.data.dedup.stage's names (not imported: no numba here)
 
 
 def inside(workdir: str | Path, path: str | Path, what: str) -> Path:
@@ -86,7 +87,7 @@ def model_rows(tracking_uri: str | None) -> list[dict]:
                          "aliases": ",".join(a for a, v in (rm.aliases or {}).items() if str(v) == str(mv.version)),
                          "run_id": mv.run_id, "package_sha256": t.get("lifecycle.model_package_sha256"),
                          "package_manifest": t.get("lifecycle.model_package_manifest"),
-                         "tokenize_sha256": t.get("lifecycle.dataset.tokenize.sha256"),
+                         "tokenize_sha256": t.get("lifecycle.core.dataset.tokenize.sha256"),
                          "checkpoint_dir": t.get("lifecycle.checkpoint_dir"),
                          "checkpoint_marker_sha256": t.get("lifecycle.checkpoint_marker_sha256"),
                          "val_bpb": float(t["metric.val_bpb"]) if "metric.val_bpb" in t else None,

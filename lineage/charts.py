@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from lifecycle.tasks.stages import DATA_STAGES
 
-FUNNEL_STAGES = ("collect", "filter", "dedup", "scrub", "tokenize")
+FUNNEL_STAGES = DATA_STAGES
 DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_near": "duplicate (near)"}
 
 

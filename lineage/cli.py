@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lifecycle.paths import PathEscape
-from lineage import catalog as cat
+from lifecycle.core.paths import PathEscape
+from lifecycle.lineage import catalog as cat
+from lifecycle.tasks.stages import NAMES
 
-STAGE_ORDER = ("collect", "filter", "dedup", "scrub", "tokenize", "checkpoint")
+STAGE_ORDER = NAMES
 
 
 def _workdir(args) -> Path:

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lifecycle.dataset import DatasetRef, RawFile, sha256_json
+from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
 
 MAX_PARAM_LEN = 6000
 MLFLOW_DIGEST_LEN = 36  # mlflow.utils.validation.MAX_DATASET_DIGEST_SIZE
@@ -163,7 +163,7 @@ class Tracker:
         tags: dict[str, str] | None = None,
     ) -> str:
         """Log one stage into its child run; `outcome` is computed, reused (committed dataset found) or cached."""
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Param, RunTag
 
         rid = self.stage_run(stage)
         params = [Param(k, v) for k, v in flatten(config).items()]
@@ -240,6 +240,12 @@ class Tracker:
         rid = self.stage_run(stage) if stage else self.parent_id
         self.client.log_text(rid, json.dumps(obj, indent=2, default=str), artifact_file)
 
+    def parent_tags(self) -> dict[str, str]:
+        return self.client.get_run(self.parent_id).data.tags
+
+    def set_parent_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.parent_id, key, value)
+
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.parent_id, str(path), artifact_path)
 
@@ -268,7 +274,7 @@ class Tracker:
         """Register the packaged model once; a rerun that produced the same package reuses its version.
 
         Version tags: the package's and the checkpoint marker's sha256, the tokenizer digest, the config hash,
-        the git commit, `lifecycle.dataset.<stage>.sha256` for every dataset from collect to the token shards,
+        the git commit, `lifecycle.core.dataset.<stage>.sha256` for every dataset from collect to the token shards,
         `lifecycle.raw_input.<i>` = "sha256 path" for every raw input file (and `lifecycle.raw_inputs_sha256`
         over the whole list), and `metric.<name>` for the evaluation metrics."""
         name = self.cfg.model_name
@@ -298,7 +304,7 @@ class Tracker:
         for i, (path, sha) in enumerate(raw):
             tags[f"lifecycle.raw_input.{i}"] = f"{sha} {path}"[:7900]
         for d in lineage["datasets"]:
-            tags[f"lifecycle.dataset.{d['stage']}.sha256"] = d["sha256"]
+            tags[f"lifecycle.core.dataset.{d['stage']}.sha256"] = d["sha256"]
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 tags[f"metric.{k}"] = repr(float(v))

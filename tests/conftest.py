@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 
 def make_collect(workdir, tables, fixture: str = "tests"):
     """A committed `collect` dataset holding the given document tables (one Parquet file each)."""
-    from lifecycle.dataset import StageStats, materialize
+    from lifecycle.core.dataset import StageStats, materialize
 
     def build(writer):
         for t in tables:

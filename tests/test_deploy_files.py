@@ -6,7 +6,7 @@ import pytest
 import yaml
 from prefect.client.schemas.schedules import CronSchedule
 
-from flows.lifecycle import lifecycle_flow
+from lifecycle.flows.pipeline import lifecycle_flow
 from lifecycle.config import STAGES, validate_config
 from tests.conftest import ROOT
 

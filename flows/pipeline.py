@@ -1,0 +1,179 @@
+"""The lifecycle flow: the README's diagram, one registered stage per line. It computes nothing itself.
+
+collect -> filter -> dedup -> scrub -> tokenize -> train -> evaluate -> checkpoint (+ register)
+
+Each stage returns a small reference (a `DatasetRef`, or the train stage's `TrainResult`); rows stay in Parquet.
+Every stage is logged to its own nested MLflow run under one parent run per flow run (`lineage.tracking`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from prefect import flow
+from prefect.context import get_run_context
+
+from lifecycle.config import PipelineConfig
+from lifecycle.core.dataset import DatasetRef, RawFile
+from lifecycle.flows.runner import RunSummary, StageRunner, plain_task
+from lifecycle.lineage.card import model_card
+from lifecycle.lineage.charts import funnel_png, loss_png
+from lifecycle.lineage.tracking import Tracker
+from lifecycle.tasks.data.collect.stage import record_collected, resolve_inputs
+from lifecycle.tasks.eval.checkpoint.stage import warm_start
+from lifecycle.tasks.eval.evaluate.stage import check_contamination, examples_of
+from lifecycle.tasks.stages import CHECKPOINT, COLLECT, DEDUP, EVALUATE, FILTER, SCRUB, TOKENIZE, TRAIN
+
+
+@flow(name="lifecycle", log_prints=True)
+def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
+    cfg = config
+    Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
+    flow_run = get_run_context().flow_run
+    tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
+    summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri, prefect_flow_run_id=str(flow_run.id))
+    summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={
+        "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end"})
+    run = StageRunner(cfg, summary, until, on_done=_Logger(tracker, summary).stage_done)
+    try:
+        inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
+        docs = run(COLLECT, inputs=inputs)
+        if cfg.collect.incremental and not docs.manifest()["inputs"]:
+            print(f"[collect] no new input files: all {len(inputs)} were collected by earlier runs; nothing to do")
+            summary.status = "no_new_inputs"
+            tracker.end("FINISHED")
+            return summary.model_dump()
+        init_weights, tokenize_cfg = None, None
+        if cfg.train.init_from == "champion" and run.wants(TOKENIZE):
+            init_weights, tokenize_cfg = _warm_start(tracker, cfg, summary)
+        kept = run(FILTER, docs)
+        unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
+        clean = run(SCRUB, unique)
+        tokens = run(TOKENIZE, clean, config=tokenize_cfg)
+        trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None)
+        scores = run(EVALUATE, trained, tokens)
+        if scores is not None:  # after logging, so a failed run still shows the rate
+            check_contamination(summary.metrics, cfg.evaluate)
+        model = run(CHECKPOINT, trained, tokens)
+        if model is not None:
+            _register(tracker, summary, model, cfg, examples_of(scores))
+        _log_charts(tracker, summary, trained)
+        tracker.log_parent_metrics({k: v for k, v in summary.metrics.items() if isinstance(v, (int, float))})
+        # every completed run records its raw files, so that a later incremental run skips them
+        n = plain_task(record_collected, "record-collected")(cfg.workdir, docs)
+        print(f"[collect] ledger: {n} new input file(s) recorded in {cfg.workdir}/collected.parquet")
+        summary.status = "completed"
+        tracker.end("FINISHED")
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    finally:
+        run.close()
+    return summary.model_dump()
+
+
+def funnel_metrics(ref: DatasetRef) -> dict[str, float]:
+    stats = ref.manifest().get("stats") or {}
+    out = {k: stats[k] for k in ("rows_in", "rows_kept", "rows_rejected", "bytes_in", "bytes_out") if k in stats}
+    out.update({f"rejected.{k}": v for k, v in stats.get("rejected_by_reason", {}).items()})
+    out.update({f"count.{k}": v for k, v in stats.get("counters", {}).items()})
+    return out
+
+
+class _Logger:
+    """After each stage: its MLflow child run (config, outcome, datasets, metrics) and its summary line."""
+
+    def __init__(self, tracker: Tracker, summary: RunSummary):
+        self.tracker, self.summary = tracker, summary
+        self.parents: dict[str, DatasetRef] = {}
+
+    def stage_done(self, stage, value, outcome: str, extra: dict, section) -> None:
+        getattr(self, f"_{stage.group}")(stage, value, outcome, extra, section)
+
+    def _data(self, stage, ref: DatasetRef, outcome: str, extra: dict, section) -> None:
+        parents = [self.parents[p] for p in stage.parents if p in self.parents]
+        raw = [RawFile(**r) for r in ref.manifest()["inputs"]] if not stage.parents else []
+        self.tracker.log_stage(stage.name, section, outcome, inputs=parents, outputs=[ref], raw_inputs=raw,
+                               metrics={**funnel_metrics(ref), **extra})
+        self.parents[stage.name] = ref
+        print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
+
+    def _train(self, stage, result, outcome: str, extra: dict, section) -> None:
+        tokens = self.parents["tokenize"]
+        rows = _metrics_rows(result)
+        self.tracker.log_stage("train", section, outcome, inputs=[tokens],
+                               metrics={"final_loss": result.final_loss, "steps": result.steps},
+                               tags={"lifecycle.checkpoint": result.checkpoint_dir,
+                                     "lifecycle.resumed_from": str(result.resumed_from)})
+        self.tracker.log_series("train", rows, [k for k in ("loss", "lr", "val_loss") if any(k in r for r in rows)])
+        self.summary.checkpoint = result.checkpoint_dir
+        self.summary.metrics.update({"train_loss": result.final_loss, "train_steps": result.steps})
+        print(f"[train] {outcome}: step {result.steps}, loss {result.final_loss:.4f} -> {result.checkpoint_dir}")
+
+    def _eval(self, stage, ref: DatasetRef, outcome: str, extra: dict, section) -> None:
+        tokens = self.parents["tokenize"]
+        if stage.name == "evaluate":
+            metrics = ref.manifest()["metrics"]
+            self.tracker.log_stage("evaluate", section, outcome, inputs=[tokens], outputs=[ref], metrics=metrics)
+            examples = examples_of(ref)
+            self.tracker.log_json(examples, "eval_examples.json", stage="evaluate")
+            self.tracker.log_json(examples, "eval_examples.json")
+            self.summary.metrics.update(metrics)
+            print(f"[evaluate] {outcome}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        else:
+            self.tracker.log_stage(stage.name, {"checkpoint_dir": self.summary.checkpoint}, outcome, inputs=[tokens],
+                                   outputs=[ref])
+
+
+def _metrics_rows(result) -> list[dict]:
+    return [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines() if line.strip()]
+
+
+def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg: PipelineConfig,
+              examples: list) -> None:
+    """Register the packaged model (or find the version a rerun already registered), decide promotion, and
+    put the model card on the parent run."""
+    name, version = tracker.register_or_reuse(model_ref, summary.metrics)
+    summary.model = {"name": name, "version": version}
+    summary.promotion = tracker.promotion(name, version)
+    print(f"[checkpoint] {summary.stages['checkpoint']}: registered {name} version {version}; "
+          f"champion: {summary.promotion.get('decision')} ({summary.promotion.get('reason')})")
+    manifests = {s: json.loads(Path(p).read_text()) for s, p in summary.datasets.items()}
+    configs = {s: json.dumps(m.get("config"), sort_keys=True) for s, m in manifests.items()
+               if s not in ("checkpoint", "evaluate")}
+    configs["train"] = json.dumps(cfg.train.model_dump(mode="json"), sort_keys=True)
+    configs["evaluate"] = json.dumps(cfg.evaluate.model_dump(mode="json"), sort_keys=True)
+    card = model_card(name=name, version=version, run_id=tracker.parent_id,
+                      prefect_flow_run_id=summary.prefect_flow_run_id, tags=tracker.parent_tags(),
+                      lineage=json.loads((model_ref.dir / "lineage.json").read_text()), stage_configs=configs,
+                      metrics=summary.metrics, promotion=summary.promotion, examples=examples)
+    tracker.log_text(card, "model_card.md")
+
+
+def _log_charts(tracker: Tracker, summary: RunSummary, trained) -> None:
+    """funnel.png (documents kept per stage, top drop reasons) and loss_curves.png on the parent run."""
+    manifests = {s: json.loads(Path(p).read_text()) for s, p in summary.datasets.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tracker.log_file(funnel_png(manifests, Path(tmp) / "funnel.png"))
+        if trained is not None:
+            m = summary.metrics
+            tracker.log_file(loss_png(_metrics_rows(trained), Path(tmp) / "loss_curves.png", m.get("val_loss"),
+                                      m.get("step")))
+
+
+def _warm_start(tracker: Tracker, cfg: PipelineConfig, summary: RunSummary):
+    """`train.init_from: champion`: (champion's weights, tokenize config using its tokenizer) when the model
+    config is unchanged, else (None, None: the configured tokenize config). The decision goes on the parent run."""
+    found = tracker.champion_package()
+    weights, reason = (None, "no champion registered yet") if found is None else warm_start(found[1], cfg.train)
+    tok_cfg = None
+    if weights is not None:
+        tok_cfg = cfg.tokenize.model_copy(update={"tokenizer_file": str(found[1] / "tokenizer.json")})
+    decision = {"from_version": found[0] if weights else None, "weights": str(weights) if weights else None,
+                "reason": reason}
+    summary.warm_start = decision
+    tracker.set_parent_tag("lifecycle.warm_start", json.dumps(decision))
+    print(f"[train] warm start: {'champion version ' + found[0] if weights else 'from scratch'} ({reason})")
+    return weights, tok_cfg

@@ -1,0 +1,216 @@
+"""The one place where plain stage functions become Prefect tasks, and where a registered stage is run.
+
+Prefect caches nothing (`NO_CACHE`): the content-addressed dataset store is the only cache. A stage function
+computes its output's fingerprint (parents, config, code version) and returns the committed dataset when one
+exists, so a rerun says `reused` without Prefect's help, and a deleted dataset is simply rebuilt.
+Prefect gives each stage retries with backoff, except for errors a retry cannot heal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.tasks import exponential_backoff
+from prefect.utilities.annotations import unmapped
+from pydantic import BaseModel
+
+from lifecycle.config import ConfigError, OrchestrationConfig
+from lifecycle.core.dataset import AccountingError, StagePlan, commit_plan, run_shard
+from lifecycle.tasks.data.collect.stage import InputError
+from lifecycle.tasks.eval.evaluate.stage import ContaminationError
+
+# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity, a contaminated split.
+PERMANENT_ERRORS = (ConfigError, InputError, AccountingError, ContaminationError)
+
+
+def _retry_unless_permanent(_task, _task_run, state) -> bool:
+    try:
+        state.result()
+    except PERMANENT_ERRORS:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def _retry_options(orchestration: OrchestrationConfig, retries: int) -> dict:
+    """Exponential backoff with jitter; errors a retry cannot heal are not retried."""
+    return {"retries": retries,
+            "retry_delay_seconds": exponential_backoff(backoff_factor=orchestration.retry_backoff_s),
+            "retry_jitter_factor": orchestration.retry_jitter, "retry_condition_fn": _retry_unless_permanent}
+
+
+def stage_task(
+    fn: Callable,
+    stage: str,
+    orchestration: OrchestrationConfig,
+    retries: int,
+):
+    """Wrap a plain stage function as a Prefect task with retries. Prefect caches nothing: the stage
+    function finds its own committed output in the dataset store (the one cache) and returns it."""
+    return task(
+        fn,
+        name=stage,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        **_retry_options(orchestration, retries),
+        timeout_seconds=None if stage == "train" else orchestration.stage_timeout_s,
+    )
+
+
+def shard_task(stage: str, orchestration: OrchestrationConfig, retries: int):
+    """One shard of a sharded stage (`lifecycle.core.dataset.run_shard`). Not cached by Prefect: the shard's
+    published directory is its result, so a retry or a rerun after a crash skips finished shards."""
+    return task(
+        run_shard,
+        name=f"{stage}-shard",
+        task_run_name=f"{stage}-shard-{{index}}",
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        **_retry_options(orchestration, retries),
+        timeout_seconds=orchestration.stage_timeout_s,
+    )
+
+
+class ShardRunner:
+    """The task runner that shards are mapped over, started on first use and shut down with the flow.
+
+    A Dask LocalCluster of `dask_workers` processes by default, the cluster at `dask_address` when one is
+    configured, or (`dask_workers: 0`) one thread in the flow process. It is chosen per run from the config,
+    so deployments served from `prefect.yaml` get the same behaviour as `lifecycle run`.
+    """
+
+    def __init__(self, orchestration: OrchestrationConfig):
+        self.orch = orchestration
+        self._stack = contextlib.ExitStack()
+        self._runner = None
+
+    def _make(self):
+        if self.orch.dask_address:
+            from prefect_dask import DaskTaskRunner
+
+            return DaskTaskRunner(address=self.orch.dask_address)
+        if self.orch.dask_workers == 0:
+            return ThreadPoolTaskRunner(max_workers=1)
+        from prefect_dask import DaskTaskRunner
+
+        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
+            "n_workers": self.orch.dask_workers, "threads_per_worker": 1, "processes": True,
+            "host": "127.0.0.1", "dashboard_address": None, "silence_logs": logging.WARNING})
+
+    def map(self, task_, plan, n: int) -> list:
+        if self._runner is None:
+            self._runner = self._stack.enter_context(self._make())
+        futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n))})
+        return futures.result()  # raises the first shard failure (after that shard's retries)
+
+    def close(self) -> None:
+        self._stack.close()
+        self._runner = None
+
+
+def plain_task(fn: Callable, name: str):
+    """A task that must run every time (it reads or writes run-specific state)."""
+    return task(fn, name=name, cache_policy=NO_CACHE, persist_result=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# running a registered stage
+
+
+class RunSummary(BaseModel):
+    """What a flow run did: returned by the flow, printed by `lifecycle run`, the last line under `--json`."""
+
+    status: str = "running"
+    workdir: str
+    mlflow_run_id: str | None = None
+    mlflow_tracking_uri: str | None = None
+    prefect_flow_run_id: str | None = None
+    datasets: dict[str, str] = {}
+    """Each stage's committed `_manifest.json`."""
+    stages: dict[str, str] = {}
+    """computed, resumed (some shards came from an earlier attempt) or reused, per stage."""
+    checkpoint: str | None = None
+    model: dict[str, str] | None = None
+    promotion: dict[str, Any] | None = None
+    warm_start: dict[str, Any] | None = None
+    metrics: dict[str, Any] = {}
+
+
+def outcome_of(value: Any) -> str:
+    if getattr(value, "reused", False) or getattr(value, "launched", True) is False:
+        return "reused"
+    return "computed"
+
+
+class StageRunner:
+    """Runs registered stages (`lifecycle.tasks.stages`) as Prefect tasks, in the flow's order, up to `until`.
+
+    `runner(STAGE, *parents, **kw)` calls the stage's entry points with (*parents, its config section, work dir,
+    **kw): a sharded stage is planned, its missing shards mapped over the shard runner (a Dask cluster) and
+    committed; a single-task stage is one task. It returns the stage's output (a `DatasetRef`, or the train
+    stage's `TrainResult`), or None once a stage at or after `until` has run, so the flow reads top to bottom.
+    Each stage's outcome and manifest go into `summary`; `on_done(stage, output, outcome, extra)` is called after
+    each stage (the flow logs it to MLflow there).
+    """
+
+    def __init__(self, cfg, summary: RunSummary, until: str | None, on_done: Callable):
+        self.cfg, self.summary, self.on_done = cfg, summary, on_done
+        self.until = until
+        self.stopped = False
+        self.shards = ShardRunner(cfg.orchestration)
+
+    def wants(self, stage) -> bool:
+        """Whether `stage` will run (it is not past `until`)."""
+        from lifecycle.tasks.stages import NAMES
+
+        return not self.stopped and (self.until is None or NAMES.index(stage.name) <= NAMES.index(self.until))
+
+    def __call__(self, stage, *parents, config: Any = None, **kw) -> Any:
+        if not self.wants(stage):
+            self.stopped = True
+            return None
+        orch = self.cfg.orchestration
+        section = config if config is not None else (getattr(self.cfg, stage.name) if stage.configured else None)
+        args = (*parents, *([section] if stage.configured else []), self.cfg.workdir)
+        retries = orch.train_retries if stage.group == "train" else orch.data_retries
+        extra: dict[str, Any] = {}
+        outcome = None
+        if stage.plan:
+            name = stage.sharded_name or stage.name
+            ref, outcome, extra = self._sharded(name, stage.entry("plan"), args, {} if stage.run else kw, retries)
+            if stage.run:
+                kw = {**kw, stage.sharded_arg: ref}
+        if stage.run:
+            value = stage_task(stage.entry("run"), stage.name, orch, retries)(*args, **kw)
+            own = outcome_of(value)
+            outcome = "resumed" if own == "computed" and outcome == "resumed" else own
+        else:
+            value = ref
+        self.summary.stages[stage.name] = outcome
+        if hasattr(value, "manifest_path"):
+            self.summary.datasets[stage.name] = str(value.manifest_path)
+        self.on_done(stage, value, outcome, extra, section)
+        if self.until == stage.name:
+            self.stopped = True
+        if stage.group != "data" or stage.name == self.until:
+            self.shards.close()  # the Dask cluster is not needed past the data stages
+        return value
+
+    def _sharded(self, name: str, plan_fn: Callable, args: tuple, kw: dict, retries: int):
+        """plan -> one task per missing shard on the shard runner -> commit. Returns (ref, outcome, metrics)."""
+        plan = plain_task(plan_fn, f"{name}-plan")(*args, **kw)
+        if not isinstance(plan, StagePlan):
+            return plan, "reused", {}
+        reused = len(plan.done_shards())
+        self.shards.map(shard_task(name, self.cfg.orchestration, retries), plan, len(plan.shards))
+        ref = plain_task(commit_plan, f"{name}-commit")(plan)
+        return ref, "resumed" if reused else "computed", {"shards": len(plan.shards), "shards_reused": reused}
+
+    def close(self) -> None:
+        self.shards.close()

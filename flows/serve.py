@@ -1,0 +1,108 @@
+"""`lifecycle serve [CONFIG] --cron "..."`: serve the lifecycle flow as a Prefect deployment on a schedule.
+
+Schedules need a real Prefect server (the ephemeral one runs no scheduler): the work dir's server from
+`lifecycle up`, or the one `PREFECT_API_URL` names. Overlapping runs are refused, not queued into a
+burst: the deployment has a concurrency limit of 1 with the CANCEL_NEW collision strategy, so a run that
+comes due while the previous one is still running is cancelled.
+
+Runs killed under a real server (SIGKILL, OOM) must not stay "Running" forever. The served runs send a
+heartbeat event every `PREFECT_RUNNER_HEARTBEAT_FREQUENCY` seconds (30 here unless set), and `serve`
+installs, once per server, the automation `lifecycle-zombie-runs`: a running flow run whose heartbeats
+stop for 90 s without a terminal state is marked Crashed. A rerun then resumes from what was committed.
+
+Scheduled runs are incremental (`collect.incremental=true` unless `--full`): each collects only the input
+files that no earlier completed run collected, and dedup (with its persistent index) drops new documents
+that duplicate anything kept before.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from lifecycle.config import DEFAULT_CONFIG, STAGES, ConfigError, load_config
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="Serve the lifecycle flow as a scheduled Prefect deployment (needs a server).")
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override, as for `run`")
+    p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 2 * * *" (UTC unless --timezone)')
+    p.add_argument("--timezone", default="UTC")
+    p.add_argument("--name", default=None, help="deployment name (default: the pipeline name)")
+    p.add_argument("--until", choices=STAGES, help="each scheduled run stops after this stage")
+    p.add_argument("--full", action="store_true",
+                   help="collect every input file on each run (default: only files not collected by an earlier "
+                   "completed run, i.e. collect.incremental=true)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    try:
+        # scheduled runs are incremental unless --full (a later --set may still override it)
+        cfg = load_config(args.config, ([] if args.full else ["collect.incremental=true"]) + (args.set or []))
+    except ConfigError as e:
+        print(f"lifecycle: {e}", file=sys.stderr)
+        return 2
+    from lifecycle.flows import servers
+
+    live = servers.active(cfg.workdir)
+    if live:
+        os.environ["PREFECT_API_URL"] = live["prefect_api"]
+        os.environ["MLFLOW_TRACKING_URI"] = live["mlflow"]
+    elif not os.environ.get("PREFECT_API_URL"):
+        print("lifecycle: serve needs a real Prefect server (the ephemeral one runs no scheduler): "
+              "start one with `lifecycle up`, or set PREFECT_API_URL", file=sys.stderr)
+        return 2
+    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(cfg.workdir, ".prefect-results"))
+    os.environ.setdefault("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "30")
+    ensure_zombie_automation()
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.client.schemas.schedules import CronSchedule
+
+    from lifecycle.flows.pipeline import lifecycle_flow
+
+    lifecycle_flow.serve(
+        name=args.name or cfg.name,
+        schedule=CronSchedule(cron=args.cron, timezone=args.timezone),
+        parameters={"config": cfg.model_dump(mode="json"), "until": args.until},
+        global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
+        description=f"lifecycle pipeline {cfg.name} on {args.cron} ({args.timezone}); work dir {cfg.workdir}",
+        tags=["lifecycle"],
+    )
+    return 0
+
+
+ZOMBIE_AUTOMATION = "lifecycle-zombie-runs"
+
+
+def ensure_zombie_automation(silence_s: int = 90) -> None:
+    """Mark a flow run Crashed when its heartbeats stop (Prefect's documented zombie-run recipe)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    try:
+        if Automation.read(name=ZOMBIE_AUTOMATION):
+            return
+    except ValueError:  # not found
+        pass
+    Automation(
+        name=ZOMBIE_AUTOMATION,
+        description=f"A running flow run without a heartbeat for {silence_s} s is marked Crashed.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                    "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+            match={"prefect.resource.id": ["prefect.flow-run.*"]},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=silence_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"No heartbeat for {silence_s} s: the run's process died")],
+    ).create()

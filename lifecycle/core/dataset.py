@@ -1,0 +1,555 @@
+"""Datasets on disk: a directory of Parquet files whose `_manifest.json` is written last.
+
+Every stage output is one dataset directory, named by a content fingerprint of its inputs' sha256,
+the stage config and the stage's code. A committed manifest with that fingerprint means the stage is
+done: that one mechanism gives resumption, caching and lineage.
+
+Commit protocol (see `DatasetWriter.commit`): every file is written to a temporary name, fsynced and
+renamed; the manifest is written the same way, last; then the whole temporary directory is renamed to
+its final fingerprint name. A directory without `_manifest.json` is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict
+
+MANIFEST = "_manifest.json"
+SCHEMA_VERSION = 1
+
+# Columns every document dataset carries, from collect on. Later stages add columns
+# (dedup: cluster_id, cluster_size; scrub: pii_<type> counts) and never drop these.
+DOC_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),  # stable: sha256(source_id, raw text)[:16], assigned by collect
+        ("source_id", pa.string()),  # the input's `id`, or `file:line` when it has none
+        ("text", pa.string()),
+        ("source", pa.string()),  # input `source` field, else the input file path
+        ("url", pa.string()),
+        ("meta", pa.string()),  # other input fields, as a JSON object
+    ]
+)
+
+# Columns every rejected-rows file carries (stages may add more, e.g. `duplicate_of`).
+REJECTED_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("source_id", pa.string()),
+        ("stage", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+    ]
+)
+
+
+class AccountingError(RuntimeError):
+    """Rows in != rows kept + rows rejected for a stage."""
+
+
+# --------------------------------------------------------------------------------------------------
+# hashing and atomic file writes
+
+
+def sha256_file(path: str | Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to `<path>.tmp`, fsync, rename into place, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def fsync_file(path: str | Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# stats
+
+
+@dataclass
+class StageStats:
+    """Funnel numbers of one stage. Merge partial stats (per shard) with `+`."""
+
+    rows_in: int = 0
+    rows_kept: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    counters: Counter = field(default_factory=Counter)
+
+    def __add__(self, other: "StageStats") -> "StageStats":
+        return StageStats(
+            self.rows_in + other.rows_in,
+            self.rows_kept + other.rows_kept,
+            self.rejected + other.rejected,
+            self.bytes_in + other.bytes_in,
+            self.bytes_out + other.bytes_out,
+            self.counters + other.counters,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageStats":
+        return cls(d["rows_in"], d["rows_kept"], Counter(d["rejected_by_reason"]), d["bytes_in"], d["bytes_out"],
+                   Counter(d.get("counters", {})))
+
+    @property
+    def rows_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "rows_in": self.rows_in,
+            "rows_kept": self.rows_kept,
+            "rows_rejected": self.rows_rejected,
+            "rejected_by_reason": dict(sorted(self.rejected.items())),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            **({"counters": dict(sorted(self.counters.items()))} if self.counters else {}),
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# references passed between tasks
+
+
+class RawFile(BaseModel):
+    """A raw input file, identified by its full sha256."""
+
+    model_config = ConfigDict(frozen=True)
+    path: str
+    sha256: str
+    bytes: int
+
+
+class DatasetRef(BaseModel):
+    """What tasks pass to each other: where a committed dataset is and what it is. Never the rows."""
+
+    model_config = ConfigDict(frozen=True)
+    stage: str
+    path: str
+    fingerprint: str
+    sha256: str
+    num_rows: int
+    reused: bool = False
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.path)
+
+    @property
+    def manifest_path(self) -> Path:
+        return Path(self.path) / MANIFEST
+
+    def manifest(self) -> dict:
+        return json.loads(self.manifest_path.read_text())
+
+    def files(self, kind: str = "files") -> list[Path]:
+        return [Path(self.path) / f["path"] for f in self.manifest()[kind]]
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """All kept rows as one table (small datasets and tests; stages should stream `files()`)."""
+        paths = self.files()
+        if not paths:
+            return pa.table({})
+        return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths])
+
+    def read_rejected(self) -> pa.Table:
+        paths = self.files("rejected")
+        if not paths:
+            return REJECTED_SCHEMA.empty_table()
+        return pa.concat_tables([pq.read_table(p) for p in paths], promote_options="default")
+
+    @classmethod
+    def from_dir(cls, path: str | Path, reused: bool = False) -> "DatasetRef":
+        m = json.loads((Path(path) / MANIFEST).read_text())
+        return cls(
+            stage=m["stage"],
+            path=str(Path(path).resolve()),
+            fingerprint=m["fingerprint"],
+            sha256=m["sha256"],
+            num_rows=m["num_rows"],
+            reused=reused,
+        )
+
+
+def fingerprint(stage: str, config: Any, code: str, parents: Iterable[DatasetRef] = (), inputs: Iterable[RawFile] = ()) -> str:
+    return sha256_json(
+        {
+            "stage": stage,
+            "schema": SCHEMA_VERSION,
+            "code": code,
+            "config": config.model_dump(mode="json") if isinstance(config, BaseModel) else config,
+            # a parent counts by its fingerprint (which code and config made it) and its content
+            "parents": [(p.fingerprint, p.sha256) for p in parents],
+            "inputs": [(r.path, r.sha256) for r in inputs],
+        }
+    )
+
+
+def dataset_dir(workdir: str | Path, stage: str, fp: str) -> Path:
+    return Path(workdir) / "datasets" / stage / fp[:20]
+
+
+def find_committed(workdir: str | Path, stage: str, fp: str) -> DatasetRef | None:
+    d = dataset_dir(workdir, stage, fp)
+    if (d / MANIFEST).exists():
+        return DatasetRef.from_dir(d, reused=True)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+
+
+class _FileWriter:
+    """Writes Parquet (and other) files into `self.tmp`, fsyncs each and records (path, sha256, bytes, rows)."""
+
+    tmp: Path
+
+    def __init__(self) -> None:
+        self._entries: dict[str, list[dict]] = {"files": [], "rejected": [], "extra": []}
+
+    def _register(self, kind: str, rel: str, num_rows: int | None) -> None:
+        p = self.tmp / rel
+        entry = {"path": rel, "sha256": sha256_file(p), "bytes": p.stat().st_size}
+        if num_rows is not None:
+            entry["num_rows"] = num_rows
+        self._entries[kind].append(entry)
+
+    def write_table(self, table: pa.Table, kind: str = "files", name: str | None = None) -> None:
+        """Write one Parquet file (kind: files = kept rows, rejected = rejected rows, extra)."""
+        n = len(self._entries[kind])
+        rel = name or f"{'part' if kind == 'files' else kind}-{n:05d}.parquet"
+        path = self.tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path, compression="zstd")
+        fsync_file(path)
+        self._register(kind, rel, table.num_rows)
+
+    def add_file(self, rel: str, kind: str = "extra", num_rows: int | None = None) -> Path:
+        """Register a non-Parquet file the caller already wrote under `self.tmp / rel` (fsynced here)."""
+        path = self.tmp / rel
+        fsync_file(path)
+        self._register(kind, rel, num_rows)
+        return path
+
+    def path(self, rel: str) -> Path:
+        p = self.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class DatasetWriter(_FileWriter):
+    """Builds one dataset in a temporary directory and commits it atomically."""
+
+    def __init__(self, workdir: str | Path, stage: str, fp: str, tmp: Path | None = None):
+        """`tmp`: build in this directory and keep what is already there (the shards of a sharded stage);
+        by default a fresh private directory."""
+        super().__init__()
+        self.stage = stage
+        self.fingerprint = fp
+        self.final = dataset_dir(workdir, stage, fp)
+        if tmp is None:
+            # leftovers of a killed build of the same dataset (the work-dir lock rules out a live one)
+            for stale in self.final.parent.glob(f".tmp-{self.final.name}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = self.final.with_name(f".tmp-{self.final.name}-{os.getpid()}")
+        self.tmp = tmp
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def commit(
+        self,
+        *,
+        config: Any,
+        code: str,
+        parents: Iterable[DatasetRef] = (),
+        inputs: Iterable[RawFile] = (),
+        stats: StageStats | None = None,
+        num_rows: int | None = None,
+        extra: dict | None = None,
+    ) -> DatasetRef:
+        kept_rows = sum(e.get("num_rows", 0) for e in self._entries["files"]) if num_rows is None else num_rows
+        rejected_rows = sum(e.get("num_rows", 0) for e in self._entries["rejected"])
+        if stats is not None:
+            if stats.rows_kept != kept_rows or stats.rows_rejected != rejected_rows:
+                raise AccountingError(
+                    f"{self.stage}: stats say kept={stats.rows_kept} rejected={stats.rows_rejected}, "
+                    f"files hold kept={kept_rows} rejected={rejected_rows}"
+                )
+            if stats.rows_in != stats.rows_kept + stats.rows_rejected:
+                raise AccountingError(
+                    f"{self.stage}: rows in ({stats.rows_in}) != kept ({stats.rows_kept}) + rejected "
+                    f"({stats.rows_rejected})"
+                )
+        content = sha256_json({k: [(e["path"], e["sha256"]) for e in v] for k, v in self._entries.items()})
+        parents = list(parents)
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "stage": self.stage,
+            "fingerprint": self.fingerprint,
+            "sha256": content,
+            "num_rows": kept_rows,
+            "num_rejected": rejected_rows,
+            **self._entries,
+            "parents": [
+                {"stage": p.stage, "fingerprint": p.fingerprint, "sha256": p.sha256, "manifest": str(p.manifest_path)}
+                for p in parents
+            ],
+            "inputs": [r.model_dump() for r in inputs],
+            "config": config.model_dump(mode="json") if isinstance(config, BaseModel) else config,
+            "code_version": code,
+            "stats": stats.to_dict() if stats is not None else None,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **(extra or {}),
+        }
+        atomic_write_json(self.tmp / MANIFEST, manifest)
+        if self.final.exists():  # a leftover without a manifest (crash before the rename) or a racing twin
+            if (self.final / MANIFEST).exists():
+                shutil.rmtree(self.tmp)
+                return DatasetRef.from_dir(self.final, reused=True)
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+        fsync_dir(self.final.parent)
+        return DatasetRef.from_dir(self.final)
+
+
+def materialize(
+    workdir: str | Path,
+    stage: str,
+    config: Any,
+    code: str,
+    build: Callable[[DatasetWriter], dict],
+    parents: Iterable[DatasetRef] = (),
+    inputs: Iterable[RawFile] = (),
+) -> DatasetRef:
+    """Return the committed dataset for (stage, config, code, parents, inputs), building it if needed.
+
+    `build(writer)` writes the files and returns keyword arguments for `writer.commit` (stats, extra...).
+    """
+    parents, inputs = list(parents), list(inputs)
+    fp = fingerprint(stage, config, code, parents, inputs)
+    done = find_committed(workdir, stage, fp)
+    if done is not None:
+        return done
+    writer = DatasetWriter(workdir, stage, fp)
+    try:
+        commit_kwargs = build(writer) or {}
+        return writer.commit(config=config, code=code, parents=parents, inputs=inputs, **commit_kwargs)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# sharded stages: plan -> run_shard for each shard (in parallel, anywhere) -> commit_plan
+
+SHARD_MARKER = "_shard.json"
+
+
+class StagePlan(BaseModel):
+    """A sharded stage, planned and not yet committed. The flow maps `run_shard(plan, i)` over the shards
+    (on Dask workers, which may be other processes or machines sharing the work dir), then `commit_plan`.
+
+    Shards are built in `.building-<fp>/shard-NNNNN/`, each published by an atomic rename after its
+    `_shard.json` (entries with sha256, stats) is fsynced. A killed run leaves finished shards behind; the
+    rerun plans the same fingerprint and builds only the shards that have no marker. Shard outputs are a
+    pure function of (config, code, shard inputs), so the committed dataset is byte-identical either way.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    stage: str
+    workdir: str
+    fingerprint: str
+    code: str
+    config: Any
+    shard_fn: str  # "module:function", called as fn(config, items, writer: ShardWriter) -> StageStats
+    shards: list[list[str]]
+    parents: list[DatasetRef] = []
+    inputs: list[RawFile] = []
+
+    @property
+    def building(self) -> Path:
+        d = dataset_dir(self.workdir, self.stage, self.fingerprint)
+        return d.with_name(f".building-{d.name}")
+
+    def shard_dir(self, index: int) -> Path:
+        return self.building / f"shard-{index:05d}"
+
+    def done_shards(self) -> list[int]:
+        return [i for i in range(len(self.shards)) if (self.shard_dir(i) / SHARD_MARKER).exists()]
+
+
+class ShardWriter(_FileWriter):
+    """Writes one shard into a private directory; `finish` publishes it with one rename."""
+
+    def __init__(self, plan: StagePlan, index: int):
+        super().__init__()
+        self.index = index
+        self.final = plan.shard_dir(index)
+        self.tmp = plan.building / f".tmp-{self.final.name}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir(parents=True)
+
+    def finish(self, stats: StageStats) -> None:
+        atomic_write_json(self.tmp / SHARD_MARKER, {"index": self.index, "entries": self._entries,
+                                                    "stats": stats.to_dict()})
+        fsync_dir(self.tmp)
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError:  # a twin attempt (a retry after a timeout) published it first
+            if not (self.final / SHARD_MARKER).exists():
+                raise
+            shutil.rmtree(self.tmp)
+        fsync_dir(self.final.parent)
+
+
+def plan_stage(
+    workdir: str | Path,
+    stage: str,
+    config: Any,
+    code: str,
+    shard_fn: Callable,
+    shards: list[list[str]],
+    parents: Iterable[DatasetRef] = (),
+    inputs: Iterable[RawFile] = (),
+) -> StagePlan | DatasetRef:
+    """The committed dataset if there is one, else the plan to build it (leftover temporary shard
+    directories of a killed run are removed; finished shards are kept)."""
+    parents, inputs = list(parents), list(inputs)
+    fp = fingerprint(stage, config, code, parents, inputs)
+    done = find_committed(workdir, stage, fp)
+    if done is not None:
+        return done
+    plan = StagePlan(stage=stage, workdir=str(workdir), fingerprint=fp, code=code, config=config,
+                     shard_fn=f"{shard_fn.__module__}:{shard_fn.__qualname__}", shards=shards,
+                     parents=parents, inputs=inputs)
+    plan.building.mkdir(parents=True, exist_ok=True)
+    for stale in plan.building.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return plan
+
+
+def run_shard(plan: StagePlan, index: int) -> dict:
+    """Build shard `index` of `plan` unless a finished copy exists. Idempotent; safe to retry."""
+    if (plan.shard_dir(index) / SHARD_MARKER).exists():
+        return {"index": index, "reused": True}
+    module, _, name = plan.shard_fn.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    writer = ShardWriter(plan, index)
+    try:
+        stats = fn(plan.config, plan.shards[index], writer)
+        writer.finish(stats)
+    except BaseException:
+        writer.abort()
+        raise
+    return {"index": index, "reused": False, "rows_in": stats.rows_in, "rows_kept": stats.rows_kept}
+
+
+def commit_plan(plan: StagePlan) -> DatasetRef:
+    """Merge every shard's entries and stats (in shard order) into one manifest and commit the dataset."""
+    done = find_committed(plan.workdir, plan.stage, plan.fingerprint)
+    if done is not None:
+        return done
+    missing = sorted(set(range(len(plan.shards))) - set(plan.done_shards()))
+    if missing:
+        raise RuntimeError(f"{plan.stage}: cannot commit, shards {missing} of {len(plan.shards)} are not "
+                           f"finished in {plan.building}")
+    writer = DatasetWriter(plan.workdir, plan.stage, plan.fingerprint, tmp=plan.building)
+    stats = StageStats()
+    for i in range(len(plan.shards)):
+        marker = json.loads((plan.shard_dir(i) / SHARD_MARKER).read_text())
+        for kind, entries in marker["entries"].items():
+            writer._entries[kind] += [{**e, "path": f"{plan.shard_dir(i).name}/{e['path']}"} for e in entries]
+        stats = stats + StageStats.from_dict(marker["stats"])
+    return writer.commit(config=plan.config, code=plan.code, parents=plan.parents, inputs=plan.inputs,
+                         stats=stats, extra={"shards": len(plan.shards)})
+
+
+def run_plan(plan: StagePlan | DatasetRef) -> DatasetRef:
+    """Build every shard here, one after another, and commit (library use and tests; the flow maps the
+    shards over its task runner instead)."""
+    if isinstance(plan, DatasetRef):
+        return plan
+    for i in range(len(plan.shards)):
+        run_shard(plan, i)
+    return commit_plan(plan)
+
+
+def plan_per_file(workdir: str | Path, stage: str, config: Any, code: str, parent: DatasetRef,
+                  shard_fn: Callable) -> StagePlan | DatasetRef:
+    """A stage whose shard is one kept file of `parent`."""
+    return plan_stage(workdir, stage, config, code, shard_fn, [[str(p)] for p in parent.files()], parents=[parent])
+
+
+def map_tables(paths: list[str], writer: _FileWriter,
+               fn: Callable[[pa.Table], tuple[pa.Table, pa.Table, StageStats]]) -> StageStats:
+    """`fn(table) -> (kept, rejected, stats)` over each file, one file in memory at a time; one kept file out
+    per file in, rejected rows beside it."""
+    stats = StageStats()
+    for path in paths:
+        kept, rejected, part = fn(pq.read_table(path))
+        writer.write_table(kept)
+        if rejected.num_rows:
+            writer.write_table(rejected, kind="rejected")
+        stats = stats + part
+    return stats
+
+
+def rejected_table(rows: list[dict], stage: str, extra_fields: list[pa.Field] = ()) -> pa.Table:
+    schema = REJECTED_SCHEMA
+    for f in extra_fields:
+        schema = schema.append(f)
+    cols = {name: [r.get(name) for r in rows] for name in schema.names}
+    cols["stage"] = [stage] * len(rows)
+    return pa.table(cols, schema=schema)

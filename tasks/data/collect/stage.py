@@ -1,0 +1,526 @@
+"""collect: raw input files into Parquet document shards.
+
+Inputs (matched by glob patterns, read in sorted order):
+- JSONL, plain, `.gz` or `.zst`: one JSON object per line with a required string `text` and optional `id`,
+  `source`, `url`; every other field is kept in the `meta` JSON column. Blank lines are not records.
+- Parquet with a `text` column (and optional `id`, `source`, `url`; other columns go to `meta`).
+- `.txt`: the whole file is one document.
+- `.html`/`.htm`: one page; its main text is extracted with trafilatura (`tasks/extract.py`).
+- `.warc`/`.warc.gz`: every `response` record is one page (HTML through trafilatura, `text/plain` as is), with
+  `url` = WARC-Target-URI and `source_id` = WARC-Record-ID.
+
+Bad input never stops the stage and never disappears: each bad record becomes a rejected row naming
+the file, the line (or row, or byte offset) and a reason code, while the rest of the file keeps flowing:
+`invalid_utf8`, `invalid_json`, `json_too_deep`, `not_an_object`, `missing_text`, `text_not_string`,
+`empty_text`, `too_large`, `nul_bytes`, `truncated_gzip` / `truncated_zstd` / `truncated_warc` (what was read
+before the break is kept), `empty_file`, `unreadable_parquet`, `missing_text_column`, `no_main_text`,
+`unsupported_content_type`.
+
+Size rule (memory stays bounded by it, whatever the input): a document whose UTF-8 text is larger than
+`max_doc_bytes` (8 MiB) is rejected as `too_large`. A JSONL line longer than `max_line_bytes` is rejected
+as `too_large` after reading at most `max_line_bytes + 1` bytes of it (the rest of the line is skipped in
+1 MiB chunks, never held); `.txt` and `.html` files and WARC payloads over `max_doc_bytes` are rejected
+by their size, unread.
+
+Incremental collection (`incremental: true`; `lifecycle serve` turns it on): files whose (path, sha256)
+is in the work dir's ledger `collected.parquet` are skipped, so a recurring run over a growing input
+directory collects only what is new (a file whose content changed is new). Every run appends its files
+to the ledger when it completes, so a run that crashed is redone in full by the next one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lifecycle.core.code import code_version
+from lifecycle.core.dataset import (
+    DOC_SCHEMA,
+    DatasetRef,
+    RawFile,
+    StagePlan,
+    StageStats,
+    atomic_write_bytes,
+    plan_stage,
+    rejected_table,
+    run_plan,
+)
+from lifecycle.core.paths import confine_matches, is_url
+from lifecycle.core import fs
+from lifecycle.tasks.data.collect import extract
+
+STAGE = "collect"
+KNOWN_FIELDS = ("id", "text", "source", "url")
+
+
+class CollectConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    inputs: list[str] = Field(description=(
+        "Glob patterns of input files (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, .txt, .html, .warc, .warc.gz)."))
+    max_doc_bytes: int = Field(
+        8 << 20,
+        gt=0,
+        description="Documents whose UTF-8 text is larger than this are rejected as `too_large` "
+        "(8 MiB: far above any real page, small enough to keep a shard in memory).",
+    )
+    max_line_bytes: int = Field(
+        32 << 20,
+        gt=0,
+        description="A JSONL line longer than this is rejected as `too_large` without being held in memory "
+        "(32 MiB: room for a max_doc_bytes text with JSON escapes and metadata).",
+    )
+    max_json_depth: int = Field(
+        64, gt=0, description="A JSONL record nested deeper than this (objects/arrays) is rejected as `json_too_deep`."
+    )
+    rows_per_shard: int = Field(20_000, gt=0, description="Kept rows per output Parquet file.")
+    incremental: bool = Field(
+        False, description="Skip input files (same path and sha256) that a completed earlier run in this work dir "
+        "already collected (ledger `<workdir>/collected.parquet`).")
+    shard_bytes: int = Field(
+        8 << 20, gt=0, description="Input files are grouped, in order, into shards of about this many raw bytes; "
+        "shards are collected in parallel and each is resumable on its own.")
+    split_bytes: int = Field(
+        64 << 20, ge=0, description="An uncompressed JSONL file larger than this is split at line boundaries into "
+        "shards of about this many bytes, so one huge file is still collected in parallel (0: never split). "
+        "Compressed files, Parquet, text, HTML and WARC files are never split.")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "CollectConfig":
+        if self.max_line_bytes < self.max_doc_bytes:
+            raise ValueError(f"max_line_bytes ({self.max_line_bytes}) must be >= max_doc_bytes ({self.max_doc_bytes})")
+        return self
+
+    @field_validator("inputs")
+    @classmethod
+    def _non_empty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one input pattern is required")
+        return v
+
+
+class InputError(ValueError):
+    """The inputs cannot be resolved (a pattern matches nothing, an unknown file type)."""
+
+
+def file_kind(path: str) -> str:
+    p = path.lower()
+    if p.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz")):
+        return "jsonl"
+    if p.endswith(".parquet"):
+        return "parquet"
+    if p.endswith(".txt"):
+        return "txt"
+    if p.endswith((".html", ".htm")):
+        return "html"
+    if p.endswith((".warc", ".warc.gz", ".arc", ".arc.gz")):
+        return "warc"
+    raise InputError(f"{path}: unsupported input type (expected .jsonl[.gz|.zst], .parquet, .txt, .html, .warc[.gz])")
+
+
+def resolve_inputs(patterns: list[str]) -> list[RawFile]:
+    """Expand the globs (sorted, de-duplicated) and fingerprint every file by its full sha256."""
+    paths: list[str] = []
+    for pattern in patterns:
+        matched = fs.glob_files(pattern)
+        if not matched:
+            raise InputError(f"collect.inputs: pattern {pattern!r} matches no file")
+        if not is_url(pattern):  # local (file:// too): no symlink or `..` leads out of the pattern's dir
+            confine_matches(pattern, matched, error=InputError)
+        paths.extend(m for m in matched if m not in paths)
+    for p in paths:
+        file_kind(p)  # fail on an unknown type before any work starts
+    return [RawFile(path=p, sha256=fs.sha256(p), bytes=fs.size(p)) for p in paths]
+
+
+def make_doc_id(source_id: str, text: str) -> str:
+    return hashlib.sha256(f"{source_id}\x00{text}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------
+# readers: each yields ("ok", record dict) or ("bad", source_id, reason, detail)
+
+
+def _record(obj: dict, source_id_default: str, path: str) -> dict:
+    meta = {k: v for k, v in obj.items() if k not in KNOWN_FIELDS}
+    sid = obj.get("id")
+    return {
+        "source_id": str(sid) if sid is not None else source_id_default,
+        "text": obj["text"],
+        "source": str(obj["source"]) if obj.get("source") is not None else path,
+        "url": str(obj["url"]) if obj.get("url") is not None else None,
+        "meta": json.dumps(meta, ensure_ascii=False, default=str) if meta else None,
+    }
+
+
+def _check_text(obj: dict) -> tuple[str, str] | None:
+    if "text" not in obj or obj["text"] is None:
+        return "missing_text", "no `text` field"
+    if not isinstance(obj["text"], str):
+        return "text_not_string", f"`text` is {type(obj['text']).__name__}"
+    if not obj["text"].strip():
+        return "empty_text", "`text` is empty or whitespace"
+    return None
+
+
+class _ZstdRaw(io.RawIOBase):
+    """A `.zst` stream that raises EOFError when it ends inside a frame (zstandard's reader ends silently)."""
+
+    def __init__(self, f):
+        self.f, self.obj, self.buf, self.in_frame = f, zstandard.ZstdDecompressor().decompressobj(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.buf:
+            chunk = self.f.read(1 << 16)
+            if not chunk:
+                if self.in_frame:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            while chunk:
+                self.in_frame = True
+                self.buf += self.obj.decompress(chunk)
+                chunk = b""
+                if self.obj.eof:  # frame done: a following frame starts a new decompressor
+                    chunk, self.in_frame = self.obj.unused_data, False
+                    self.obj = zstandard.ZstdDecompressor().decompressobj()
+        n = min(len(b), len(self.buf))
+        b[:n], self.buf = self.buf[:n], self.buf[n:]
+        return n
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+def _open(path: str):
+    p = path.lower()
+    if p.endswith(".gz"):
+        return gzip.open(fs.open_bytes(path), "rb")
+    if p.endswith(".zst"):
+        return io.BufferedReader(_ZstdRaw(fs.open_bytes(path)), 1 << 16)
+    return fs.open_bytes(path)
+
+
+def _bounded_lines(f, cap: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, size) per line; line is None when it is longer than `cap` (its bytes are skipped, not held)."""
+    while raw := f.readline(cap + 1):
+        if len(raw) > cap and not raw.endswith(b"\n"):
+            n = len(raw)
+            while chunk := f.readline(1 << 20):
+                n += len(chunk)
+                if chunk.endswith(b"\n"):
+                    break
+            yield None, n
+        else:
+            yield raw, len(raw)
+
+
+def json_depth(obj) -> int:
+    """Nesting depth of objects/arrays (iterative: a hostile record cannot exhaust the stack here)."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in o)
+    return depth
+
+
+def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) -> Iterator[tuple]:
+    """Every line of `path` as ("ok", record) or ("bad", source_id, reason, detail); with `part`, only the lines
+    of that byte range (line numbers, and so source ids, as in a read of the whole file)."""
+    lineno = part.first_line - 1 if part else 0
+    records = 0
+    left = part.end - part.start if part else None
+    truncated = "truncated_zstd" if path.lower().endswith(".zst") else "truncated_gzip"
+    try:
+        with _open(path) as f:
+            if part:
+                f.seek(part.start)
+            for raw, size in _bounded_lines(f, cfg.max_line_bytes):
+                if left is not None:
+                    if left <= 0:
+                        break
+                    left -= size
+                lineno += 1
+                sid = f"{path}:{lineno}"
+                if raw is None:
+                    records += 1
+                    yield ("bad", sid, "too_large", f"line {lineno}: {size} bytes > max_line_bytes={cfg.max_line_bytes}")
+                    continue
+                if not raw.strip():
+                    continue
+                records += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield ("bad", sid, "invalid_utf8", f"line {lineno} byte {e.start}: {e.reason}")
+                    continue
+                try:
+                    obj = json.loads(line)
+                except RecursionError:
+                    yield ("bad", sid, "json_too_deep", f"line {lineno}: nesting exceeds the parser's recursion limit")
+                    continue
+                except json.JSONDecodeError as e:
+                    yield ("bad", sid, "invalid_json", f"line {lineno}: {str(e)[:200]}")
+                    continue
+                if not isinstance(obj, dict):
+                    yield ("bad", sid, "not_an_object", f"line {lineno}: a JSON {type(obj).__name__}")
+                    continue
+                depth = json_depth(obj)
+                if depth > cfg.max_json_depth:
+                    yield ("bad", str(obj.get("id", sid)), "json_too_deep",
+                           f"line {lineno}: depth {depth} > max_json_depth={cfg.max_json_depth}")
+                    continue
+                problem = _check_text(obj)
+                if problem:
+                    yield ("bad", str(obj.get("id", sid)), problem[0], f"line {lineno}: {problem[1]}")
+                    continue
+                yield ("ok", _record(obj, sid, path))
+    except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, OSError) as e:
+        records += 1
+        yield ("bad", f"{path}:{lineno + 1}", truncated, f"stream broke after line {lineno}: {e}")
+    if not records and part is None:
+        yield ("bad", f"{path}:0", "empty_file", "no records (empty file or only blank lines)")
+
+
+def read_parquet(path: str, cfg: CollectConfig) -> Iterator[tuple]:
+    try:
+        pf = pq.ParquetFile(fs.open_bytes(path))
+    except Exception as e:  # pyarrow raises several types for a damaged footer
+        yield ("bad", path, "unreadable_parquet", str(e)[:200])
+        return
+    if "text" not in pf.schema_arrow.names:
+        yield ("bad", path, "missing_text_column", f"columns: {pf.schema_arrow.names}")
+        return
+    if pf.metadata.num_rows == 0:
+        yield ("bad", f"{path}:0", "empty_file", "Parquet file has no rows")
+        return
+    row = 0
+    try:
+        for batch in pf.iter_batches(batch_size=4096):
+            for obj in batch.to_pylist():
+                row += 1
+                sid = f"{path}:{row}"
+                problem = _check_text(obj)
+                if problem:
+                    yield ("bad", str(obj.get("id") or sid), *problem)
+                    continue
+                yield ("ok", _record(obj, sid, path))
+    except Exception as e:
+        yield ("bad", f"{path}:{row + 1}", "unreadable_parquet", f"failed after row {row}: {str(e)[:200]}")
+
+
+def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
+    size = fs.size(path)
+    if size == 0:
+        yield ("bad", f"{path}:0", "empty_file", "file is empty")
+        return
+    if size > cfg.max_doc_bytes:  # decided on the file size, never read
+        yield ("bad", path, "too_large", f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+        return
+    data = fs.read_bytes(path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        yield ("bad", path, "invalid_utf8", f"byte {e.start}: {e.reason}")
+        return
+    problem = _check_text({"text": text})
+    if problem:
+        yield ("bad", path, *problem)
+        return
+    yield ("ok", _record({"text": text}, path, path))
+
+
+READERS = {
+    "jsonl": read_jsonl,
+    "parquet": read_parquet,
+    "txt": read_txt,
+    "html": lambda path, cfg: extract.read_html(path, cfg.max_doc_bytes),
+    "warc": lambda path, cfg: extract.read_warc(path, cfg.max_doc_bytes),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# the stage
+
+
+# --------------------------------------------------------------------------------------------------
+# splitting a large uncompressed JSONL file into line-aligned byte ranges
+
+_PART = "\0part\0"  # a shard item naming a byte range of a file (no path holds a NUL byte)
+
+
+class FilePart(BaseModel):
+    """The lines of `path` in bytes [start, end), numbered from `first_line`; start is the start of a line."""
+
+    model_config = ConfigDict(frozen=True)
+    path: str
+    start: int
+    end: int
+    first_line: int
+
+    def item(self) -> str:
+        return _PART + self.model_dump_json()
+
+
+def parse_item(item: str) -> tuple[str, FilePart | None]:
+    """(path, part) of a shard item: a plain path, or a byte range written by `FilePart.item`."""
+    if item.startswith(_PART):
+        part = FilePart.model_validate_json(item[len(_PART):])
+        return part.path, part
+    return item, None
+
+
+def splittable(raw: RawFile, split_bytes: int) -> bool:
+    return raw.bytes > split_bytes and raw.path.lower().endswith((".jsonl", ".ndjson"))  # not .gz/.zst
+
+
+def split_file(path: str, split_bytes: int, chunk: int = 4 << 20) -> list[FilePart]:
+    """Line-aligned byte ranges of about `split_bytes` each, with the number of each range's first line: one
+    sequential read of the file counting newlines, in memory one chunk at a time."""
+    parts, start, first_line = [], 0, 1
+    pos = lines = 0  # bytes and newlines before the current chunk
+    target = split_bytes
+    with fs.open_bytes(path) as f:
+        while buf := f.read(chunk):
+            at = 0
+            while target < pos + len(buf):
+                nl = buf.find(b"\n", max(at, target - pos))
+                if nl < 0:
+                    break
+                end = pos + nl + 1
+                parts.append(FilePart(path=path, start=start, end=end, first_line=first_line))
+                start, first_line, at = end, lines + buf.count(b"\n", 0, nl + 1) + 1, nl + 1
+                target = end + split_bytes
+            pos, lines = pos + len(buf), lines + buf.count(b"\n")
+    if pos > start or not parts:
+        parts.append(FilePart(path=path, start=start, end=pos, first_line=first_line))
+    return parts
+
+
+def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
+    """Read the shard's input files in order; kept rows in files of `rows_per_shard`, rejected rows beside."""
+    stats = StageStats()
+    kept: list[dict] = []
+    rejected: list[dict] = []
+
+    def flush(final: bool = False) -> None:
+        if kept and (final or len(kept) >= cfg.rows_per_shard):
+            writer.write_table(pa.Table.from_pylist(kept, schema=DOC_SCHEMA))
+            kept.clear()
+
+    for entry in paths:
+        path, part = parse_item(entry)
+        for item in (read_jsonl(path, cfg, part) if part else READERS[file_kind(path)](path, cfg)):
+            stats.rows_in += 1
+            if item[0] == "bad":
+                _, sid, reason, detail = item
+                rejected.append({"doc_id": make_doc_id(sid, ""), "source_id": sid, "reason": reason,
+                                 "detail": f"{path}: {detail}"})
+                stats.rejected[reason] += 1
+                continue
+            rec = item[1]
+            nbytes = len(rec["text"].encode("utf-8", "surrogatepass"))
+            stats.bytes_in += nbytes
+            reason = detail = None
+            if "\x00" in rec["text"]:
+                reason, detail = "nul_bytes", f"{path}: text holds NUL bytes"
+            elif nbytes > cfg.max_doc_bytes:
+                reason, detail = "too_large", f"{path}: {nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}"
+            if reason:
+                rejected.append({"doc_id": make_doc_id(rec["source_id"], rec["text"]), "source_id": rec["source_id"],
+                                 "reason": reason, "detail": detail})
+                stats.rejected[reason] += 1
+                continue
+            rec["doc_id"] = make_doc_id(rec["source_id"], rec["text"])
+            kept.append(rec)
+            stats.rows_kept += 1
+            stats.bytes_out += nbytes
+            flush()
+    flush(final=True)
+    if rejected:
+        writer.write_table(rejected_table(rejected, STAGE), kind="rejected")
+    return stats
+
+
+def shard_inputs(inputs: list[RawFile], shard_bytes: int, split_bytes: int = 0) -> list[list[str]]:
+    """Consecutive input files, grouped until a group holds at least `shard_bytes` raw bytes; an uncompressed
+    JSONL file larger than `split_bytes` (when > 0) becomes shards of its own, one per line-aligned byte range of
+    about `split_bytes` (`split_file`)."""
+    shards: list[list[str]] = []
+    size = shard_bytes
+    for raw in inputs:
+        if split_bytes and splittable(raw, split_bytes):
+            shards += [[part.item()] for part in split_file(raw.path, split_bytes)]
+            size = shard_bytes
+            continue
+        if size >= shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(raw.path)
+        size += raw.bytes
+    return shards
+
+
+LEDGER = "collected.parquet"
+LEDGER_SCHEMA = pa.schema([("path", pa.string()), ("sha256", pa.string()), ("bytes", pa.int64()),
+                           ("collect_sha256", pa.string()), ("collected_at", pa.string())])
+
+
+def read_ledger(workdir: str) -> pa.Table:
+    p = Path(workdir) / LEDGER
+    return pq.read_table(p) if p.exists() else LEDGER_SCHEMA.empty_table()
+
+
+def _ledger_keys(ledger: pa.Table) -> set[tuple[str, str]]:
+    return set(zip(ledger.column("path").to_pylist(), ledger.column("sha256").to_pylist()))
+
+
+def new_inputs(inputs: list[RawFile], workdir: str) -> list[RawFile]:
+    seen = _ledger_keys(read_ledger(workdir))
+    return [r for r in inputs if (r.path, r.sha256) not in seen]
+
+
+def record_collected(workdir: str, ref: DatasetRef) -> int:
+    """Append the raw files of a completed run's collect dataset to the ledger (atomically); returns how
+    many were new to it."""
+    old = read_ledger(workdir)
+    m = ref.manifest()
+    seen = _ledger_keys(old)
+    rows = [{**r, "collect_sha256": m["sha256"], "collected_at": m["created_at"]} for r in m["inputs"]
+            if (r["path"], r["sha256"]) not in seen]
+    if rows:
+        table = pa.concat_tables([old, pa.Table.from_pylist(rows, schema=LEDGER_SCHEMA)])
+        buf = pa.BufferOutputStream()
+        pq.write_table(table, buf)
+        atomic_write_bytes(Path(workdir) / LEDGER, buf.getvalue().to_pybytes())
+    return len(rows)
+
+
+def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> StagePlan | DatasetRef:
+    inputs = resolve_inputs(cfg.inputs) if inputs is None else inputs
+    if cfg.incremental:
+        inputs = new_inputs(inputs, workdir)
+    return plan_stage(workdir, STAGE, cfg, code_version(__package__), collect_shard,
+                      shard_inputs(inputs, cfg.shard_bytes, cfg.split_bytes), inputs=inputs)
+
+
+def run_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> DatasetRef:
+    return run_plan(plan_collect(cfg, workdir, inputs))

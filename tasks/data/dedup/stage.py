@@ -1,0 +1,536 @@
+"""dedup: exact duplicates over normalised text (one DuckDB query), then MinHash LSH near-duplicates,
+within this run and, incrementally, against everything kept by earlier runs.
+
+Two halves. The costly one is sharded: `plan_signatures` plans one shard per kept file of the parent, and
+`signature_shard` writes, for every row in the parent's order, its doc_id, source_id, normalised-text hash
+(`exact_hash`), MinHash signature and LSH band keys, into the `dedup-signatures` dataset (committed like any
+sharded stage, so a killed run rebuilds only unfinished shards). The global half, `dedup`, decides every row in
+DuckDB over those files (`decide`): exact copies by a window over the hashes, LSH buckets by grouping the
+unnested band keys, connected components by large-star/small-star rounds over the candidate edges
+(`components`), then one `decision` table; it runs in a scratch database beside the dataset under a memory
+limit (`memory_limit`, `orchestration.dedup_memory_limit`, default 2GB) and spills past it, so its memory does
+not grow with the corpus. Kept rows, rejected rows and index rows are then written one parent file at a time.
+
+Keep policy: within a cluster of duplicates, a document kept by an earlier dedup run (the persisted index)
+wins; otherwise the document that comes first in the parent dataset's order (file order, then row order) is
+kept; that order is the collect order of the raw inputs, so the earliest-seen copy survives. The kept row
+records `cluster_id` (the kept document's `doc_id`) and `cluster_size` (copies in this run); every removed row
+is rejected with reason `duplicate`, `duplicate_of` = the kept document's `doc_id` and `duplicate_kind` = `exact`
+(same normalised text) or `near` (MinHash LSH); `detail` says both in words and, for a match in the index, names
+the earlier dedup dataset that kept it. The stats count each kind (`counters`: `duplicate_exact`,
+`duplicate_near`, and `duplicate_of_earlier_run` for matches in the index).
+
+Signatures are `lifecycle.tasks.data.dedup.minhash.signatures` (vectorised, datasketch's permutations and `affine32` scheme); LSH
+candidates are documents sharing one of `bands` band keys (`lifecycle.tasks.data.dedup.minhash.band_keys`, the rule of datasketch's
+`MinHashLSH(params=(bands, rows))`). Near-duplicate clusters are connected components of the graph that links
+each member of a bucket to the bucket's smallest node (this run's rows and the index's kept documents; index
+documents are not linked to each other). With `verify_jaccard`, every pair sharing a bucket is checked before
+it becomes an edge: the true Jaccard of the two shingle sets for two documents of this run (texts streamed from
+DuckDB in batches), the signatures' Jaccard estimate against the index (whose texts are not kept).
+
+Incremental index (`incremental=True`): the doc_id, normalised-text hash, band keys and signature of every kept
+document are written into the dataset (`dedup-index.parquet`) and, after the dataset commit, published to
+`<workdir>/dedup-index/<index-config-hash>/part-NNNNN.parquet` with `_index.json` written last (atomic renames,
+under a file lock). A run is deduplicated against the parts published before the first part of its own parent
+(all parts for a new parent), and the sha256 of that part list is part of the dataset fingerprint, so a cached
+dataset is never reused against a different index and a rerun of the same inputs reproduces its dataset.
+Limit: two runs in flight at once both dedup against the index as it was when they started, not against each
+other.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from datasketch import LeanMinHash, MinHash
+from pydantic import BaseModel, ConfigDict, Field
+
+from lifecycle.core.code import code_version
+from lifecycle.core.dataset import (
+    DatasetRef, DatasetWriter, StagePlan, StageStats, atomic_write_bytes, atomic_write_json, materialize, plan_per_file, rejected_table, run_plan, sha256_file, sha256_json,
+)
+from lifecycle.tasks.data.dedup import minhash as minhash_module
+
+STAGE = "dedup"
+SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
+INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
+INDEX_MANIFEST = "_index.json"
+REJECT_REASON = "duplicate"  # one reason for every removed copy; `duplicate_kind` says exact or near
+DUPLICATE_KINDS = ("exact", "near")
+REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_kind", pa.string())]
+DUCKDB_MEMORY = "2GB"  # the global half's DuckDB memory limit (it spills to disk beyond it)
+BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+class DedupConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    exact: bool = Field(True, description="Drop exact duplicates of the normalised text (lowercase, collapsed whitespace).")
+    near: bool = Field(True, description="Drop MinHash LSH near-duplicates.")
+    ngram: int = Field(5, ge=1, description="Word n-gram size of the shingles (FineWeb: 5).")
+    bands: int = Field(14, ge=1, description="LSH bands (FineWeb: 14 bands x 8 rows = 112 permutations).")
+    rows: int = Field(8, ge=1, description="LSH rows per band.")
+    seed: int = Field(1, description="Seed of the MinHash permutations.")
+    verify_jaccard: float | None = Field(
+        None, ge=0, le=1, description="If set, merge a candidate pair only when its true shingle Jaccard is >= this."
+    )
+    incremental: bool = Field(
+        True, description="Also drop duplicates of documents kept by earlier dedup runs in this work dir, and "
+        "add this run's kept documents to that index (<workdir>/dedup-index/).")
+
+    @property
+    def num_perm(self) -> int:
+        return self.bands * self.rows
+
+
+def shingles(text: str, n: int) -> set[bytes]:
+    words = _WORD.findall(text.lower())
+    if len(words) < n:
+        return {" ".join(words).encode()} if words else set()
+    return {" ".join(words[i : i + n]).encode() for i in range(len(words) - n + 1)}
+
+
+def signature(sh: set[bytes], cfg: DedupConfig) -> LeanMinHash:
+    """datasketch's own per-document signature (SHA-1 shingle hashes): the reference the benchmark compares
+    against. The stage itself uses `lifecycle.tasks.data.dedup.minhash.signatures`."""
+    m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
+    if sh:
+        m.update_batch(list(sh))
+    return LeanMinHash(m)
+
+
+def duplicate_row(doc_id: str, source_id: str, kind: str, of: str, earlier: str | None) -> dict:
+    """The rejected row of a removed copy: reason `duplicate`, its kind and the doc_id it duplicates."""
+    detail = f"{kind} duplicate of {of}" + (f"; {earlier}" if earlier else "")
+    return {"doc_id": doc_id, "source_id": source_id, "reason": REJECT_REASON, "detail": detail,
+            "duplicate_of": of, "duplicate_kind": kind}
+
+
+# --------------------------------------------------------------------------------------------------
+# first half, sharded: per parent file, the normalised-text hash, signature and band keys of every row
+
+
+class SignatureConfig(BaseModel):
+    """What a signature file depends on (a `DedupConfig` minus the decisions made from the signatures)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ngram: int
+    bands: int
+    rows: int
+    seed: int
+    minhash: bool = Field(description="Compute signatures and band keys (false: exact dedup only, hashes alone).")
+
+    @property
+    def num_perm(self) -> int:
+        return self.bands * self.rows
+
+
+def signature_config(cfg: DedupConfig) -> SignatureConfig:
+    return SignatureConfig(ngram=cfg.ngram, bands=cfg.bands, rows=cfg.rows, seed=cfg.seed,
+                           minhash=cfg.near or cfg.incremental)
+
+
+_EXACT_HASH = r"md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g'))"  # lower-case, collapsed whitespace
+
+
+def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStats:
+    """One signature file per parent file, rows in the parent's order: doc_id, source_id, exact_hash and,
+    with `minhash`, the MinHash signature and its LSH band keys (`lifecycle.tasks.data.dedup.minhash`, one numba kernel)."""
+    stats = StageStats()
+    con = duckdb.connect()
+    try:
+        for path in files:
+            t = con.sql(f"SELECT doc_id, source_id, {_EXACT_HASH} AS exact_hash, text FROM read_parquet($f, "
+                        "file_row_number = true) ORDER BY file_row_number", params={"f": path}).to_arrow_table()
+            text = t.column("text").combine_chunks()
+            out = t.drop_columns(["text"])
+            if cfg.minhash:
+                sig = np.zeros((t.num_rows, cfg.num_perm), np.uint32)
+                for start in range(0, t.num_rows, BATCH_DOCS):  # a signature does not depend on its batch
+                    sig[start : start + BATCH_DOCS] = minhash_module.signatures(
+                        text.slice(start, BATCH_DOCS), cfg.ngram, cfg.num_perm, cfg.seed)
+                keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
+                out = out.append_column("band_keys", _fixed_list(keys, pa.uint64()))
+                out = out.append_column("signature", _fixed_list(sig, pa.uint32()))
+            writer.write_table(out)
+            stats.rows_in += t.num_rows
+            stats.rows_kept += t.num_rows
+            stats.bytes_in += pc.sum(pc.binary_length(text)).as_py() or 0
+    finally:
+        con.close()
+    return stats
+
+
+def _fixed_list(a: np.ndarray, t: pa.DataType) -> pa.FixedSizeListArray:
+    return pa.FixedSizeListArray.from_arrays(pa.array(a.ravel(), t), a.shape[1])
+
+
+def _matrix(col: pa.ChunkedArray | pa.Array, width: int, dtype) -> np.ndarray:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks else pa.array([], pa.list_(pa.uint8(), width))
+    return col.flatten().to_numpy().astype(dtype, copy=False).reshape(-1, width) if len(col) else np.zeros((0, width), dtype)
+
+
+def plan_signatures(parent: DatasetRef, cfg: DedupConfig, workdir: str) -> StagePlan | DatasetRef:
+    """One shard per kept file of `parent` (the committed signature dataset instead if it exists)."""
+    return plan_per_file(workdir, SIG_STAGE, signature_config(cfg), code_version(__package__), parent, signature_shard)
+
+
+# --------------------------------------------------------------------------------------------------
+# the persisted index of kept documents (incremental dedup)
+
+
+class Index:
+    """The index parts an incremental run deduplicates against (read by DuckDB, never loaded whole)."""
+
+    def __init__(self, directory: Path, parts: list[dict]):
+        self.dir, self.parts = directory, parts
+        self.state = sha256_json([(p["path"], p["sha256"]) for p in parts])
+        for p in parts:  # the state names these bytes: refuse a part that changed or vanished
+            if not (directory / p["path"]).exists() or sha256_file(directory / p["path"]) != p["sha256"]:
+                raise RuntimeError(f"dedup index {directory / p['path']}: missing or not the sha256 in "
+                                   f"{directory / INDEX_MANIFEST}; remove the index or restore the file")
+        self.paths = [str(directory / p["path"]) for p in parts]
+        self.counts = [pq.ParquetFile(p).metadata.num_rows for p in self.paths]
+        self.num_rows = sum(self.counts)
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def dataset_of(self, part: int) -> str:
+        return f"kept by an earlier run: datasets/{STAGE}/{self.parts[part]['dataset'][:20]}"
+
+
+def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
+    """One index per signature-compatible configuration (shingles, permutations, banding, signature code)."""
+    key = sha256_json({"ngram": cfg.ngram, "bands": cfg.bands, "rows": cfg.rows, "seed": cfg.seed,
+                       "minhash": hashlib.sha256(Path(minhash_module.__file__).read_bytes()).hexdigest()})
+    return Path(workdir) / "dedup-index" / key[:16]
+
+
+@contextmanager
+def _locked(directory: Path):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read_parts(directory: Path) -> list[dict]:
+    m = directory / INDEX_MANIFEST
+    if not m.exists():
+        return []
+    return json.loads(m.read_text())["parts"]
+
+
+def base_parts(parts: list[dict], parent: DatasetRef) -> list[dict]:
+    """The parts a run over `parent` deduplicates against: those published before the first part of the same
+    parent (so a rerun reproduces its dataset and never dedups against itself), else all of them."""
+    for k, p in enumerate(parts):
+        if p["parent_sha256"] == parent.sha256:
+            return parts[:k]
+    return parts
+
+
+def publish(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str | Path) -> None:
+    """Append a committed dataset's kept documents to the index (once): part file first, `_index.json` last."""
+    directory = index_dir(workdir, cfg)
+    with _locked(directory):
+        parts = _read_parts(directory)
+        if any(p["dataset"] == ref.fingerprint for p in parts):
+            return
+        src = ref.dir / INDEX_FILE
+        name = f"part-{len(parts):05d}.parquet"
+        atomic_write_bytes(directory / name, src.read_bytes())
+        parts.append({"path": name, "sha256": sha256_file(directory / name), "num_rows": ref.num_rows,
+                      "dataset": ref.fingerprint, "dataset_path": str(ref.dir), "parent_sha256": parent.sha256,
+                      "base_state": ref.manifest()["config"].get("index_state")})
+        atomic_write_json(directory / INDEX_MANIFEST, {"config": cfg.model_dump(mode="json"), "parts": parts})
+
+
+# --------------------------------------------------------------------------------------------------
+# second half, global: exact copies, LSH candidates, clusters, keep policy -- all in DuckDB, which spills to
+# disk past its memory limit, so this half's memory does not grow with the corpus. Every document is a node:
+# the index's kept documents 0..m-1 (parts in order), then this run's rows m.. in parent order, so "the
+# smallest node of a cluster" is the keep policy.
+
+
+def _files_table(con: duckdb.DuckDBPyConnection, name: str, files: list[str], counts: list[int], base: int) -> None:
+    """A small table (file, file_idx, base): global node of row r of file k = base_k + r."""
+    starts = base + np.concatenate([[0], np.cumsum(counts, dtype=np.int64)[:-1]]).astype(np.int64)
+    con.register(f"{name}_arrow", pa.table({"file": pa.array(files, pa.string()),
+                                            "file_idx": pa.array(range(len(files)), pa.int32()),
+                                            "base": pa.array(starts, pa.int64())}))
+    con.execute(f"CREATE TABLE {name} AS SELECT * FROM {name}_arrow")
+    con.unregister(f"{name}_arrow")
+
+
+def _nodes(files_table: str, files: list[str], columns: str) -> str:
+    """SQL: the rows of `files` (listed in `files_table`) with their global node, file_idx and row."""
+    listed = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+    return (f"SELECT f.base + s.file_row_number AS node, f.file_idx, s.file_row_number AS row, {columns} "
+            f"FROM read_parquet({listed}, filename = true, file_row_number = true) s "
+            f"JOIN {files_table} f ON s.filename = f.file")
+
+
+def components(con: duckdb.DuckDBPyConnection) -> int:
+    """Connected components of the undirected graph `edges(a, b)` (a > b) as `lab(node, l)`: l = the smallest
+    node of the component, for every node on an edge. The large-star / small-star alternation of Kiveris et al.,
+    "Connected Components in MapReduce and Beyond" (SoCC 2014): each step is one aggregate and one join over
+    tables DuckDB can spill, it ends with every node linked to its component's minimum, in O(log^2 n) rounds
+    (about log n in practice). Returns the rounds."""
+    con.execute("CREATE OR REPLACE TABLE cc AS SELECT DISTINCT a, b FROM edges")
+    rounds = 0
+    while True:
+        rounds += 1
+        # large star: every larger neighbour of u links to the smallest node around u
+        con.execute("""
+            CREATE OR REPLACE TABLE cc2 AS
+            WITH m AS (SELECT a AS u, min(b) AS m FROM cc GROUP BY a)
+            SELECT DISTINCT e.a, coalesce(m.m, e.b) AS b FROM cc e LEFT JOIN m ON m.u = e.b""")
+        # small star: u and its smaller neighbours link to the smallest of them
+        con.execute("""
+            CREATE OR REPLACE TABLE cc3 AS
+            WITH m AS (SELECT a AS u, min(b) AS m FROM cc2 GROUP BY a)
+            SELECT DISTINCT e.b AS a, m.m AS b FROM cc2 e JOIN m ON m.u = e.a WHERE e.b <> m.m
+            UNION SELECT u, m FROM m""")
+        changed = con.execute("SELECT (SELECT count(*) FROM (SELECT a, b FROM cc3 EXCEPT SELECT a, b FROM cc)) + "
+                              "(SELECT count(*) FROM (SELECT a, b FROM cc EXCEPT SELECT a, b FROM cc3))").fetchone()[0]
+        con.execute("DROP TABLE cc")
+        con.execute("DROP TABLE cc2")
+        con.execute("ALTER TABLE cc3 RENAME TO cc")
+        if not changed:
+            break
+    con.execute("CREATE OR REPLACE TABLE lab AS SELECT a AS node, b AS l FROM cc "
+                "UNION SELECT DISTINCT b, b FROM cc")
+    con.execute("DROP TABLE cc")
+    return rounds
+
+
+def _verified_edges(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, m: int, spill: Path) -> None:
+    """`edges` = the candidate pairs (`pairs`) whose Jaccard is >= `verify_jaccard`: true shingle Jaccard of the
+    two texts for a pair of this run's documents, the signatures' estimate against the index (whose texts are
+    not kept). Pairs stream through in batches; the passing ones are written to a Parquet file in `spill`."""
+    out = spill / "verified-edges.parquet"
+    schema = pa.schema([("a", pa.int64()), ("b", pa.int64())])
+    with pq.ParquetWriter(out, schema) as w:
+        queries = (
+            ("SELECT p.a, p.b, x.text AS x, y.text AS y FROM pairs p JOIN texts x ON x.node = p.a "
+             f"JOIN texts y ON y.node = p.b WHERE p.b >= {m}", "text"),
+            ("SELECT p.a, p.b, x.signature AS x, y.signature AS y FROM pairs p JOIN sigs x ON x.node = p.a "
+             f"JOIN index_sigs y ON y.node = p.b WHERE p.b < {m}", "signature"),
+        )
+        for sql, kind in queries:
+            if kind == "signature" and not m:
+                continue
+            reader = con.sql(sql).to_arrow_reader(BATCH_DOCS)
+            for batch in reader:
+                if not batch.num_rows:
+                    continue
+                if kind == "text":
+                    j = np.array([_jaccard(shingles(x, cfg.ngram), shingles(y, cfg.ngram)) for x, y in
+                                  zip(batch.column("x").to_pylist(), batch.column("y").to_pylist())])
+                else:
+                    j = np.mean(_matrix(batch.column("x"), cfg.num_perm, np.uint32)
+                                == _matrix(batch.column("y"), cfg.num_perm, np.uint32), axis=1)
+                ok = pa.array(j >= cfg.verify_jaccard)
+                w.write_table(pa.table({"a": batch.column("a"), "b": batch.column("b")}, schema=schema).filter(ok))
+    con.execute("CREATE TABLE edges AS SELECT a, b FROM read_parquet($f)", {"f": str(out)})
+
+
+def _jaccard(a: set, b: set) -> float:
+    return len(a & b) / max(1, len(a | b))
+
+
+def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], sig_files: list[str],
+           counts: list[int], index: Index | None, spill: Path) -> None:
+    """Build the table `decision(node, file_idx, row, doc_id, source_id, kind, of_doc, part_idx, cluster_size)`,
+    ordered by node: `kind` NULL (kept), 'exact' or 'near'; `of_doc` the doc_id a removed row duplicates and
+    `part_idx` the index part that kept it (NULL: this run); `cluster_size` of a kept row."""
+    m = index.num_rows if index is not None else 0
+    _files_table(con, "sig_files", sig_files, counts, m)
+    _files_table(con, "parent_files", files, counts, m)
+    con.execute(f"CREATE TABLE docs AS {_nodes('sig_files', sig_files, 's.doc_id, s.source_id, s.exact_hash AS h')}")
+    if m:
+        _files_table(con, "index_files", index.paths, index.counts, 0)
+        con.execute(f"CREATE TABLE idx AS {_nodes('index_files', index.paths, 's.doc_id, s.exact_hash AS h')}")
+    else:
+        con.execute("CREATE TABLE idx (node BIGINT, file_idx INT, row BIGINT, doc_id VARCHAR, h VARCHAR)")
+    exact = "true" if cfg.exact else "false"
+    # 1. exact: the first row (smallest node) with the same normalised text, here or in the index
+    con.execute(f"""
+        CREATE TABLE ex AS
+        WITH g AS (SELECT node, h, min(node) OVER (PARTITION BY h) AS first_node,
+                          count(*) OVER (PARTITION BY h) AS copies FROM docs),
+             i AS (SELECT h, min(node) AS inode FROM idx GROUP BY h)
+        SELECT g.node, {exact} AND (g.first_node <> g.node OR i.inode IS NOT NULL) AS dup,
+               coalesce(i.inode, g.first_node) AS exact_of,
+               -- a kept row's cluster_size counts this run's rows: its exact copies and its near duplicates'
+               CASE WHEN NOT {exact} THEN 1 WHEN g.first_node = g.node AND i.inode IS NULL THEN g.copies ELSE 0
+               END AS weight
+        FROM g LEFT JOIN i USING (h)""")
+    # 2. near: LSH buckets (band, key) of the exact survivors and the index; candidate edges
+    if cfg.near:
+        con.execute(f"CREATE VIEW sigs AS {_nodes('sig_files', sig_files, 's.band_keys, s.signature')}")
+        con.execute(f"CREATE VIEW index_sigs AS {_nodes('index_files', index.paths, 's.band_keys, s.signature')}"
+                    if m else "CREATE VIEW index_sigs AS SELECT * FROM sigs WHERE false")
+        con.execute("""
+            CREATE TABLE bk AS
+            SELECT node, generate_subscripts(band_keys, 1) AS band, unnest(band_keys) AS key
+            FROM (SELECT s.node, s.band_keys FROM sigs s JOIN ex USING (node) WHERE NOT ex.dup
+                  UNION ALL SELECT node, band_keys FROM index_sigs)""")
+        if cfg.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
+            con.execute(f"""
+                CREATE TABLE edges AS
+                WITH buckets AS (SELECT band, key, min(node) AS first FROM bk GROUP BY band, key HAVING count(*) > 1)
+                SELECT DISTINCT bk.node AS a, buckets.first AS b FROM bk JOIN buckets USING (band, key)
+                WHERE bk.node <> buckets.first AND bk.node >= {m}""")
+        else:  # every pair sharing a bucket (at least one of this run), each verified before it is merged
+            con.execute(f"CREATE VIEW texts AS {_nodes('parent_files', files, 's.text')}")
+            con.execute(f"""
+                CREATE TABLE pairs AS
+                SELECT DISTINCT x.node AS a, y.node AS b FROM bk x JOIN bk y
+                    ON x.band = y.band AND x.key = y.key AND y.node < x.node
+                WHERE x.node >= {m}""")
+            _verified_edges(con, cfg, m, spill)
+    else:
+        con.execute("CREATE TABLE edges (a BIGINT, b BIGINT)")
+    components(con)
+    # 3. decisions, cluster sizes and the doc_id each removed row duplicates
+    con.execute("""
+        CREATE TABLE dec AS
+        SELECT d.node, d.file_idx, d.row, d.doc_id, d.source_id, ex.weight,
+               CASE WHEN ex.dup THEN 'exact' WHEN coalesce(lab.l, d.node) <> d.node THEN 'near' END AS kind,
+               CASE WHEN ex.dup THEN ex.exact_of ELSE coalesce(lab.l, d.node) END AS of_node
+        FROM docs d JOIN ex USING (node) LEFT JOIN lab USING (node)""")
+    con.execute("""
+        CREATE TABLE decision AS
+        WITH sizes AS (SELECT of_node AS node, sum(weight) AS size FROM dec WHERE kind IS NULL OR kind = 'near'
+                       GROUP BY of_node),
+             named AS (SELECT node, doc_id, NULL::INT AS part_idx FROM docs
+                       UNION ALL SELECT node, doc_id, file_idx FROM idx)
+        SELECT dec.node, dec.file_idx, dec.row, dec.doc_id, dec.source_id, dec.kind,
+               CASE WHEN dec.kind IS NOT NULL THEN named.doc_id END AS of_doc,
+               CASE WHEN dec.kind IS NOT NULL THEN named.part_idx END AS part_idx,
+               CASE WHEN dec.kind IS NULL THEN sizes.size::INT END AS cluster_size
+        FROM dec LEFT JOIN named ON named.node = dec.of_node LEFT JOIN sizes ON sizes.node = dec.node
+        ORDER BY dec.node""")
+    for t in ("dec", "ex", "bk", "pairs", "edges", "lab", "docs"):
+        con.execute(f"DROP TABLE IF EXISTS {t}")
+
+
+# --------------------------------------------------------------------------------------------------
+# the stage
+
+
+def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: DatasetRef,
+          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY) -> StageStats:
+    """The global half: decide every row of `parent` from its signature dataset `sigs` (one file per parent
+    file, same rows in the same order) in DuckDB (`decide`, at most `memory_limit`, spilling beyond it), then
+    write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time."""
+    files = [str(p) for p in parent.files()]
+    sig_files = [str(p) for p in sigs.files()]
+    if len(sig_files) != len(files):
+        raise RuntimeError(f"{sigs.dir}: {len(sig_files)} signature files for {len(files)} files of {parent.dir}")
+    counts = [e["num_rows"] for e in sigs.manifest()["files"]]
+    stats = StageStats()
+    spill = Path(tempfile.mkdtemp(prefix=".spill-", dir=writer.tmp.parent))  # beside the dataset, never in it
+    # a database file, not an in-memory one: its tables can leave memory, so memory_limit bounds the whole half
+    con = duckdb.connect(str(spill / "dedup.duckdb"), config={
+        "memory_limit": memory_limit, "temp_directory": str(spill / "duckdb"), "preserve_insertion_order": False})
+    index_path = writer.path(INDEX_FILE)
+    index_rows = 0
+    index_schema = _index_schema(cfg)
+    index_out = pq.ParquetWriter(index_path, index_schema, compression="zstd") if cfg.incremental else None
+    try:
+        if files:
+            decide(con, cfg, files, sig_files, counts, index, spill)
+        for k, (path, sig_path) in enumerate(zip(files, sig_files)):
+            t = pq.read_table(path)
+            d = con.sql("SELECT doc_id, source_id, kind, of_doc, part_idx, cluster_size FROM decision "
+                        "WHERE file_idx = $k ORDER BY row", params={"k": k}).to_arrow_table()
+            if d.num_rows != t.num_rows or not d.column("doc_id").cast(pa.string()).equals(
+                    t.column("doc_id").cast(pa.string())):
+                raise RuntimeError(f"{path}: rows differ from its signature file {sig_path}; rebuild the signatures")
+            keep = pc.is_null(d.column("kind"))
+            kept = t.filter(keep)
+            kept = kept.append_column("cluster_id", kept.column("doc_id"))
+            kept = kept.append_column("cluster_size", d.column("cluster_size").filter(keep).cast(pa.int32()))
+            rejected = []
+            for r in d.filter(pc.invert(keep)).to_pylist():
+                part = r["part_idx"]
+                rejected.append(duplicate_row(r["doc_id"], r["source_id"], r["kind"], r["of_doc"],
+                                              index.dataset_of(part) if part is not None else None))
+                stats.counters[f"duplicate_{r['kind']}"] += 1
+                if part is not None:
+                    stats.counters["duplicate_of_earlier_run"] += 1
+            stats.rows_in += t.num_rows
+            stats.rows_kept += kept.num_rows
+            if rejected:
+                stats.rejected[REJECT_REASON] += len(rejected)
+            stats.bytes_in += pc.sum(pc.binary_length(t.column("text"))).as_py() or 0
+            stats.bytes_out += pc.sum(pc.binary_length(kept.column("text"))).as_py() or 0
+            if kept.num_rows:
+                writer.write_table(kept)
+            if rejected:
+                writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
+            if index_out is not None:
+                rows = pq.read_table(sig_path, columns=index_schema.names).filter(keep)
+                index_out.write_table(rows.cast(index_schema))
+                index_rows += rows.num_rows
+    finally:
+        con.close()
+        shutil.rmtree(spill, ignore_errors=True)
+        if index_out is not None:
+            index_out.close()
+    if index_out is not None:
+        writer.add_file(INDEX_FILE, num_rows=index_rows)
+    else:
+        index_path.unlink(missing_ok=True)
+    return stats
+
+
+def _index_schema(cfg: DedupConfig) -> pa.Schema:
+    return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
+                      ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
+                      ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
+
+
+def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: DatasetRef | None = None,
+              memory_limit: str = DUCKDB_MEMORY) -> DatasetRef:
+    """Dedup `parent` into a committed `dedup` dataset. `signatures`: its committed signature dataset (the flow
+    builds it shard by shard on its task runner); built here, one shard after another, when not given.
+    `memory_limit`: DuckDB's limit for the global half (not part of the fingerprint: it changes no decision)."""
+    if signatures is None:
+        signatures = run_plan(plan_signatures(parent, cfg, workdir))
+    code = code_version(__package__)
+    extra = {"signatures": {"stage": signatures.stage, "sha256": signatures.sha256,
+                            "manifest": str(signatures.manifest_path)}}
+    if not cfg.incremental:
+        return materialize(workdir, STAGE, cfg, code, lambda w: {
+            "stats": dedup(parent, cfg, w, signatures, memory_limit=memory_limit), "extra": extra}, parents=[parent])
+    directory = index_dir(workdir, cfg)
+    with _locked(directory):
+        index = Index(directory, base_parts(_read_parts(directory), parent))
+    # the index state is part of the fingerprint: a dataset is reused only against the same index
+    fp_config = {**cfg.model_dump(mode="json"), "index_state": index.state}
+    ref = materialize(workdir, STAGE, fp_config, code, lambda w: {
+        "stats": dedup(parent, cfg, w, signatures, index, memory_limit), "extra": extra}, parents=[parent])
+    publish(ref, parent, cfg, workdir)
+    return ref

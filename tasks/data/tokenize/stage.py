@@ -1,0 +1,315 @@
+"""Tokenize stage: train a byte-level BPE on the clean documents (or load a given `tokenizer.json`), then pack
+them into token shards.
+
+Output dataset (one `lifecycle.core.dataset` directory, manifest written last):
+
+- `tokenizer.json`: the HF `tokenizers` file; its sha256 is the tokenizer digest (`tokenizer_sha256`).
+  With `tokenizer_file` set it is a byte copy of that file (same digest) and no BPE is trained.
+- `tokenizer_config.json`: makes the directory loadable with `transformers`'
+  `PreTrainedTokenizerFast.from_pretrained(dir)` (eos/pad tokens set); see `hf_tokenizer`.
+- `train-00000.bin`, `val-00000.bin`: flat little-endian token ids (uint16 when the vocabulary fits, else
+  uint32); every document is followed by the end-of-text id. Read them with `np.memmap(path, dtype)`.
+- kept rows (`part-*.parquet`): one row per packed document, `doc_id, source_id, split, shard,
+  token_start, token_end` (half-open, end-of-text excluded), so any training window traces back to the
+  documents it was cut from.
+- rejected rows: documents that produce no tokens (`empty_after_tokenize`), so rows in = kept + rejected.
+
+The train/val split is by document and deterministic: sha256(seed, doc_id) mapped to [0, 1) is compared
+with `val_fraction`, so a document never straddles the split and reruns give the same split. The BPE is
+trained on the train split only, so validation text never shapes the vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lifecycle.core import dataset as ds
+from lifecycle.core.code import code_version
+
+STAGE = "tokenize"
+SPLITS = ("train", "val")
+SIDE_ROWS_PER_FILE = 1 << 17  # side-table rows per Parquet file
+
+SIDE_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("source_id", pa.string()),
+        ("split", pa.string()),
+        ("shard", pa.string()),  # file name of the token shard, relative to the dataset directory
+        ("token_start", pa.int64()),  # first token of the document in the shard
+        ("token_end", pa.int64()),  # one past its last token; the end-of-text id sits at token_end
+    ]
+)
+
+
+class TokenizeConfig(BaseModel):
+    """Tokenizer training and packing. Every field is part of the stage fingerprint."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    vocab_size: int = Field(4096, ge=300)
+    """Target vocabulary size, special tokens and the 256 byte symbols included (demo: 4096)."""
+    min_frequency: int = Field(2, ge=1)
+    """A pair must occur at least this often in the training text to be merged."""
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    """Share of documents (not tokens) routed to the validation shard, by a hash of doc_id."""
+    seed: int = 0
+    """Salt of the split hash: change it to draw a different validation set."""
+    special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|pad|>")
+    """Special tokens, given the first ids in this order. Must contain `eot_token`."""
+    eot_token: str = "<|endoftext|>"
+    """Appended after every document in the shards."""
+    batch_size: int = Field(1024, ge=1)
+    """Documents per `encode_batch` call. `encode_batch` encodes a batch on all cores (the Rust encoder's
+    rayon pool; `TOKENIZERS_PARALLELISM=false` turns that off), so larger batches use the cores better."""
+    tokenizer_file: str | None = None
+    """Path of an existing HF `tokenizer.json` to use instead of training one (vocab_size and min_frequency
+    are then unused). It must know `eot_token`. Its sha256, not its path alone, is part of the fingerprint."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "TokenizeConfig":
+        if self.eot_token not in self.special_tokens:
+            raise ValueError(f"eot_token {self.eot_token!r} must be one of special_tokens {self.special_tokens}")
+        if len(set(self.special_tokens)) != len(self.special_tokens):
+            raise ValueError(f"special_tokens has duplicates: {self.special_tokens}")
+        if self.vocab_size < 256 + len(self.special_tokens):
+            raise ValueError(f"vocab_size {self.vocab_size} is below 256 bytes + {len(self.special_tokens)} specials")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# pure functions
+
+
+def split_of(doc_id: str, cfg: TokenizeConfig) -> str:
+    """'val' or 'train', stable for a doc_id and seed."""
+    h = hashlib.sha256(f"{cfg.seed}:{doc_id}".encode()).digest()
+    return "val" if int.from_bytes(h[:8], "big") / 2**64 < cfg.val_fraction else "train"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id (0 .. vocab_size-1) fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+
+
+def new_bpe(cfg: TokenizeConfig):
+    """An untrained byte-level BPE (GPT-2 style: bytes mapped to printable symbols, no UNK ever)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=list(cfg.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    return tok, trainer
+
+
+def iter_docs(files: list[Path], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """Stream (doc_id, source_id, text) batches over Parquet files, one row group slice at a time."""
+    for path in files:
+        pf = pq.ParquetFile(path)
+        yield from pf.iter_batches(batch_size=batch_rows, columns=["doc_id", "source_id", "text"])
+
+
+def train_texts(files: list[Path], cfg: TokenizeConfig) -> Iterator[list[str]]:
+    for batch in iter_docs(files, cfg.batch_size):
+        ids, texts = batch.column("doc_id").to_pylist(), batch.column("text").to_pylist()
+        chunk = [t for d, t in zip(ids, texts) if t and split_of(d, cfg) == "train"]
+        if chunk:
+            yield chunk
+
+
+def shard_name(split: str, index: int = 0) -> str:
+    return f"{split}-{index:05d}.bin"
+
+
+# --------------------------------------------------------------------------------------------------
+# the stage
+
+
+def given_tokenizer(cfg: TokenizeConfig) -> ds.RawFile | None:
+    """The configured `tokenizer_file` as a raw input (path + sha256), or None when the BPE is trained."""
+    if cfg.tokenizer_file is None:
+        return None
+    path = Path(cfg.tokenizer_file).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenize.tokenizer_file: {path} does not exist")
+    return ds.RawFile(path=str(path), sha256=ds.sha256_file(path), bytes=path.stat().st_size)
+
+
+def hf_tokenizer_config(cfg: TokenizeConfig) -> dict:
+    """tokenizer_config.json for `PreTrainedTokenizerFast.from_pretrained` (no transformers import needed)."""
+    pad = next((t for t in cfg.special_tokens if "pad" in t), None)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": cfg.eot_token, "bos_token": cfg.eot_token,
+            "pad_token": pad, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
+
+
+def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter) -> dict:
+    from tokenizers import Tokenizer
+
+    files = parent.files()
+    tok_path = writer.path("tokenizer.json")
+    given = given_tokenizer(cfg)
+    if given is not None:
+        ds.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
+        if ds.sha256_file(tok_path) != given.sha256:
+            raise RuntimeError(f"tokenize.tokenizer_file {given.path} changed while it was being copied")
+    else:
+        tok, trainer = new_bpe(cfg)
+        tok.train_from_iterator(train_texts(files, cfg), trainer=trainer)
+        tok.save(str(tok_path))
+    writer.add_file("tokenizer.json", kind="extra")
+    tok = Tokenizer.from_file(str(tok_path))  # encode with exactly what was saved
+    ds.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg))
+    writer.add_file("tokenizer_config.json", kind="extra")
+
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    eot_id = tok.token_to_id(cfg.eot_token)
+    if eot_id is None:
+        raise ValueError(f"tokenize.tokenizer_file {cfg.tokenizer_file} has no token {cfg.eot_token!r} (eot_token)")
+    dtype = token_dtype(vocab_size)
+    shards = {s: shard_name(s) for s in SPLITS}
+    outs = {s: open(writer.path(shards[s]), "wb") for s in SPLITS}
+    offsets = dict.fromkeys(SPLITS, 0)
+    docs = Counter()
+    stats = ds.StageStats()
+    rejected: list[dict] = []
+    rows = {name: [] for name in SIDE_SCHEMA.names}
+
+    def flush_rows() -> None:
+        if rows["doc_id"]:
+            writer.write_table(pa.table(rows, schema=SIDE_SCHEMA))
+            stats.rows_kept += len(rows["doc_id"])
+            for col in rows.values():
+                col.clear()
+
+    try:
+        for batch in iter_docs(files, cfg.batch_size):
+            ids = batch.column("doc_id").to_pylist()
+            sources = batch.column("source_id").to_pylist()
+            texts = batch.column("text").to_pylist()
+            stats.rows_in += len(ids)
+            stats.bytes_in += sum(len(t.encode()) for t in texts if t)
+            encodings = tok.encode_batch([t or "" for t in texts], add_special_tokens=False)
+            for doc_id, source_id, enc in zip(ids, sources, encodings):
+                if not enc.ids:
+                    rejected.append({"doc_id": doc_id, "source_id": source_id, "reason": "empty_after_tokenize",
+                                     "detail": "text is null or encodes to zero tokens"})
+                    stats.rejected["empty_after_tokenize"] += 1
+                    continue
+                split = split_of(doc_id, cfg)
+                arr = np.asarray(enc.ids + [eot_id], dtype=dtype)
+                arr.tofile(outs[split])
+                start = offsets[split]
+                offsets[split] += arr.size
+                docs[split] += 1
+                row = (doc_id, source_id, split, shards[split], start, start + arr.size - 1)
+                for name, value in zip(SIDE_SCHEMA.names, row):
+                    rows[name].append(value)
+            if len(rows["doc_id"]) >= SIDE_ROWS_PER_FILE:
+                flush_rows()
+        flush_rows()
+    finally:
+        for f in outs.values():
+            f.close()
+    for s in SPLITS:
+        writer.add_file(shards[s], kind="extra")
+    if rejected:
+        writer.write_table(ds.rejected_table(rejected, STAGE), kind="rejected")
+    stats.bytes_out = sum(offsets.values()) * dtype.itemsize
+    stats.counters.update({f"tokens_{s}": offsets[s] for s in SPLITS} | {f"docs_{s}": docs[s] for s in SPLITS})
+    return {
+        "stats": stats,
+        "extra": {
+            "tokenizer_sha256": ds.sha256_file(tok_path),
+            "tokenizer_file": "tokenizer.json",
+            "dtype": dtype.name,
+            "vocab_size": vocab_size,
+            "eot_id": eot_id,
+            "num_tokens": dict(offsets),
+            "num_docs": dict(docs),
+            "shards": {s: [shards[s]] for s in SPLITS},
+        },
+    }
+
+
+def run_tokenize(parent: ds.DatasetRef, cfg: TokenizeConfig, workdir: str) -> ds.DatasetRef:
+    """Return the committed token dataset for (parent, cfg, this code), building it if needed."""
+    code = code_version(__package__)
+    given = given_tokenizer(cfg)
+    return ds.materialize(workdir, STAGE, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent],
+                          inputs=[given] if given else [])
+
+
+# --------------------------------------------------------------------------------------------------
+# readers used by train and evaluate
+
+
+class TokenShards(BaseModel):
+    """What a consumer needs to read a committed token dataset."""
+
+    model_config = ConfigDict(frozen=True)
+    dataset_sha256: str
+    tokenizer_sha256: str
+    tokenizer_path: str
+    dtype: str
+    vocab_size: int
+    eot_id: int
+    train: list[str]
+    val: list[str]
+    num_tokens: dict[str, int]
+
+    def memmap(self, split: str) -> list[np.memmap]:
+        """Read-only maps of a split's shards (recreate them per batch in long loops: see train_loop)."""
+        return [np.memmap(p, dtype=self.dtype, mode="r") for p in getattr(self, split) if Path(p).stat().st_size]
+
+
+def token_shards(ref: ds.DatasetRef) -> TokenShards:
+    m = ref.manifest()
+    if m.get("stage") != STAGE or "tokenizer_sha256" not in m:
+        raise ValueError(f"{ref.manifest_path} is not a tokenize dataset (stage={m.get('stage')!r})")
+    d = ref.dir
+    return TokenShards(
+        dataset_sha256=ref.sha256,
+        tokenizer_sha256=m["tokenizer_sha256"],
+        tokenizer_path=str(d / m["tokenizer_file"]),
+        dtype=m["dtype"],
+        vocab_size=m["vocab_size"],
+        eot_id=m["eot_id"],
+        train=[str(d / p) for p in m["shards"]["train"]],
+        val=[str(d / p) for p in m["shards"]["val"]],
+        num_tokens=m["num_tokens"],
+    )
+
+
+def load_tokenizer(ref: ds.DatasetRef):
+    """The trained `tokenizers.Tokenizer`, after checking its sha256 against the manifest."""
+    from tokenizers import Tokenizer
+
+    meta = token_shards(ref)
+    actual = ds.sha256_file(meta.tokenizer_path)
+    if actual != meta.tokenizer_sha256:
+        raise ValueError(f"{meta.tokenizer_path}: sha256 {actual} != manifest {meta.tokenizer_sha256}")
+    return Tokenizer.from_file(meta.tokenizer_path)
+
+
+
+def hf_tokenizer(ref: ds.DatasetRef):
+    """The dataset's tokenizer as `transformers.PreTrainedTokenizerFast` (digest checked first)."""
+    from transformers import PreTrainedTokenizerFast
+
+    load_tokenizer(ref)  # raises on a digest mismatch
+    return PreTrainedTokenizerFast.from_pretrained(str(ref.dir))

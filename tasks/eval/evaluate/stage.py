@@ -1,0 +1,278 @@
+"""Evaluate task: how good is a committed checkpoint on the held-out split, and is that split clean?
+
+1. Loss on the val token shard. The shard is cut into consecutive, non-overlapping windows of `seq_len`
+   predictions (window i predicts tokens i·T+1 … i·T+T from tokens i·T … i·T+T-1; the last window may be
+   shorter), so every val token is predicted at most once and never from a token of an earlier window. The
+   loss is the token-weighted mean over all windows: deterministic and, up to float summation order,
+   independent of the batch size. From it: `val_loss` (nats/token), `val_perplexity` and `val_bpb`, bits per
+   UTF-8 byte of the predicted tokens, which is comparable across tokenizers. The byte count is exact: the
+   tokenizer is byte-level BPE, so every vocabulary symbol stands for exactly one byte and a token's byte
+   length is the length of its string; special tokens (end-of-text) count 0 bytes. So
+   bpb = sum(nats) / (ln 2 · sum(bytes of the predicted tokens)).
+2. Generation: the first `prompt_tokens` tokens of each of `num_prompts` val documents are continued greedily
+   (argmax, deterministic) for `continuation_tokens` tokens and scored against the document's true next
+   tokens with sacrebleu's corpus BLEU and rouge-score's ROUGE-1/2/L F1 (mean over prompts). The first
+   `num_examples` (prompt, reference, generated) triples are returned for the run's artifacts.
+3. Contamination (GPT-3 appendix C; lm-eval's decontamination): word 13-grams (lower-cased `\\w+` tokens) of
+   every val document are looked up in the set of 13-grams of all training documents. `contamination_doc_rate`
+   is the share of val documents with at least one colliding 13-gram ("dirty", GPT-3's definition),
+   `contamination_ngram_rate` the share of val 13-grams found in training. `check_contamination` fails the run
+   when the doc rate is above `max_contamination`. The texts are the documents the token shards were packed
+   from (the tokenize dataset's parent), split exactly as tokenize split them (its side table).
+
+The model is rebuilt from the checkpoint's `model.safetensors` + `model_config.json` (no pickle), after the
+commit marker's hashes are checked. torch is imported lazily: the CLI imports this module for `EvaluateConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from lifecycle.core.code import code_version
+from lifecycle.core.dataset import DatasetRef, materialize, sha256_file
+from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.data.tokenize.stage import token_shards
+
+
+class EvaluateConfig(BaseModel):
+    """What to score on the held-out split, and when to fail the run for contamination."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    max_batches: int | None = Field(None, ge=1)
+    """Score at most this many batches of full windows (null = the whole val shard, tail window included)."""
+    batch_size: int = Field(8, ge=1)
+    """Windows per forward pass (changes speed, and the loss only by float summation order)."""
+    num_prompts: int = Field(16, ge=0)
+    """Val documents whose opening is continued by the model and scored with BLEU/ROUGE (0 = no generation)."""
+    prompt_tokens: int = Field(32, ge=1)
+    """Tokens of each document given as the prompt."""
+    continuation_tokens: int = Field(32, ge=1)
+    """Tokens generated (greedy) and compared with the document's true next tokens."""
+    num_examples: int = Field(5, ge=0)
+    """(prompt, reference, generated) examples kept for the run's artifacts."""
+    contamination_ngram: int = Field(13, ge=1)
+    """Word n-gram length of the contamination check (13, as in GPT-3 and lm-eval's decontamination)."""
+    max_contamination: float = Field(0.1, ge=0.0, le=1.0)
+    """Fail the run when more than this share of val documents shares an n-gram with the training documents."""
+
+
+class ContaminationError(RuntimeError):
+    """The held-out split overlaps the training set above `evaluate.max_contamination`."""
+
+
+# --------------------------------------------------------------------------------------------------
+# pure functions
+
+
+def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
+    """(start, length) of the non-overlapping prediction windows over a shard of n_tokens tokens."""
+    preds = n_tokens - 1
+    return [(s, min(seq_len, preds - s)) for s in range(0, max(preds, 0), seq_len)]
+
+
+def token_byte_lengths(tokenizer) -> np.ndarray:
+    """UTF-8 bytes each token id stands for: byte-level BPE maps each byte to one alphabet symbol, so a
+    token's byte count is its string length; special (added) tokens stand for no text and count 0."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    special = set(tokenizer.get_added_tokens_decoder())
+    out = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), dtype=np.int64)
+    for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i in special:
+            continue
+        if not set(token) <= alphabet:
+            raise ValueError(f"token {i} ({token!r}) is not byte-level BPE: bits per byte would be wrong")
+        out[i] = len(token)
+    return out
+
+
+def bits_per_byte(nats: float, n_bytes: int) -> float:
+    return nats / (math.log(2) * n_bytes)
+
+
+def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", (text or "").lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def contamination(eval_texts: list[str], train_texts: list[str], n: int) -> dict[str, float]:
+    """Share of eval docs with any n-gram seen in training, and share of eval n-grams seen in training."""
+    train: set[tuple[str, ...]] = set()
+    for t in train_texts:
+        train |= word_ngrams(t, n)
+    dirty = hits = total = 0
+    for t in eval_texts:
+        grams = word_ngrams(t, n)
+        common = len(grams & train)
+        dirty += common > 0
+        hits, total = hits + common, total + len(grams)
+    return {"contamination_doc_rate": dirty / len(eval_texts) if eval_texts else 0.0,
+            "contamination_ngram_rate": hits / total if total else 0.0,
+            "contamination_eval_docs": len(eval_texts), "contamination_dirty_docs": dirty}
+
+
+def text_scores(generated: list[str], references: list[str]) -> dict[str, float]:
+    """sacrebleu corpus BLEU (0-100) and mean rouge-score F1 of ROUGE-1, ROUGE-2 and ROUGE-L (0-1)."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    per = [scorer.score(ref, gen) for gen, ref in zip(generated, references)]
+    out = {"gen_bleu": sacrebleu.corpus_bleu(generated, [references]).score}
+    for k in ("rouge1", "rouge2", "rougeL"):
+        out[f"gen_{k}"] = float(np.mean([p[k].fmeasure for p in per])) if per else 0.0
+    return out
+
+
+def greedy_continue(model, prompts, n_new: int):
+    """Greedy (argmax) continuation of equal-length prompts (B, P); context cropped to the model's seq_len."""
+    import torch
+
+    idx = prompts
+    with torch.no_grad():
+        for _ in range(n_new):
+            logits, _ = model(idx[:, -model.cfg.seq_len :])
+            idx = torch.cat([idx, logits[:, -1, :].argmax(-1, keepdim=True)], dim=1)
+    return idx[:, prompts.shape[1] :]
+
+
+# --------------------------------------------------------------------------------------------------
+# the stage
+
+
+def _side_table(tokens: DatasetRef):
+    """doc_id, split, shard, token_start, token_end of every packed document, in shard order."""
+    t = tokens.read(["doc_id", "source_id", "split", "shard", "token_start", "token_end"])
+    return t.sort_by([("split", "ascending"), ("shard", "ascending"), ("token_start", "ascending")])
+
+
+def _doc_texts(tokens: DatasetRef) -> dict[str, str]:
+    parents = tokens.manifest().get("parents") or []
+    if len(parents) != 1:
+        raise ValueError(f"{tokens.manifest_path}: expected one parent dataset, found {len(parents)}")
+    docs = DatasetRef.from_dir(Path(parents[0]["manifest"]).parent).read(["doc_id", "text"])
+    return dict(zip(docs.column("doc_id").to_pylist(), docs.column("text").to_pylist()))
+
+
+def _loss(model, data: np.ndarray, nbytes: np.ndarray, cfg: EvaluateConfig) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    T = model.cfg.seq_len
+    wins = windows(len(data), T)
+    if not wins:
+        raise ValueError(f"the val shard has {len(data)} tokens: nothing to evaluate (raise tokenize.val_fraction)")
+    full = [w for w in wins if w[1] == T]
+    batches = [full[i : i + cfg.batch_size] for i in range(0, len(full), cfg.batch_size)]
+    if cfg.max_batches is not None and cfg.max_batches < len(batches):
+        batches = batches[: cfg.max_batches]
+    else:
+        batches += [[w] for w in wins if w[1] < T]  # the short tail window, scored on its own
+    loss_sum, n, n_bytes = 0.0, 0, 0
+    with torch.no_grad():
+        for batch in batches:
+            x = torch.from_numpy(np.stack([data[s : s + L] for s, L in batch]).astype(np.int64))
+            y_np = np.stack([data[s + 1 : s + 1 + L] for s, L in batch]).astype(np.int64)
+            logits, _ = model(x)
+            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), torch.from_numpy(y_np).flatten(),
+                                        reduction="sum").item()
+            n += y_np.size
+            n_bytes += int(nbytes[y_np].sum())
+    val_loss = loss_sum / n
+    return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_bpb": bits_per_byte(loss_sum, n_bytes),
+            "val_tokens": n, "val_bytes": n_bytes, "val_windows": sum(len(b) for b in batches)}
+
+
+def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: EvaluateConfig) -> tuple[dict, list]:
+    import torch
+
+    P, K = cfg.prompt_tokens, cfg.continuation_tokens
+    picked = []
+    for r in side.to_pylist():
+        if r["split"] == "val" and r["token_end"] - r["token_start"] >= P + K:
+            picked.append(r)
+            if len(picked) == cfg.num_prompts:
+                break
+    if not picked:
+        return {"gen_prompts": 0}, []
+    seqs = np.stack([shards[r["shard"]][r["token_start"] : r["token_start"] + P + K] for r in picked]).astype(np.int64)
+    out = greedy_continue(model, torch.from_numpy(seqs[:, :P]), K).numpy()
+    gen = [tokenizer.decode(o.tolist()) for o in out]
+    ref = [tokenizer.decode(s[P:].tolist()) for s in seqs]
+    prompts = [tokenizer.decode(s[:P].tolist()) for s in seqs]
+    scores = text_scores(gen, ref) | {"gen_prompts": len(picked)}
+    examples = [{"doc_id": r["doc_id"], "source_id": r["source_id"], "prompt": p, "reference": rf, "generated": g}
+                for r, p, rf, g in list(zip(picked, prompts, ref, gen))[: cfg.num_examples]]
+    return scores, examples
+
+
+def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -> dict:
+    """{"metrics": {val_loss, val_perplexity, val_bpb, gen_bleu, gen_rouge*, contamination_*, step, ...},
+    "examples": [{doc_id, prompt, reference, generated}, ...]} for a committed checkpoint."""
+    from tokenizers import Tokenizer
+
+    marker = ckpt.read_marker(checkpoint_dir)
+    meta = token_shards(tokens)
+    if marker.get("tokenizer_sha256") not in (None, meta.tokenizer_sha256):
+        raise ValueError(f"{checkpoint_dir} was trained with tokenizer {marker['tokenizer_sha256']}, "
+                         f"but {tokens.path} uses {meta.tokenizer_sha256}")
+    tokenizer = Tokenizer.from_file(meta.tokenizer_path)
+    model = ckpt.load_model(checkpoint_dir)
+    maps = meta.memmap("val")
+    data = np.concatenate(maps) if maps else np.zeros(0, dtype=meta.dtype)
+    metrics = _loss(model, data, token_byte_lengths(tokenizer), cfg)
+    side = _side_table(tokens)
+    examples: list = []
+    if cfg.num_prompts:
+        shards = {Path(p).name: np.memmap(p, dtype=meta.dtype, mode="r") for p in meta.val if Path(p).stat().st_size}
+        scores, examples = _generate(model, tokenizer, side, shards, cfg)
+        metrics.update(scores)
+    texts = _doc_texts(tokens)
+    split = dict(zip(side.column("doc_id").to_pylist(), side.column("split").to_pylist()))
+    metrics.update(contamination([texts[d] for d, s in split.items() if s == "val"],
+                                 [texts[d] for d, s in split.items() if s == "train"], cfg.contamination_ngram))
+    metrics["step"] = marker["step"]
+    return {"metrics": metrics, "examples": examples}
+
+
+def check_contamination(metrics: dict, cfg: EvaluateConfig) -> None:
+    """Raise `ContaminationError` when the dirty share of val documents is above `cfg.max_contamination`."""
+    rate = metrics["contamination_doc_rate"]
+    if rate > cfg.max_contamination:
+        raise ContaminationError(
+            f"{metrics['contamination_dirty_docs']} of {metrics['contamination_eval_docs']} val documents "
+            f"({rate:.1%}) share a {cfg.contamination_ngram}-gram with the training documents, above "
+            f"evaluate.max_contamination={cfg.max_contamination}")
+
+
+STAGE = "evaluate"
+
+
+def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str) -> DatasetRef:
+    """The evaluate stage: `run_evaluate` on the trained checkpoint, committed as a small dataset
+    (`metrics.json`, `examples.json`; the metrics also in the manifest's `metrics`) under a fingerprint of the
+    checkpoint's commit marker, the token dataset, this config and this folder's code. A rerun reuses it."""
+    checkpoint_dir = train.checkpoint_dir
+    marker_sha = sha256_file(Path(checkpoint_dir) / ckpt.MARKER)
+    config = {"evaluate": cfg.model_dump(mode="json"), "checkpoint_marker_sha256": marker_sha}
+
+    def build(writer) -> dict:
+        result = run_evaluate(checkpoint_dir, tokens, cfg)
+        for name in ("metrics", "examples"):
+            writer.path(f"{name}.json").write_text(json.dumps(result[name], indent=2, sort_keys=True))
+            writer.add_file(f"{name}.json")
+        return {"num_rows": 0, "extra": {"metrics": result["metrics"], "checkpoint_dir": checkpoint_dir}}
+
+    return materialize(workdir, STAGE, config, code_version(__package__), build, parents=[tokens])
+
+
+def examples_of(ref: DatasetRef) -> list[dict]:
+    return json.loads((ref.dir / "examples.json").read_text())

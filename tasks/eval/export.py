@@ -1,0 +1,220 @@
+"""Export a committed checkpoint to the Hugging Face format: `lifecycle export hf CHECKPOINT OUT_DIR`.
+
+The command reads CHECKPOINT and --tokenizer only inside --workdir (default runs/demo) or an --input-root,
+and writes OUT_DIR only inside --workdir; paths are resolved, symlinks followed (lifecycle/paths.py).
+
+Our default decoder (tasks/model.py: pre-norm RMSNorm, SwiGLU, rotary embeddings, no biases, optionally tied
+embeddings) is exactly `transformers.LlamaForCausalLM`, so the export is a renaming of tensors plus a
+`LlamaConfig`; no weight is changed except by slicing:
+
+| ours                                  | LlamaForCausalLM                                   |
+|---------------------------------------|----------------------------------------------------|
+| wte.weight                            | model.embed_tokens.weight                          |
+| blocks.i.norm1 / norm2 (RMSNorm)      | model.layers.i.input_layernorm / post_attention_layernorm |
+| blocks.i.attn.qkv (rows q, k, v)      | model.layers.i.self_attn.q_proj / k_proj / v_proj  |
+| blocks.i.attn.proj                    | model.layers.i.self_attn.o_proj                    |
+| blocks.i.mlp.up (rows gate, up)       | model.layers.i.mlp.gate_proj / up_proj             |
+| blocks.i.mlp.down                     | model.layers.i.mlp.down_proj                       |
+| norm_f, lm_head (absent when tied)    | model.norm, lm_head (tie_word_embeddings)          |
+
+RoPE convention: `apply_rope` rotates the pair (channel j, channel j + head_dim/2) with inv_freq
+theta^(-j/(head_dim/2)) = theta^(-2j/head_dim); that is HF's `rotate_half` layout and its default inv_freq, so
+q/k need no permutation (the permutation in HF's convert_llama_weights_to_hf.py is for Meta's interleaved
+layout, which we do not use). Both norms compute in fp32 and cast back before the weight multiply.
+
+The GPT-2 recipe (LayerNorm, GELU, learned positions) and mixtures are refused: no HF architecture computes
+exactly what those configs compute (HF GPT-2 has biases, a different module layout and GELU variants), so an
+export would silently change the model's outputs.
+
+After writing, the export is loaded back with `AutoModelForCausalLM` and its fp32 logits are compared with our
+model's on val-like random token ids; the max abs difference is written to `lifecycle_export.json` and the
+export fails above `tolerance`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lifecycle.core.dataset import DatasetRef, atomic_write_json, sha256_file
+from lifecycle.core.paths import PathEscape, resolve_within
+from lifecycle.tasks.train import checkpoint as ckpt
+
+TOLERANCE = 1e-4
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported exactly, or an export whose logits differ from ours."""
+
+
+def check_exportable(cfg) -> None:
+    problems = []
+    if cfg.norm != "rmsnorm":
+        problems.append(f"norm={cfg.norm!r} (LlamaForCausalLM has RMSNorm only)")
+    if cfg.mlp != "swiglu":
+        problems.append(f"mlp={cfg.mlp!r} (LlamaForCausalLM has SwiGLU only)")
+    if cfg.pos != "rope":
+        problems.append(f"pos={cfg.pos!r} (LlamaForCausalLM has rotary positions only)")
+    if problems:
+        raise ExportError("cannot export this model exactly to a Hugging Face architecture: " + "; ".join(problems)
+                          + ". Only the Llama recipe (norm=rmsnorm, mlp=swiglu, pos=rope) maps onto LlamaForCausalLM.")
+
+
+def llama_config(cfg, eos_id: int | None, pad_id: int | None) -> dict:
+    """LlamaConfig kwargs for a lifecycle.tasks.train.model ModelConfig (Llama recipe)."""
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attention_bias=False,
+        mlp_bias=False, attention_dropout=0.0, tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32",
+    )
+
+
+def to_llama_state(state: dict, cfg) -> dict:
+    """Our `export_state()` tensors under LlamaForCausalLM names (fused q/k/v and gate/up rows split)."""
+    C, H = cfg.n_embd, cfg.mlp_hidden
+    out = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["norm_f.weight"]}
+    for i in range(cfg.n_layer):
+        b, L = f"blocks.{i}.", f"model.layers.{i}."
+        qkv = state[b + "attn.qkv.weight"]
+        up = state[b + "mlp.up.weight"]
+        out |= {
+            L + "input_layernorm.weight": state[b + "norm1.weight"],
+            L + "post_attention_layernorm.weight": state[b + "norm2.weight"],
+            L + "self_attn.q_proj.weight": qkv[:C], L + "self_attn.k_proj.weight": qkv[C : 2 * C],
+            L + "self_attn.v_proj.weight": qkv[2 * C :], L + "self_attn.o_proj.weight": state[b + "attn.proj.weight"],
+            L + "mlp.gate_proj.weight": up[:H], L + "mlp.up_proj.weight": up[H:],
+            L + "mlp.down_proj.weight": state[b + "mlp.down.weight"],
+        }
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def find_tokenizer(checkpoint: Path) -> Path:
+    """tokenizer.json for a checkpoint: beside it (a packaged model), else the work dir's tokenize dataset
+    whose sha256 the commit marker names (checked against the marker's tokenizer digest)."""
+    if (checkpoint / "tokenizer.json").is_file():
+        return checkpoint / "tokenizer.json"
+    marker = ckpt.read_marker(checkpoint)
+    for parent in checkpoint.resolve().parents:
+        for d in sorted((parent / "datasets" / "tokenize").glob("*/")):
+            if (d / "_manifest.json").is_file() and DatasetRef.from_dir(d).sha256 == marker.get("dataset_sha256"):
+                tok = d / "tokenizer.json"
+                if marker.get("tokenizer_sha256") not in (None, sha256_file(tok)):
+                    raise ExportError(f"{tok} does not match the tokenizer digest in {checkpoint}/COMMITTED.json")
+                return tok
+    raise ExportError(f"no tokenizer found for {checkpoint}: pass --tokenizer PATH/tokenizer.json")
+
+
+def _verify_package(checkpoint: Path) -> None:
+    """A checkpoint tag dir is verified by its marker; a packaged model (checkpoint dataset) by the marker's
+    hashes of the two files it copied."""
+    if (checkpoint / "_manifest.json").is_file():
+        listed = {f["path"]: f["sha256"] for f in ckpt.read_marker(checkpoint)["files"]}
+        for name in (ckpt.WEIGHTS, ckpt.MODEL_CONFIG):
+            if sha256_file(checkpoint / name) != listed.get(name):
+                raise ExportError(f"{checkpoint / name}: sha256 does not match its commit marker")
+    elif (reason := ckpt.verify(checkpoint)) is not None:
+        raise ExportError(f"checkpoint {checkpoint} is not usable: {reason}")
+
+
+def max_logit_diff(ours, hf_dir: Path, vocab_size: int, seq_len: int, seed: int = 0) -> float:
+    """Max |logits_ours - logits_hf| in fp32 on random ids (batch 2, full context)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ids = torch.randint(0, vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        a, _ = ours(ids)
+        b = hf(input_ids=ids).logits
+    return (a.float() - b.float()).abs().max().item()
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path | None = None,
+              tolerance: float = TOLERANCE) -> dict:
+    """Write model.safetensors, config.json and the tokenizer files into out_dir; check the logits."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    if not (checkpoint / ckpt.MARKER).is_file():
+        raise ExportError(f"{checkpoint} is not a committed checkpoint (no {ckpt.MARKER})")
+    _verify_package(checkpoint)
+    model = ckpt.load_model(checkpoint, check=False)
+    check_exportable(model.cfg)
+    tok_path = Path(tokenizer) if tokenizer else find_tokenizer(checkpoint)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path), eos_token="<|endoftext|>",
+                                     bos_token="<|endoftext|>", pad_token="<|pad|>")
+    eos, pad = hf_tok.convert_tokens_to_ids("<|endoftext|>"), hf_tok.convert_tokens_to_ids("<|pad|>")
+    hf_tok.model_max_length = model.cfg.seq_len
+    hf_tok.save_pretrained(str(out))
+    config = LlamaConfig(**llama_config(model.cfg, eos, pad))
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(str(out))
+    save_file(to_llama_state(model.export_state(), model.cfg), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    diff = max_logit_diff(model, out, model.cfg.vocab_size, model.cfg.seq_len)
+    report = {"checkpoint": str(checkpoint.resolve()), "out_dir": str(out.resolve()), "architecture": "LlamaForCausalLM",
+              "checkpoint_marker_sha256": sha256_file(checkpoint / ckpt.MARKER),
+              "tokenizer": str(tok_path), "tokenizer_sha256": sha256_file(tok_path),
+              "max_abs_logit_diff_fp32": diff, "tolerance": tolerance}
+    atomic_write_json(out / "lifecycle_export.json", report)
+    if not diff <= tolerance:
+        raise ExportError(f"exported model's logits differ from ours by {diff:.3g} > {tolerance} (left in {out})")
+    return report
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: `lifecycle export hf CHECKPOINT OUT_DIR`
+
+
+def confined_args(args) -> tuple[Path, Path, Path | None]:
+    """CHECKPOINT and --tokenizer resolved inside --workdir or an --input-root; OUT_DIR inside --workdir."""
+    roots = [args.workdir, *(args.input_root or [])]
+    checkpoint = resolve_within(args.checkpoint, roots, "CHECKPOINT is not inside --workdir or an --input-root")
+    tokenizer = args.tokenizer and resolve_within(args.tokenizer, roots,
+                                                  "--tokenizer is not inside --workdir or an --input-root")
+    out = resolve_within(args.out_dir, [args.workdir], "OUT_DIR is not inside --workdir")
+    return checkpoint, out, tokenizer
+
+
+def cmd_export_hf(args) -> int:
+    import sys
+
+    try:
+        report = export_hf(*confined_args(args))
+    except (ExportError, FileNotFoundError, PathEscape) as e:
+        print(f"lifecycle export hf: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"status": "failed", "error": str(e)}))
+        return 1
+    if args.json:
+        print(json.dumps({"status": "ok", **report}))
+    else:
+        print(f"exported {report['checkpoint']} -> {report['out_dir']} ({report['architecture']})\n"
+              f"  max |logit difference| vs our model, fp32: {report['max_abs_logit_diff_fp32']:.3g} "
+              f"(tolerance {report['tolerance']})\n"
+              f"  load: transformers.AutoModelForCausalLM.from_pretrained({report['out_dir']!r})")
+    return 0
+
+
+def register(sub) -> None:
+    export = sub.add_parser("export", help="Export a checkpoint to another ecosystem's format.")
+    fmt = export.add_subparsers(dest="format", required=True)
+    hf = fmt.add_parser("hf", help="Hugging Face format (safetensors, config, tokenizer), loadable with "
+                                   "transformers.AutoModelForCausalLM.")
+    hf.add_argument("checkpoint", help="a committed checkpoint (train/.../checkpoints/step_N) or a packaged model "
+                                       "(datasets/checkpoint/<fp>)")
+    hf.add_argument("out_dir")
+    hf.add_argument("--tokenizer", help="tokenizer.json (default: found from the checkpoint's commit marker)")
+    hf.add_argument("--workdir", default="runs/demo", help="the work dir (default runs/demo): CHECKPOINT and "
+                    "--tokenizer must lie in it or in an --input-root, OUT_DIR in it (symlinks resolved)")
+    hf.add_argument("--input-root", action="append", metavar="DIR",
+                    help="another directory CHECKPOINT and --tokenizer may be read from. Repeatable.")
+    hf.add_argument("--json", action="store_true", help="Print one JSON object.")
+    hf.set_defaults(func=cmd_export_hf)

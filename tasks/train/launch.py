@@ -1,0 +1,310 @@
+"""Train task: write a launch config, run `deepspeed --module lifecycle.tasks.train.trainer` on CPU ranks, supervise it.
+
+One run directory `<workdir>/train/<fingerprint[:20]>/` per trajectory: config.json (read by every rank),
+ds_config.json, train.log (appended per launch), metrics.jsonl (rank 0), checkpoints/step_<8 digits>/.
+
+The fingerprint covers what determines the trajectory: token dataset, code, model and optimisation
+fields. It leaves out where the run stops (`max_steps`) and how it is operated (checkpoint cadence,
+logging, port, timeout). So a larger `max_steps` resumes from the last committed checkpoint of the same
+directory, and the same config again launches nothing. The cosine horizon is `decay_steps`: set it to extend a
+run later; left null it follows `max_steps`, so a longer run is a new run (its lr curve differs).
+
+No torch here (the CLI imports this module for its config): the ranks import it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from lifecycle.core import dataset as ds
+from lifecycle.core.code import code_version
+from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.data.tokenize.stage import token_shards
+from lifecycle.tasks.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
+
+
+class TrainResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    checkpoint_dir: str
+    """The committed checkpoint at `steps` (tag directory with COMMITTED.json and model.safetensors)."""
+    steps: int
+    final_loss: float | None
+    """Rank-averaged training loss of the last step, from the commit marker."""
+    metrics_path: str
+    resumed_from: int | None
+    """Step the launched ranks resumed from; None for a fresh start or when nothing was launched."""
+    launched: bool
+    run_dir: str
+    log_path: str
+    model_params: int | None = None
+    """Non-embedding parameters N of the trained model (the N of 6·N FLOPs per token)."""
+    flops_per_token: int | None = None
+    """Training FLOPs per token (lifecycle.tasks.train.sizing.flops_per_token)."""
+    epochs: float | None = None
+    """Passes over the train tokens that max_steps makes."""
+
+
+def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool, sizing: dict) -> TrainResult:
+    marker = ckpt.read_marker(tag_dir)
+    return TrainResult(checkpoint_dir=str(tag_dir), steps=marker["step"], final_loss=marker.get("loss"),
+                       metrics_path=str(run_dir / "metrics.jsonl"), resumed_from=resumed_from,
+                       launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"), **sizing)
+
+
+def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple[TrainConfig, dict]:
+    """Fill vocab_size, size the model under `model_size: auto`, and warn about repeated data.
+    Returns the resolved config and the sizing fields of TrainResult."""
+    from lifecycle.tasks.train import sizing as plan
+
+    if cfg.model.vocab_size is None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
+    if cfg.model_size == "auto":
+        target = plan.compute_optimal(tokens=train_tokens).n_params
+        sized = plan.model_for_params(target, cfg.model)
+        log.info("model_size=auto: %s train tokens -> N = %.4g -> n_layer=%d n_embd=%d n_head=%d (N = %d)",
+                 train_tokens, target, sized.n_layer, sized.n_embd, sized.n_head, plan.non_embedding_params(sized))
+        cfg = cfg.model_copy(update={"model": sized})
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.num_ranks * cfg.model.seq_len
+    epochs = cfg.max_steps * tokens_per_step / max(train_tokens, 1)
+    if epochs > cfg.max_epochs:
+        msg = (f"training repeats the data {epochs:.1f} times (max_steps {cfg.max_steps} x {tokens_per_step} tokens "
+               f"per step over {train_tokens} train tokens), more than train.max_epochs={cfg.max_epochs}")
+        log.warning(msg)
+        warnings.warn(msg, RepeatedDataWarning, stacklevel=3)
+    sizing = {"model_params": plan.non_embedding_params(cfg.model), "flops_per_token": plan.flops_per_token(cfg.model),
+              "epochs": epochs}
+    return cfg, sizing
+
+
+class RepeatedDataWarning(UserWarning):
+    """max_steps passes over the train tokens more often than train.max_epochs."""
+
+
+class _MetricsTail:
+    """Feeds complete new metrics.jsonl records past the resume step to a callback, each (kind, step) once."""
+
+    def __init__(self, path: Path, after_step: int, callback: Callable[[dict], None] | None):
+        self.path, self.after, self.callback, self.offset, self.seen = path, after_step, callback, 0, set()
+
+    def poll(self) -> None:
+        if self.callback is None or not self.path.exists():
+            return
+        if self.path.stat().st_size < self.offset:  # rank 0 truncated it to the resume step
+            self.offset = 0
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        data = data[: data.rfind(b"\n") + 1]
+        self.offset += len(data)
+        for rec in map(json.loads, data.splitlines()):
+            if rec["step"] > self.after and (rec["kind"], rec["step"]) not in self.seen:
+                self.seen.add((rec["kind"], rec["step"]))
+                self.callback(rec)
+
+
+def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
+              on_metrics: Callable[[dict], None] | None = None, init_weights: str | None = None) -> TrainResult:
+    """Train to `cfg.max_steps` (resuming from the run's last committed checkpoint) and return the final one.
+
+    `on_metrics(record)` is called from this process for each new metrics record while the ranks run.
+    `init_weights`: a consolidated `model.safetensors` to start from instead of a fresh initialisation."""
+    meta = token_shards(tokens)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
+        raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
+    cfg, sizing = resolve_model(cfg, meta.vocab_size, meta.num_tokens["train"])
+    need = cfg.model.seq_len + 1
+    for split in ("train", "val") if cfg.eval_every else ("train",):
+        if meta.num_tokens[split] < need:
+            raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
+                             f"{need}" + (" (set eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
+    code = code_version(__package__)
+    init = {"init_weights_sha256": ds.sha256_file(init_weights)} if init_weights else {}
+    fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])
+    run_dir = Path(workdir).resolve() / "train" / fp[:20]
+    ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "w") as lock:
+        try:  # one supervisor per run directory; the OS drops the lock if this process dies
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another run_train is supervising {run_dir}") from None
+        latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
+        if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
+            return _result(latest, run_dir, None, launched=False, sizing=sizing)
+        resumed_from = ckpt.step_of(latest) if latest is not None else None
+        config_path = run_dir / "config.json"
+        ds.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
+                                           "run_dir": str(run_dir), "tokens": meta.model_dump(),
+                                           "token_dataset": tokens.path, "init_weights": init_weights, **init})
+        with socket.socket() as s:  # a free port, unless one is configured
+            s.bind(("127.0.0.1", 0))
+            port = cfg.master_port or s.getsockname()[1]
+        launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+        if launcher is None:
+            raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
+        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.num_ranks)
+        cmd = [launcher, *launch_args(cfg, port, run_dir, threads), "--module", "--no_local_rank",
+               "lifecycle.tasks.train.trainer", "--config", str(config_path)]
+        env = {**os.environ, "DS_ACCELERATOR": cfg.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+               "LIFECYCLE_SUPERVISOR_PID": str(os.getpid())}
+        tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
+        release_shm()  # buffers leaked by earlier launches whose supervisor was killed
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            start = time.monotonic()
+            try:
+                while proc.poll() is None:
+                    tail.poll()
+                    if cfg.timeout_s is not None and time.monotonic() - start > cfg.timeout_s:
+                        raise TimeoutError(f"training exceeded timeout_s={cfg.timeout_s}; ranks killed")
+                    time.sleep(0.5)
+            except BaseException as e:
+                _stop(proc)
+                if isinstance(e, TimeoutError):
+                    raise RuntimeError(f"{e}. Last lines of {log_path}:\n{_tail(log_path)}") from e
+                raise
+            finally:
+                release_shm()
+        tail.poll()
+        if proc.returncode != 0:
+            raise RuntimeError(f"deepspeed exited with code {proc.returncode}. Last lines of {log_path}:\n{_tail(log_path)}")
+        final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
+        if final is None or ckpt.step_of(final) != cfg.max_steps:
+            raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
+        return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
+
+
+def read_hostfile(path: str | Path) -> dict[str, int]:
+    """{host: slots} of a DeepSpeed hostfile, validated line by line (DeepSpeed's own parser names neither
+    the file nor the line, and accepts trailing garbage after `slots=N`)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"train.hostfile {path}: cannot read it ({e.strerror})") from None
+    hosts: dict[str, int] = {}
+    for n, raw in enumerate(lines, start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit() or int(parts[1][6:]) < 1:
+            raise ValueError(f"hostfile {path}, line {n}: expected '<host> slots=<ranks >= 1>', got {raw.strip()!r}")
+        if parts[0] in hosts:
+            raise ValueError(f"hostfile {path}, line {n}: host {parts[0]!r} is listed twice")
+        hosts[parts[0]] = int(parts[1][6:])
+    if not hosts:
+        raise ValueError(f"hostfile {path}: no '<host> slots=<ranks>' line")
+    return hosts
+
+
+def select_hosts(hosts: dict[str, int], cfg: TrainConfig) -> dict[str, int]:
+    """{host: ranks} that the launcher's `--include`/`--exclude`/`--num_nodes` leave of a hostfile (the
+    selection rules of deepspeed/launcher/runner.py), so the world size is checked before anything starts."""
+    def parse(spec: str) -> dict[str, int | None]:  # "node1@node2:0,2" -> {node1: None (all), node2: 2}
+        out = {}
+        for part in spec.split("@"):
+            host, _, slots = part.partition(":")
+            if host not in hosts:
+                raise ValueError(f"host {host!r} of {spec!r} is not in hostfile {cfg.hostfile}")
+            out[host] = len(slots.split(",")) if slots else None
+        return out
+
+    if cfg.include:
+        return {h: n or hosts[h] for h, n in parse(cfg.include).items()}
+    if cfg.exclude:
+        drop = parse(cfg.exclude)
+        left = {h: hosts[h] - (drop[h] or hosts[h]) if h in drop else hosts[h] for h in hosts}
+        return {h: n for h, n in left.items() if n > 0}
+    return dict(list(hosts.items())[: cfg.num_nodes or len(hosts)])
+
+
+def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:
+    """Arguments of the `deepspeed` launcher before the module: `--num_gpus` local ranks, or the hostfile
+    with its host selection. With a hostfile, the rank environment that the launcher does not forward over
+    ssh itself (it forwards PYTHON* variables) is written to `<run_dir>/.deepspeed_env`, which it reads
+    from its working directory."""
+    if cfg.hostfile is None:
+        return ["--num_gpus", str(cfg.num_ranks), "--master_port", str(port)]
+    chosen = select_hosts(read_hostfile(cfg.hostfile), cfg)
+    if sum(chosen.values()) != cfg.num_ranks:
+        raise ValueError(f"hostfile {cfg.hostfile} gives {sum(chosen.values())} ranks "
+                         f"({', '.join(f'{h}: {n}' for h, n in chosen.items())}) but train.num_ranks={cfg.num_ranks}")
+    args = ["--hostfile", str(Path(cfg.hostfile).resolve()), "--master_port", str(port), "--launcher", cfg.launcher]
+    one_host = len(chosen) == 1
+    master = cfg.master_addr or ("127.0.0.1" if one_host and next(iter(chosen)) in LOCAL_HOSTS else None)
+    if master:
+        args += ["--master_addr", master]
+    if one_host:  # DeepSpeed starts a single host's ranks locally, but would still try ssh to it first
+        args.append("--no_ssh_check")
+    for flag, value in (("--num_nodes", cfg.num_nodes), ("--include", cfg.include), ("--exclude", cfg.exclude)):
+        if value:
+            args += [flag, str(value)]
+    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.accelerator}\nOMP_NUM_THREADS={threads}\n")
+    return args
+
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer"  # deepspeed/ops/csrc/cpu/comm/shm.cpp
+
+
+def release_shm() -> list[str]:
+    """Unlink DeepSpeed's CPU all-reduce buffers that no live process maps.
+
+    DeepSpeed 0.19's CPU comm op creates two POSIX shared-memory buffers per launch (66 MiB each here) and
+    never unlinks them, not even on a clean exit; killed ranks leak them too. Left alone they fill
+    /dev/shm (RAM) launch after launch. A buffer still mapped by a running rank is left in place.
+    """
+    if not SHM_DIR.is_dir():
+        return []
+    candidates = {p.name for p in SHM_DIR.glob(f"{SHM_PREFIX}_*")}
+    if not candidates:
+        return []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:
+            continue
+        candidates -= {name for name in candidates if name in text}
+    for name in candidates:
+        (SHM_DIR / name).unlink(missing_ok=True)
+    return sorted(candidates)
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    with open(path, "rb") as f:
+        return b"".join(deque(f, maxlen=n)).decode(errors="replace")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher's process group (launcher and ranks), then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue

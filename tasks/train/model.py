@@ -1,0 +1,230 @@
+"""A small GPT decoder you can read top to bottom (after karpathy/nanoGPT `model.py`).
+
+Pre-norm residual blocks: x + attn(norm(x)), then x + mlp(norm(x)). The default is the Llama recipe
+(RMSNorm, SwiGLU, rotary position embeddings, no biases); the GPT-2 recipe (LayerNorm, GELU, learned
+positions) is one config away, so ablations stay a config change.
+
+Input and output embeddings are tied by default (`tie_embeddings=True`): at demo scale (vocab 4096,
+width 128) the token table is a large share of all parameters, and sharing it with the output head
+(Press & Wolf 2017; GPT-2 does the same) saves that much again. Set `tie_embeddings=False` to untie.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# The config lives in lifecycle.tasks.train.launch so that importing the configs (CLI, flow) does not import torch.
+from lifecycle.tasks.train.config import ModelConfig
+
+__all__ = ["GPT", "ModelConfig"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even when the model runs in bf16: the mean of squares loses precision otherwise.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.n_embd, cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=False)
+
+
+def rope_tables(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (T, head_dim/2), computed in fp32 on every call.
+
+    Computing them per forward (cheap next to the matmuls) instead of keeping buffers means a bf16 cast of
+    the module cannot round the angles, and the state dict holds only learned weights.
+    """
+    half = cfg.head_dim // 2
+    inv_freq = cfg.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's channels; x is (B, H, T, D)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.qkv.fused = 3  # three d×d matrices in one: their fan-out is n_embd each (ds_init)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.proj.residual_out = True  # scaled at init under gpt2_scaled
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.cfg.n_head, self.cfg.head_dim).transpose(1, 2) for t in (q, k, v))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        drop = self.cfg.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind = cfg.mlp
+        hidden = cfg.mlp_hidden
+        # SwiGLU: down(silu(gate(x)) * up(x)); the gate and up projections are fused into one matmul.
+        self.up = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=False)
+        self.up.fused = 2 if cfg.mlp == "swiglu" else 1
+        self.down = nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.down.residual_out = True
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.drop(self.down(h))
+
+
+def ds_init_(weight: torch.Tensor, depth: int, fused: int = 1, alpha: float = 1.0) -> None:
+    """DS-Init (Zhang et al. 2019, eq. 7): U(-γ, γ), γ = α·sqrt(6 / (d_in + d_out)) / sqrt(depth).
+    `fused` matrices stacked along the output dimension each count their own d_out."""
+    d_out, d_in = weight.shape[0] // fused, weight.shape[1]
+    gamma = alpha * math.sqrt(6.0 / (d_in + d_out)) / math.sqrt(depth)
+    nn.init.uniform_(weight, -gamma, gamma)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size is null: fill it from the tokenizer before building the model")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # Recompute each block's activations in backward instead of keeping them (set by the train loop from
+        # `train.activation_checkpointing`; not a ModelConfig field, since the weights do not depend on it).
+        self.activation_checkpointing = False
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        if cfg.init == "ds_init":
+            for depth, block in enumerate(self.blocks, start=1):
+                for m in block.modules():
+                    if isinstance(m, nn.Linear):
+                        ds_init_(m.weight, depth, getattr(m, "fused", 1))
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if self.cfg.init == "gpt2_scaled" and getattr(m, "residual_out", False):
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied matrix counts once). exclude_embeddings drops the token and position
+        tables (but keeps an untied output head, which is a real matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.wte.weight.numel()
+            if self.wpe is not None:
+                n -= self.wpe.weight.numel()
+            if self.cfg.tie_embeddings:
+                n += self.lm_head.weight.numel()  # the tied table still does the output matmul
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token: 6·N for the matmuls with N the non-embedding
+        parameters plus the output head, and 12·L·d·T for attention scores (PaLM paper, appendix B)."""
+        T = seq_len or self.cfg.seq_len
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * self.cfg.n_layer * self.cfg.n_embd * T
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx, targets: (B, T) int64 with T <= seq_len. Returns (logits (B, T, vocab), mean loss or None).
+        Targets equal to -1 are ignored in the loss."""
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        x = self.wte(idx)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        else:
+            rope = rope_tables(self.cfg, T, idx.device)
+        x = self.drop(x)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Non-reentrant: works with ZeRO-3's parameter hooks and with inputs that need no grad; the
+                # RNG state is stashed and restored, so a recomputed dropout mask equals the first one.
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
+        logits = self.lm_head(self.norm_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def export_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """fp32 CPU copies of the learned weights, one entry per unique parameter (a tied head is not repeated,
+        which is what safetensors wants: it refuses shared tensors). copy=False returns the fp32 parameters
+        themselves where they already are fp32 CPU tensors (for a caller that copies them anyway)."""
+        state = {name: p.detach().float().cpu() for name, p in self.named_parameters()}
+        return {name: t.clone() for name, t in state.items()} if copy else state
+
+    def load_export(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `export_state`; every parameter must be present (strict), a tied head is re-linked."""
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        allowed_missing = {"lm_head.weight"} if self.cfg.tie_embeddings else set()
+        if unexpected or set(missing) - allowed_missing:
+            raise ValueError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
+        """Sample continuations of idx (B, T); the context is cropped to the last seq_len tokens."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.seq_len :])
+            logits = logits[:, -1, :] / max(temperature, 1e-6)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+        return idx

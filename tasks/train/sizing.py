@@ -1,0 +1,155 @@
+"""Compute-optimal sizing: `lifecycle plan --flops C` or `--tokens D`, and `train.model_size: auto`.
+
+Two rules of thumb from the scaling-law literature:
+
+- training compute C ≈ 6·N·D FLOPs for N parameters and D tokens (Kaplan et al. 2020, "Scaling Laws for
+  Neural Language Models", section 2.1: 2 FLOPs per parameter per token forward, 4 backward);
+- compute-optimal training uses D ≈ 20·N tokens (Hoffmann et al. 2022, "Training Compute-Optimal Large
+  Language Models" (Chinchilla), table 3).
+
+So from a budget C: N = sqrt(C / (6·20)), D = 20·N; from a token count D: N = D / 20, C = 6·N·D.
+
+N here is what `lifecycle.tasks.train.model.GPT.num_params(exclude_embeddings=True)` counts and what the 6·N in
+`flops_per_token` uses: every matmul weight, the output head included, the input embedding table
+excluded (a lookup, not a matmul). `model_for_params` then picks a Llama-style shape (head dim 64,
+width/depth near 64) whose N is closest to the target.
+
+Torch-free: the CLI and the train task import this without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from lifecycle.tasks.train.config import ModelConfig
+
+TOKENS_PER_PARAM = 20.0
+HEAD_DIM = 64
+ASPECT = 64  # width / depth of the chosen shape (Kaplan et al. 2020 fig. 5: loss is flat over 20..200)
+
+
+def non_embedding_params(m: ModelConfig) -> int:
+    """Parameters of the matmuls and norms (output head included, token/position tables excluded).
+    Equals `GPT(m).num_params(exclude_embeddings=True)` (tested)."""
+    if m.vocab_size is None:
+        raise ValueError("ModelConfig.vocab_size is null: fill it from the tokenizer first")
+    d, h = m.n_embd, m.mlp_hidden
+    norm = d  # RMSNorm weight, or LayerNorm weight (bias=False)
+    mlp = (2 * d * h if m.mlp == "swiglu" else d * h) + h * d
+    block = 2 * norm + 4 * d * d + mlp
+    return m.n_layer * block + norm + m.vocab_size * d
+
+
+def flops_per_token(m: ModelConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token, 6·N + 12·L·d·T (same formula as `GPT.flops_per_token`)."""
+    return 6 * non_embedding_params(m) + 12 * m.n_layer * m.n_embd * (seq_len or m.seq_len)
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    flops: float
+    """Training compute C = 6·N·D."""
+    n_params: float
+    """Compute-optimal parameter count N."""
+    tokens: float
+    """Compute-optimal token count D = tokens_per_param·N."""
+    tokens_per_param: float
+
+
+def compute_optimal(flops: float | None = None, tokens: float | None = None,
+                    tokens_per_param: float = TOKENS_PER_PARAM) -> Plan:
+    """Exactly one of `flops` (a budget C) or `tokens` (the data D) gives the compute-optimal N and D."""
+    if (flops is None) == (tokens is None):
+        raise ValueError("give exactly one of flops or tokens")
+    if flops is not None:
+        if flops <= 0:
+            raise ValueError(f"flops must be positive, got {flops}")
+        n = math.sqrt(flops / (6 * tokens_per_param))
+        return Plan(flops=flops, n_params=n, tokens=tokens_per_param * n, tokens_per_param=tokens_per_param)
+    if tokens <= 0:
+        raise ValueError(f"tokens must be positive, got {tokens}")
+    n = tokens / tokens_per_param
+    return Plan(flops=6 * n * tokens, n_params=n, tokens=tokens, tokens_per_param=tokens_per_param)
+
+
+def model_for_params(n_params: float, base: ModelConfig) -> ModelConfig:
+    """The shape (n_layer, n_embd multiple of 64, head dim 64) whose N is closest to `n_params`; among
+    shapes within 10 % of it, the one whose width/depth is nearest ASPECT. Other fields come from `base`."""
+    if base.vocab_size is None:
+        raise ValueError("base.vocab_size is null: fill it from the tokenizer first")
+    cands = []
+    for layers in range(1, 97):
+        for width in range(HEAD_DIM, 16384 + 1, HEAD_DIM):
+            m = base.model_copy(update={"n_layer": layers, "n_embd": width, "n_head": width // HEAD_DIM})
+            n = non_embedding_params(m)
+            cands.append((abs(math.log(n / n_params)), abs(math.log(width / layers / ASPECT)), layers, width))
+            if n > 2 * n_params:
+                break
+    close = [c for c in cands if c[0] <= math.log(1.1)]
+    best = min(close, key=lambda c: (c[1], c[0])) if close else min(cands)
+    return ModelConfig.model_validate({**base.model_dump(), "n_layer": best[2], "n_embd": best[3],
+                                       "n_head": best[3] // HEAD_DIM})
+
+
+def train_tokens_of(manifest: str | Path) -> int:
+    """Training-split token count of a committed tokenize dataset (its `_manifest.json` or directory)."""
+    p = Path(manifest)
+    m = json.loads((p / "_manifest.json" if p.is_dir() else p).read_text())
+    if m.get("stage") != "tokenize":
+        raise ValueError(f"{p} is not a tokenize dataset manifest (stage={m.get('stage')!r})")
+    return int(m["num_tokens"]["train"])
+
+
+def describe(plan: Plan, m: ModelConfig) -> str:
+    n = non_embedding_params(m)
+    return "\n".join([
+        f"compute C        {plan.flops:.4g} FLOPs  (C = 6·N·D)",
+        f"optimal params N {plan.n_params:.4g}",
+        f"optimal tokens D {plan.tokens:.4g}  ({plan.tokens_per_param:g} tokens per parameter)",
+        f"model            n_layer={m.n_layer} n_embd={m.n_embd} n_head={m.n_head} seq_len={m.seq_len} "
+        f"vocab_size={m.vocab_size}",
+        f"  its N          {n:,} ({n / plan.n_params:.2f}x the optimum)",
+        f"  FLOPs/token    {flops_per_token(m):,}",
+        f"  sequences      {plan.tokens / m.seq_len:.4g} of {m.seq_len} tokens make D",
+    ])
+
+
+# --------------------------------------------------------------------------------------------------
+# `lifecycle plan`
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    tokens = args.tokens
+    if args.dataset:
+        tokens = train_tokens_of(args.dataset)
+    try:
+        plan = compute_optimal(flops=args.flops, tokens=tokens, tokens_per_param=args.tokens_per_param)
+    except ValueError as e:
+        print(f"lifecycle plan: {e}", flush=True)
+        return 2
+    base = ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len)
+    m = model_for_params(plan.n_params, base)
+    if args.json:
+        print(json.dumps({**plan.model_dump(), "model": m.model_dump(), "model_params": non_embedding_params(m),
+                          "flops_per_token": flops_per_token(m)}))
+    else:
+        print(describe(plan, m))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="Compute-optimal model size and token count (C = 6·N·D, D = 20·N).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--flops", type=float, help="training compute budget C in FLOPs, e.g. 1e18")
+    src.add_argument("--tokens", type=float, help="tokens available D, e.g. 2e9")
+    src.add_argument("--dataset", help="a tokenize dataset (directory or _manifest.json): D = its train tokens")
+    p.add_argument("--tokens-per-param", type=float, default=TOKENS_PER_PARAM, help="default 20 (Chinchilla)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the model to shape (default 4096)")
+    p.add_argument("--seq-len", type=int, default=128, help="context length of the model to shape (default 128)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)

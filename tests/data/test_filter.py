@@ -1,0 +1,377 @@
+"""Gopher quality filter: each rule on both sides of its threshold, disabled rules, and the stage on disk."""
+
+from __future__ import annotations
+
+import itertools
+
+import pyarrow as pa
+import pytest
+
+from tests import conftest
+from pydantic import ValidationError
+
+from lifecycle.core.dataset import DOC_SCHEMA
+from lifecycle.tasks.data.filter.stage import FilterConfig, document_verdict, filter_table, gopher_reason, run_filter, split_words
+
+CFG = FilterConfig()
+# the Gopher quality rules alone (the literal documents below are repetitive on purpose)
+GQ = FilterConfig(languages=None, lang_threshold=None, gopher_repetition=False, c4=False, fineweb=False)
+
+
+def doc(n: int) -> str:
+    """n words that pass every rule: mean length 4.5, two distinct stop words, all alphabetic, one line."""
+    return " ".join(itertools.islice(itertools.cycle(["the", "house", "with", "garden"]), n))
+
+
+def reason(text: str, cfg: FilterConfig = CFG) -> str | None:
+    verdict = gopher_reason(text, cfg)
+    return None if verdict is None else verdict[0]
+
+
+def docs_table(texts: list[str], prefix: str = "d") -> pa.Table:
+    n = len(texts)
+    return pa.table(
+        {
+            "doc_id": [f"{prefix}{i}" for i in range(n)],
+            "source_id": [f"src-{prefix}{i}" for i in range(n)],
+            "text": texts,
+            "source": ["test"] * n,
+            "url": [None] * n,
+            "meta": ["{}"] * n,
+        },
+        schema=DOC_SCHEMA,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# word splitting (expected tokens are spaCy 3.8 blank("en") output, which datatrove uses for English)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "Don't call os.path.join() -- it's e.g. 3.11.2, see https://docs.python.org/3/ (and foo-bar).",
+            ["Do", "n't", "call", "os.path.join", "(", ")", "--", "it", "'s", "e.g.", "3.11.2", ",", "see",
+             "https://docs.python.org/3/", "(", "and", "foo", "-", "bar", ")", "."],
+        ),
+        (
+            'He said: "I can\'t!" U.S.A. costs $5 or 10% more... def f(x):',
+            ["He", "said", ":", '"', "I", "ca", "n't", "!", '"', "U.S.A.", "costs", "$", "5", "or", "10", "%", "more",
+             "...", "def", "f(x", "):"],
+        ),
+        (":func:`repr` and ``x``", [":", "func:`repr", "`", "and", "`", "`", "x", "`", "`"]),
+    ],
+)
+def test_split_words_matches_spacy_english(text, expected):
+    assert split_words(text) == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# each rule, both sides
+
+
+def test_passing_document_is_kept():
+    assert gopher_reason(doc(50), CFG) is None
+
+
+def test_short_doc():
+    assert gopher_reason(doc(49), CFG) == ("gopher_short_doc", "words=49")
+    assert reason(doc(50)) is None
+    # punctuation tokens are not words (datatrove counts only words with a non-punctuation character)
+    assert gopher_reason(doc(49) + " ." * 5, CFG) == ("gopher_short_doc", "words=49")
+
+
+def test_long_doc():
+    cfg = FilterConfig(max_doc_words=60)
+    assert gopher_reason(doc(61), cfg) == ("gopher_long_doc", "words=61")
+    assert reason(doc(60), cfg) is None
+
+
+def test_below_avg_word_length():
+    base = ["the", "with"] + ["abc"] * 47
+    assert reason(" ".join(base + ["xy"])) is None  # mean exactly 3.0 passes
+    assert gopher_reason(" ".join(base + ["x"]), CFG) == ("gopher_below_avg_word_len", "avg_word_len=2.98")
+
+
+def test_above_avg_word_length():
+    base = ["the", "with"] + ["abcdefghij"] * 47  # 3 + 4 + 470 letters
+    assert reason(" ".join(base + ["a" * 23])) is None  # 500 / 50 = 10.0 passes
+    assert gopher_reason(" ".join(base + ["a" * 24]), CFG) == ("gopher_above_avg_word_len", "avg_word_len=10")
+    assert reason(" ".join(base + ["a" * 30])) == "gopher_above_avg_word_len"
+
+
+def test_symbol_ratio_hashes():
+    # each "#" is also a (symbol) word: 6 / 56 > 0.1, 5 / 55 <= 0.1
+    assert gopher_reason(doc(50) + " #" * 6, CFG) == ("gopher_symbol_ratio", "hash_ratio=0.107")
+    assert reason(doc(50) + " #" * 5) is None
+
+
+def test_symbol_ratio_ellipsis():
+    # ellipses at the start of the line, so the line does not end with one
+    assert gopher_reason("... " * 6 + doc(50), CFG) == ("gopher_symbol_ratio", "ellipsis_ratio=0.107")
+    assert reason("… " * 5 + doc(50)) is None
+    assert reason("… " * 6 + doc(50)) == "gopher_symbol_ratio"
+
+
+def test_bullet_lines():
+    bullets = [f"- {doc(6)}" for _ in range(10)]
+    assert gopher_reason("\n".join(bullets), CFG) == ("gopher_bullet_lines", "bullet_lines=1")
+    assert reason("\n".join(bullets[:9] + [doc(6)])) is None  # 0.9 is not > 0.9
+    assert reason("\n".join(f"• {doc(6)}" for _ in range(10))) == "gopher_bullet_lines"
+    starred = "\n".join(f"* {doc(6)}" for _ in range(10))
+    assert reason(starred) is None  # '*' is not a bullet by default (datatrove: '•' and '-')
+    assert reason(starred, FilterConfig(bullet_prefixes=("*",))) == "gopher_bullet_lines"
+
+
+def test_ellipsis_lines():
+    lines = [doc(6) + (" ..." if i < 4 else "") for i in range(10)]
+    assert gopher_reason("\n".join(lines), CFG) == ("gopher_ellipsis_lines", "ellipsis_lines=0.4")
+    lines = [doc(6) + (" …" if i < 3 else "") for i in range(10)]
+    assert reason("\n".join(lines)) is None  # 0.3 is not > 0.3
+    lines = [doc(6) + (" ...  " if i < 4 else "") for i in range(10)]  # trailing blanks do not hide it
+    assert reason("\n".join(lines)) == "gopher_ellipsis_lines"
+
+
+def test_alpha_ratio():
+    assert gopher_reason(doc(50) + " 123" * 13, CFG) == ("gopher_alpha_ratio", "alpha_words=0.794")
+    assert reason(doc(50) + " 123" * 12) is None  # 50 / 62 = 0.806
+    # punctuation tokens count in the denominator, as in datatrove
+    assert reason(doc(50) + " ;" * 13) == "gopher_alpha_ratio"
+
+
+def test_stop_words_are_distinct_and_case_sensitive():
+    assert gopher_reason(" ".join(["the", "house"] * 25), CFG) == ("gopher_stop_words", "stop_words=1")
+    assert reason(" ".join(["The", "house", "With", "garden"] * 13)) == "gopher_stop_words"
+    assert reason(" ".join(["the", "house", "of", "garden"] * 13)) is None
+    assert reason(" ".join(["the", "house"] * 25), FilterConfig(min_stop_words=1)) is None
+
+
+def test_first_failing_rule_is_the_reason():
+    text = "x " * 10  # short, too few stop words, mean word length 1
+    assert reason(text) == "gopher_short_doc"
+    assert reason(text, FilterConfig(min_doc_words=None)) == "gopher_below_avg_word_len"
+    assert reason(text, FilterConfig(min_doc_words=None, min_avg_word_length=None)) == "gopher_stop_words"
+
+
+@pytest.mark.parametrize(
+    "field, text",
+    [
+        ("min_doc_words", doc(10)),
+        ("max_doc_words", doc(100_001)),
+        ("min_avg_word_length", " ".join(["the", "with"] + ["ab"] * 48)),
+        ("max_avg_word_length", " ".join(["the", "with"] + ["abcdefghijklmnop"] * 48)),
+        ("max_bullet_lines_ratio", "\n".join(f"- {doc(6)}" for _ in range(10))),
+        ("max_ellipsis_lines_ratio", "\n".join(f"{doc(10)} ..." for _ in range(5))),
+        ("min_alpha_words_ratio", doc(50) + " 7" * 20),
+        ("min_stop_words", " ".join(["house", "garden"] * 25)),
+    ],
+)
+def test_disabled_rule_does_not_fire(field, text):
+    assert reason(text) is not None
+    assert reason(text, FilterConfig(**{field: None})) is None
+
+
+def test_disabled_symbol_rule_does_not_fire():
+    text = "# " * 6 + doc(50)
+    assert reason(text) == "gopher_symbol_ratio"
+    assert reason(text, FilterConfig(max_symbol_word_ratio=None)) is None
+
+
+def test_all_rules_disabled_keeps_even_empty_text():
+    off = FilterConfig(**{k: None for k, f in FilterConfig.model_fields.items() if f.default is not None
+                          and not isinstance(f.default, (tuple, bool)) and k != "fineweb_short_line_length"},
+                       gopher_repetition=False, c4=False, fineweb=False, languages=None)
+    assert document_verdict("", off)[0] is None
+    assert reason("", FilterConfig(min_doc_words=None)) == "gopher_alpha_ratio"  # no words: ratio 0, no crash
+
+
+# --------------------------------------------------------------------------------------------------
+# config
+
+
+def test_config_is_validated_frozen_and_closed():
+    with pytest.raises(ValidationError, match="min_doc_words"):
+        FilterConfig(min_doc_words=100, max_doc_words=10)
+    with pytest.raises(ValidationError, match="min_avg_word_length"):
+        FilterConfig(min_avg_word_length=12)
+    with pytest.raises(ValidationError, match="min_stop_words"):
+        FilterConfig(min_stop_words=3, stop_words=("the", "of"))
+    with pytest.raises(ValidationError):
+        FilterConfig(max_bullet_lines_ratio=1.5)
+    with pytest.raises(ValidationError):
+        FilterConfig(max_non_alpha_words_ratio=0.8)  # datatrove's name is not accepted silently
+    with pytest.raises(ValidationError):
+        CFG.min_doc_words = 3
+    assert all(f.description for f in FilterConfig.model_fields.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# table function and the stage
+
+
+def test_filter_table_splits_rows_and_counts():
+    texts = [doc(50), doc(5), doc(50) + " 123" * 20, doc(60)]
+    kept, rejected, stats = filter_table(docs_table(texts), GQ)
+    assert kept.schema.names == DOC_SCHEMA.names + ["lang", "lang_score"]
+    assert kept.column("lang").to_pylist() == ["en", "en"]
+    assert kept.column("doc_id").to_pylist() == ["d0", "d3"]
+    assert rejected.column("doc_id").to_pylist() == ["d1", "d2"]
+    assert rejected.column("source_id").to_pylist() == ["src-d1", "src-d2"]
+    assert rejected.column("stage").to_pylist() == ["filter", "filter"]
+    assert rejected.column("reason").to_pylist() == ["gopher_short_doc", "gopher_alpha_ratio"]
+    assert rejected.column("detail").to_pylist()[0] == "words=5"
+    assert (stats.rows_in, stats.rows_kept, dict(stats.rejected)) == (
+        4, 2, {"gopher_short_doc": 1, "gopher_alpha_ratio": 1})
+    assert stats.bytes_in == sum(len(t.encode()) for t in texts)
+    assert stats.bytes_out == len(texts[0].encode()) + len(texts[3].encode())
+
+
+def test_filter_table_rejects_null_text_by_name():
+    table = docs_table([doc(50)]).set_column(2, "text", pa.array([None], pa.string()))
+    with pytest.raises(ValueError, match="doc_id='d0'"):
+        filter_table(table, GQ)
+
+
+def make_collect(workdir, tables: list[pa.Table]):
+    return conftest.make_collect(workdir, tables, "test_filter")
+
+
+def test_run_filter_accounts_for_every_row_and_reuses(tmp_path):
+    parent = make_collect(tmp_path, [
+        docs_table([doc(50), doc(3), "é" + doc(55)], prefix="a"),
+        docs_table([doc(2), doc(4)], prefix="b"),  # every row of this file is dropped
+    ])
+    ref = run_filter(parent, GQ, str(tmp_path))
+    assert not ref.reused
+    manifest = ref.manifest()
+    assert len(manifest["files"]) == 2  # one kept file per input file, even an empty one
+    kept, rejected = ref.read(), ref.read_rejected()
+    assert sorted(kept.column("doc_id").to_pylist()) == ["a0", "a2"]
+    assert sorted(rejected.column("doc_id").to_pylist()) == ["a1", "b0", "b1"]
+    assert set(rejected.column("reason").to_pylist()) == {"gopher_short_doc"}
+    assert ref.num_rows + rejected.num_rows == parent.num_rows == 5
+    assert manifest["stats"]["rows_in"] == 5
+    assert manifest["stats"]["rejected_by_reason"] == {"gopher_short_doc": 3}
+    assert manifest["parents"][0]["sha256"] == parent.sha256
+
+    again = run_filter(parent, GQ, str(tmp_path))
+    assert again.reused and again.path == ref.path and again.sha256 == ref.sha256
+
+    other = run_filter(parent, GQ.model_copy(update={"min_doc_words": 3}), str(tmp_path))
+    assert not other.reused and other.path != ref.path
+    assert other.num_rows == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# language ID, Gopher repetition, C4, FineWeb: each rule firing and not firing on literal text
+
+from lifecycle.tasks.data.filter.quality_rules import count_sentences, dup_ngram_chars, top_ngram_chars  # noqa: E402
+
+EN = ("The committee met on Tuesday to discuss the budget for the coming year. It agreed that the library "
+      "should receive additional funding for new books. Longer opening hours in winter were approved as well. "
+      "Volunteers will help with the reading programme for children. The mayor thanked everyone for coming.")
+DE = ("Der Ausschuss traf sich am Dienstag, um den Haushalt für das kommende Jahr zu besprechen. Er beschloss, "
+      "dass die Bibliothek zusätzliche Mittel für neue Bücher erhalten soll.")
+def only(**family) -> FilterConfig:
+    base = dict(languages=None, lang_threshold=None, gopher_repetition=False, gopher_quality=False, c4=False,
+                fineweb=False)
+    return FilterConfig(**{**base, **family})
+
+
+def verdict(text, cfg):
+    v = document_verdict(text, cfg)[0]
+    return None if v is None else v[0]
+
+
+def test_language_id_rules_and_columns():
+    ONLY_LANG = only(languages=("en",), lang_threshold=0.65)
+    assert verdict(EN, ONLY_LANG) is None
+    assert verdict(DE, ONLY_LANG) == "lang_not_kept"
+    assert verdict(DE, ONLY_LANG.model_copy(update={"languages": ("en", "de")})) is None
+    assert verdict(DE, ONLY_LANG.model_copy(update={"languages": None})) is None
+    assert verdict(EN, ONLY_LANG.model_copy(update={"lang_threshold": 1.0})) == "lang_low_score"
+    _, _, lang, score = document_verdict(DE, ONLY_LANG)
+    assert lang == "de" and 0.9 < score <= 1.0
+
+
+def test_gopher_duplicate_lines_and_paragraphs():
+    cfg = only(gopher_repetition=True)
+    paras = ["The river rose overnight after heavy rain.", "Farmers moved their cattle to higher fields.",
+             "A bridge on the northern road was closed.", "Schools opened late on Monday morning.",
+             "Volunteers filled sandbags near the old mill.", "The mayor asked residents to stay calm.",
+             "Forecasters expect drier weather by Thursday.", "Insurance claims are likely to rise sharply.",
+             "Trains between the two towns were cancelled.", "Shops in the market square reopened at noon."]
+    assert verdict("\n\n".join(paras), cfg) is None
+    # 4 of 10 paragraphs repeat an earlier one: 0.4 > 0.3
+    rep = paras[:6] + [paras[0]] * 4
+    assert verdict("\n\n".join(rep), cfg) == "gopher_dup_para_frac"
+    assert verdict("\n\n".join(rep), cfg.model_copy(update={"dup_para_frac": None})) == "gopher_dup_para_char_frac"
+    lines = "\n".join(paras[:6] + [paras[0]] * 4)  # single newlines: lines, not paragraphs
+    assert verdict(lines, cfg) == "gopher_dup_line_frac"
+    assert verdict(lines, cfg.model_copy(update={"dup_line_frac": None})) == "gopher_dup_line_char_frac"
+    assert verdict(lines, cfg.model_copy(update={"dup_line_frac": None, "dup_line_char_frac": None,
+                                                 "top_ngram_char_frac": (), "dup_ngram_char_frac": ()})) is None
+
+
+def test_gopher_top_and_duplicated_ngrams():
+    assert top_ngram_chars("a b a b a b".split(), 2) == len("a b") * 3
+    assert dup_ngram_chars("x y z x y z".split(), 3) == len("xyz")
+    cfg = only(gopher_repetition=True)
+    text = "cheap shoes " * 12 + EN
+    assert verdict(text, cfg) == "gopher_top_2_gram"
+    assert verdict(text, cfg.model_copy(update={"top_ngram_char_frac": ((2, 0.9), (3, 0.9), (4, 0.9))})) \
+        == "gopher_dup_5_grams"
+    assert verdict(EN, cfg) is None
+
+
+def test_c4_rules():
+    cfg = only(c4=True)
+    assert verdict(EN, cfg) is None
+    assert verdict(EN + "\nLorem ipsum dolor sit amet, consectetur.", cfg) == "c4_lorem_ipsum"
+    assert verdict(EN + "\nThe dict {'a': 1} is built here.", cfg) == "c4_curly_bracket"
+    assert verdict(EN + "\nThe dict {'a': 1} is built here.", cfg.model_copy(update={"c4_curly_bracket": False})) \
+        is None
+    four = "One sentence here. Two sentences here. Three sentences here. Four sentences here."
+    assert verdict(four, cfg) == "c4_too_few_sentences"
+    assert verdict(four + " Five now.", cfg) is None
+    # removed lines do not count towards sentences, and are cut from the kept text
+    noisy = four + "\nPlease enable JavaScript to view this page. Really. Now.\nShort line.\nOur privacy policy applies."
+    assert verdict(noisy, cfg) == "c4_too_few_sentences"
+    _, text, _, _ = document_verdict(EN + "\nPlease enable JavaScript to continue.\nMenu\nSee our privacy policy here.",
+                                     cfg)
+    assert text == EN
+    assert verdict(four + "\nNo end punctuation here five", cfg.model_copy(update={"c4_terminal_punct": True})) \
+        == "c4_too_few_sentences"
+    assert count_sentences(split_words("Hi there. How are you? Fine!")) == 3
+    assert count_sentences(split_words("Version 3.11.2 is out.")) == 1
+
+
+def test_fineweb_rules():
+    cfg = only(fineweb=True)
+    long_lines = [f"This is line number {w} of a document that ends properly." for w in "abcdefgh"]
+    assert verdict("\n".join(long_lines), cfg) is None
+    no_punct = [line.rstrip(".") for line in long_lines]
+    assert verdict("\n".join(no_punct), cfg) == "fineweb_line_punct_ratio"  # 0 / 8 < 0.12
+    assert verdict("\n".join(no_punct[:7] + long_lines[:1]), cfg) is None  # 1 / 8 = 0.125
+    short = ["Short one.", "Tiny.", "Small line."] * 2 + long_lines[:2]
+    assert verdict("\n".join(short), cfg.model_copy(update={"fineweb_char_dup_ratio": None})) \
+        == "fineweb_short_line_ratio"  # 6 / 8 > 0.67
+    assert verdict("\n".join(long_lines + long_lines[:1]), cfg) == "fineweb_char_dup_ratio"
+    listy = "\n".join(f"Item {w}." for w in "abcdefghijkl")  # 1 newline per 3 words > 0.3
+    assert verdict(listy, cfg.model_copy(update={"fineweb_short_line_ratio": None})) == "fineweb_list_ratio"
+    assert verdict(listy, cfg.model_copy(update={"fineweb_short_line_ratio": None,
+                                                 "fineweb_newline_ratio": None})) is None
+
+
+def test_rule_order_follows_fineweb():
+    from lifecycle.tasks.data.filter.stage import FINEWEB
+
+    assert FINEWEB.gopher_repetition and FINEWEB.c4 and FINEWEB.fineweb and not FilterConfig().c4
+    text = DE + "\n" + "{" * 3
+    assert verdict(text, FINEWEB) == "lang_not_kept"  # language first, before any quality rule
+    braces = EN + "\nThe dict {'a': 1} is here."
+    assert verdict(braces, FINEWEB) == "c4_curly_bracket"
+    assert verdict(braces, FilterConfig()) is None  # C4 is opt-in
+    no_rep = FINEWEB.model_copy(update={"gopher_repetition": False})
+    assert verdict("The house is on the hill. {", no_rep) == "gopher_short_doc"  # Gopher quality before C4

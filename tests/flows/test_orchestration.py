@@ -1,0 +1,128 @@
+"""Stage tasks on a real (temporary) Prefect server: content-keyed caching across flow runs, retries with
+backoff for transient errors, and no retry for errors that cannot heal."""
+
+import json
+
+import pytest
+from prefect import flow
+from prefect.testing.utilities import prefect_test_harness
+
+from lifecycle.flows.runner import stage_task
+from lifecycle.config import OrchestrationConfig
+from lifecycle.tasks.data.collect.stage import CollectConfig, InputError, resolve_inputs, run_collect
+
+ORCH = OrchestrationConfig(data_retries=2, retry_backoff_s=0.01, retry_jitter=0)
+CALLS: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server(tmp_path_factory):
+    import os
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp_path_factory.mktemp("results"))
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+TIMES: dict[str, list[float]] = {}
+
+
+def flaky(n_failures: int, key: str) -> str:
+    import time
+    CALLS.append(key)
+    TIMES.setdefault(key, []).append(time.monotonic())
+    if CALLS.count(key) <= n_failures:
+        raise ConnectionError(f"transient failure {CALLS.count(key)}")
+    return "ok"
+
+
+def bad_input(key: str) -> str:
+    CALLS.append(key)
+    raise InputError("collect.inputs: pattern 'x' matches no file")
+
+
+def test_transient_errors_are_retried_then_succeed():
+    @flow
+    def f():
+        return stage_task(flaky, "flaky", ORCH, retries=ORCH.data_retries)(2, "t1")
+
+    assert f() == "ok" and CALLS.count("t1") == 3
+
+
+def test_retry_delays_back_off_exponentially():
+    orch = OrchestrationConfig(data_retries=2, retry_backoff_s=0.6, retry_jitter=0)
+    t = stage_task(flaky, "flaky", orch, retries=orch.data_retries)
+    assert t.retry_delay_seconds == [0.6, 1.2]
+
+    @flow
+    def f():
+        return t(2, "delays")
+
+    assert f() == "ok"
+    gaps = [b - a for a, b in zip(TIMES["delays"], TIMES["delays"][1:])]
+    assert len(gaps) == 2 and gaps[0] >= 0.6 and gaps[1] >= 1.2 and gaps[1] > gaps[0], gaps
+
+
+def slow(seconds: float) -> str:
+    import time
+    time.sleep(seconds)
+    return "done"
+
+
+def test_stage_timeout():
+    orch = OrchestrationConfig(data_retries=0, stage_timeout_s=1)
+
+    @flow
+    def f():
+        return stage_task(slow, "slow", orch, retries=0)(10)
+
+    with pytest.raises(TimeoutError):
+        f()
+
+
+def test_retries_are_bounded():
+    @flow
+    def f():
+        return stage_task(flaky, "flaky", ORCH, retries=ORCH.data_retries)(5, "t2")
+
+    with pytest.raises(ConnectionError):
+        f()
+    assert CALLS.count("t2") == 3  # one try + two retries
+
+
+def test_permanent_errors_are_not_retried():
+    @flow
+    def f():
+        return stage_task(bad_input, "bad", ORCH, retries=ORCH.data_retries)("t3")
+
+    with pytest.raises(InputError):
+        f()
+    assert CALLS.count("t3") == 1
+
+
+def test_cache_keys_come_from_content_not_the_flow_run(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "one document"}) + "\n")
+    cfg = CollectConfig(inputs=[str(src)])
+
+    @flow
+    def f():
+        t = stage_task(run_collect, "collect", ORCH, retries=0)
+        state = t(cfg, str(tmp_path / "w"), inputs=resolve_inputs(cfg.inputs), return_state=True)
+        return state.name, state.result()
+
+    name1, ref1 = f()
+    name2, ref2 = f()  # a new flow run with the same content: Prefect's cache answers
+    assert (name1, name2) == ("Completed", "Cached") and ref1 == ref2
+    src.write_text(json.dumps({"text": "changed content"}) + "\n")  # new content: a new key, recomputed
+    name3, ref3 = f()
+    assert name3 == "Completed" and ref3.sha256 != ref1.sha256
+
+
+def test_cache_key_covers_the_modules_a_stage_imports():
+    import lifecycle.tasks.data.dedup.stage
+    import lifecycle.tasks.data.dedup.minhash
+    import lifecycle.tasks.data.scrub.stage
+    from lifecycle.flows.runner import stage_modules
+
+    assert lifecycle.tasks.data.dedup.minhash in stage_modules(lifecycle.tasks.data.dedup.stage)
+    assert [m.__name__ for m in stage_modules(lifecycle.tasks.data.scrub.stage)] == ["lifecycle.tasks.data.scrub.detectors", "lifecycle.tasks.data.scrub.stage"]

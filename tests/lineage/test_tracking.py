@@ -1,0 +1,61 @@
+"""Tracker against a real MLflow SQLite store: resumed runs reuse their MLflow runs without duplicate metric
+steps, and the `champion` alias moves only to a version with lower validation bits per byte."""
+
+from mlflow import MlflowClient
+from pydantic import BaseModel
+
+from lifecycle.lineage.tracking import CHAMPION, Tracker, TrackingConfig
+
+
+class Cfg(BaseModel):
+    workdir: str
+    lr: float = 0.1
+
+
+def tracker(wd, cfg, flow_run="fr-1"):
+    t = Tracker(TrackingConfig(model_name="m"), str(wd), "exp")
+    t.start("run", cfg, {"prefect.flow_run_id": flow_run})
+    return t
+
+
+def test_resumed_run_reuses_runs_and_logs_no_duplicate_steps(tmp_path):
+    cfg = Cfg(workdir=str(tmp_path))
+    t1 = tracker(tmp_path, cfg)
+    t1.log_series("train", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}], ["loss"])
+    t1.log_metrics("collect", {"rows_in": 10})
+    t1.end("FAILED")  # a crash halfway
+    t2 = tracker(tmp_path, cfg, flow_run="fr-2")
+    assert t2.resumed and t2.parent_id == t1.parent_id
+    assert t2.stage_run("train") == t1.stage_runs["train"]
+    t2.log_series("train", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": 2.0}], ["loss"])
+    t2.log_metrics("collect", {"rows_in": 10})
+    t2.end("FINISHED")
+    c = t2.client
+    assert [(m.step, m.value) for m in sorted(c.get_metric_history(t2.stage_runs["train"], "loss"), key=lambda m: m.step)] \
+        == [(1, 3.0), (2, 2.5), (3, 2.0)]
+    assert len(c.get_metric_history(t2.stage_runs["collect"], "rows_in")) == 1
+    parent = c.get_run(t2.parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["prefect.flow_run_id"] == "fr-2"
+    assert parent.data.tags["lifecycle.prefect_flow_run_ids"] == '["fr-1", "fr-2"]'
+    assert len(c.search_runs([t2.experiment_id])) == 3  # one parent, two children: nothing duplicated
+    t3 = tracker(tmp_path, Cfg(workdir=str(tmp_path), lr=0.2))  # another config: another parent run
+    assert not t3.resumed and t3.parent_id != t1.parent_id
+
+
+def test_champion_moves_only_on_lower_bpb(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "w.txt").write_text("weights")
+    t = tracker(tmp_path, Cfg(workdir=str(tmp_path)))
+    decisions = []
+    for bpb in (2.0, 2.5, 1.5):
+        name, version = t.register_model(tmp_path / "pkg", {"metric.val_bpb": repr(bpb)})
+        decisions.append(t.promote(name, version, bpb))
+    c = MlflowClient(tracking_uri=t.uri, registry_uri=t.uri)
+    assert [d["decision"] for d in decisions] == ["promoted", "not_promoted", "promoted"]
+    assert decisions[1]["champion_version_before"] == "1" and decisions[1]["champion_value_before"] == 2.0
+    assert decisions[1]["candidate_value"] == 2.5
+    assert str(c.get_model_version_by_alias("m", CHAMPION).version) == "3"
+    v2 = c.get_model_version("m", "2").tags
+    assert v2["lifecycle.promotion.decision"] == "not_promoted"
+    assert v2["lifecycle.promotion.champion_value_before"] == "2.0" and v2["lifecycle.promotion.candidate_value"] == "2.5"
+    assert c.get_run(t.parent_id).data.tags["lifecycle.promotion.decision"] == "promoted"  # the last decision
