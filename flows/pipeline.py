@@ -20,6 +20,7 @@ from lifecycle.core.dataset import DatasetRef, RawFile
 from lifecycle.flows.runner import RunSummary, StageRunner, plain_task
 from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
+from lifecycle.lineage.registry import Registry
 from lifecycle.lineage.tracking import Tracker
 from lifecycle.tasks.data.collect.stage import record_collected, resolve_inputs
 from lifecycle.tasks.eval.checkpoint.stage import warm_start
@@ -135,9 +136,10 @@ def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg:
               examples: list) -> None:
     """Register the packaged model (or find the version a rerun already registered), decide promotion, and
     put the model card on the parent run."""
-    name, version = tracker.register_or_reuse(model_ref, summary.metrics)
+    registry = Registry(tracker)
+    name, version = registry.register_or_reuse(model_ref, summary.metrics)
     summary.model = {"name": name, "version": version}
-    summary.promotion = tracker.promotion(name, version)
+    summary.promotion = registry.promotion(name, version)
     print(f"[checkpoint] {summary.stages['checkpoint']}: registered {name} version {version}; "
           f"champion: {summary.promotion.get('decision')} ({summary.promotion.get('reason')})")
     manifests = {s: json.loads(Path(p).read_text()) for s, p in summary.datasets.items()}
@@ -166,7 +168,7 @@ def _log_charts(tracker: Tracker, summary: RunSummary, trained) -> None:
 def _warm_start(tracker: Tracker, cfg: PipelineConfig, summary: RunSummary):
     """`train.init_from: champion`: (champion's weights, tokenize config using its tokenizer) when the model
     config is unchanged, else (None, None: the configured tokenize config). The decision goes on the parent run."""
-    found = tracker.champion_package()
+    found = Registry(tracker).champion_package()
     weights, reason = (None, "no champion registered yet") if found is None else warm_start(found[1], cfg.train)
     tok_cfg = None
     if weights is not None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from lifecycle.core.procs import stop_group
 
 HOST = "127.0.0.1"
 SERVERS = ("prefect", "mlflow")
@@ -32,12 +32,6 @@ def state_dir(workdir: str | Path) -> Path:
 
 def _bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _port_in_use(port: int) -> bool:
@@ -123,36 +117,6 @@ def up(workdir: str | Path, prefect_port: int = 4200, mlflow_port: int = 5000, t
     return status(workdir)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _stop_group(pgid: int, timeout: float) -> None:
-    """SIGTERM the server's process group (it and every worker it forked), wait, then SIGKILL what is left."""
-    os.killpg(pgid, signal.SIGTERM)
-    deadline = time.time() + timeout
-    while _group_alive(pgid) and time.time() < deadline:
-        _reap(pgid)
-        time.sleep(0.2)
-    if _group_alive(pgid):
-        os.killpg(pgid, signal.SIGKILL)
-        while _group_alive(pgid) and time.time() < deadline + 10:
-            _reap(pgid)
-            time.sleep(0.2)
-
-
-def _reap(pid: int) -> None:
-    """When `up` ran in this same process, the server is our child: collect its exit status (no zombie)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
 def down(workdir: str | Path, timeout: float = 30) -> list[str]:
     workdir = Path(workdir).resolve()
     sdir = state_dir(workdir)
@@ -160,7 +124,7 @@ def down(workdir: str | Path, timeout: float = 30) -> list[str]:
     stopped = []
     for name, entry in state.items():
         if _alive(entry):
-            _stop_group(entry["pid"], timeout)
+            stop_group(entry["pid"], term_timeout=timeout)
             stopped.append(name)
         (sdir / f"{name}.pid").unlink(missing_ok=True)
     (sdir / "servers.json").unlink(missing_ok=True)

@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lifecycle.core.paths import PathEscape, is_url, pattern_root, resolve_within
+from lifecycle.core.fs import is_remote
+from lifecycle.core.paths import PathEscape, pattern_root, resolve_within
 from lifecycle.lineage.tracking import TrackingConfig
 from lifecycle.tasks.data.collect.stage import CollectConfig
 from lifecycle.tasks.data.dedup.stage import DedupConfig
@@ -107,7 +108,7 @@ class PipelineConfig(BaseModel):
         problems = []
         for field, value, path in named:
             try:
-                if not is_url(value):
+                if not is_remote(value):
                     resolve_within(path, roots, f"`{field}` ({value!r}) is not inside `input_roots` or the work dir")
             except PathEscape as e:
                 problems.append(str(e))

@@ -34,7 +34,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from lifecycle.core.dataset import MANIFEST, sha256_file
+from lifecycle.core.dataset import MANIFEST
+
+from lifecycle.core.fs import sha256_file
 from lifecycle.core.paths import resolve_within
 from lifecycle.tasks.stages import DOCUMENT_STAGES
 
@@ -87,7 +89,7 @@ def model_rows(tracking_uri: str | None) -> list[dict]:
                          "aliases": ",".join(a for a, v in (rm.aliases or {}).items() if str(v) == str(mv.version)),
                          "run_id": mv.run_id, "package_sha256": t.get("lifecycle.model_package_sha256"),
                          "package_manifest": t.get("lifecycle.model_package_manifest"),
-                         "tokenize_sha256": t.get("lifecycle.core.dataset.tokenize.sha256"),
+                         "tokenize_sha256": t.get("lifecycle.dataset.tokenize.sha256"),
                          "checkpoint_dir": t.get("lifecycle.checkpoint_dir"),
                          "checkpoint_marker_sha256": t.get("lifecycle.checkpoint_marker_sha256"),
                          "val_bpb": float(t["metric.val_bpb"]) if "metric.val_bpb" in t else None,

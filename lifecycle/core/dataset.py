@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
+from lifecycle.core.fs import sha256_file, fsync_path, atomic_write_json
 
 MANIFEST = "_manifest.json"
 SCHEMA_VERSION = 1
@@ -63,52 +64,12 @@ class AccountingError(RuntimeError):
 # hashing and atomic file writes
 
 
-def sha256_file(path: str | Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def fsync_dir(path: str | Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to `<path>.tmp`, fsync, rename into place, fsync the directory."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
-
-
-def fsync_file(path: str | Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,13 +233,13 @@ class _FileWriter:
         path = self.tmp / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, path, compression="zstd")
-        fsync_file(path)
+        fsync_path(path)
         self._register(kind, rel, table.num_rows)
 
     def add_file(self, rel: str, kind: str = "extra", num_rows: int | None = None) -> Path:
         """Register a non-Parquet file the caller already wrote under `self.tmp / rel` (fsynced here)."""
         path = self.tmp / rel
-        fsync_file(path)
+        fsync_path(path)
         self._register(kind, rel, num_rows)
         return path
 
@@ -361,7 +322,7 @@ class DatasetWriter(_FileWriter):
                 return DatasetRef.from_dir(self.final, reused=True)
             shutil.rmtree(self.final)
         os.replace(self.tmp, self.final)
-        fsync_dir(self.final.parent)
+        fsync_path(self.final.parent)
         return DatasetRef.from_dir(self.final)
 
 
@@ -444,14 +405,14 @@ class ShardWriter(_FileWriter):
     def finish(self, stats: StageStats) -> None:
         atomic_write_json(self.tmp / SHARD_MARKER, {"index": self.index, "entries": self._entries,
                                                     "stats": stats.to_dict()})
-        fsync_dir(self.tmp)
+        fsync_path(self.tmp)
         try:
             os.rename(self.tmp, self.final)
         except OSError:  # a twin attempt (a retry after a timeout) published it first
             if not (self.final / SHARD_MARKER).exists():
                 raise
             shutil.rmtree(self.tmp)
-        fsync_dir(self.final.parent)
+        fsync_path(self.final.parent)
 
 
 def plan_stage(

@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import glob as _glob
 import hashlib
+import json
 import os
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 
 def is_url(path: str) -> bool:
+    """Any URL, file:// included (read through fsspec)."""
     return "://" in str(path)
+
+
+def is_remote(path: str) -> bool:
+    """A URL that names no local file (s3://, http://...): local confinement rules do not apply to it."""
+    return is_url(path) and not str(path).startswith("file://")
 
 
 def local_path(path: str) -> str:
@@ -40,8 +47,8 @@ def glob_files(pattern: str) -> list[str]:
     return sorted(fs.unstrip_protocol(p) for p in found if fs.isfile(p))
 
 
-def open_bytes(path: str) -> BinaryIO:
-    if not is_url(path):
+def open_bytes(path: str | Path) -> BinaryIO:
+    if not is_url(str(path)):
         return open(path, "rb")
     fs, p = _fs(path)
     return fs.open(p, "rb")
@@ -59,9 +66,35 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def sha256(path: str, bufsize: int = 1 << 20) -> str:
+def sha256_file(path: str | Path, bufsize: int = 1 << 20) -> str:
+    """sha256 of a file's bytes (a local path or an fsspec URL)."""
     h = hashlib.sha256()
     with open_bytes(path) as f:
         while chunk := f.read(bufsize):
             h.update(chunk)
     return h.hexdigest()
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename or a new entry in it durable)."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to `<path>.tmp`, fsync, rename into place, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())

@@ -48,11 +48,6 @@ def pattern_root(pattern: str) -> Path:
     return Path(*fixed) if fixed else Path(".")
 
 
-def is_url(path: str) -> bool:
-    """A URL (s3://, http://...) names no local file, so local confinement does not apply; file:// is local."""
-    return fs.is_url(path) and not path.startswith("file://")
-
-
 def confine_matches(pattern: str, matches: Iterable[str], error: type = PathEscape) -> None:
     """Every file a glob pattern matched must resolve inside the pattern's fixed directory."""
     root = pattern_root(pattern)

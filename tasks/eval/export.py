@@ -36,7 +36,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lifecycle.core.dataset import DatasetRef, atomic_write_json, sha256_file
+from lifecycle.core.dataset import DatasetRef
+
+from lifecycle.core.fs import atomic_write_json, sha256_file
 from lifecycle.core.paths import PathEscape, resolve_within
 from lifecycle.tasks.train import checkpoint as ckpt
 

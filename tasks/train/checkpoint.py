@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lifecycle.core.dataset import atomic_write_json, fsync_dir, fsync_file, sha256_file
+from lifecycle.core.fs import atomic_write_json, fsync_path, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +101,18 @@ def commit(tag_dir: str | Path, step: int, extra: dict[str, Any] | None = None,
             if size != written:
                 raise ValueError(f"{tag_dir}: {rel} has {size} bytes on disk, its writer wrote {written}; not committed")
         else:
-            fsync_file(p)
+            fsync_path(p)
             sha = sha256_file(p)
             size = p.stat().st_size
         files.append({"path": rel, "sha256": sha, "bytes": size})
     if known:
         raise ValueError(f"{tag_dir}: {sorted(known)} written but missing; not committed")
     for d in {p.parent for p in paths} | {tag_dir}:
-        fsync_dir(d)
+        fsync_path(d)
     marker = {"step": step, "tag": tag_dir.name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "files": files, **(extra or {})}
     atomic_write_json(tag_dir / MARKER, marker)
-    fsync_dir(tag_dir.parent)
+    fsync_path(tag_dir.parent)
     return marker
 
 
@@ -165,7 +165,7 @@ def remove(tag_dir: str | Path) -> None:
     marker = tag_dir / MARKER
     if marker.exists():
         marker.unlink()
-        fsync_dir(tag_dir)
+        fsync_path(tag_dir)
     shutil.rmtree(tag_dir, ignore_errors=True)
 
 
@@ -235,7 +235,7 @@ def hashed_atomic_file(path: str | Path) -> Iterator[HashingWriter]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_bytes_hashed(path: str | Path, data: bytes) -> Digest:
@@ -330,7 +330,7 @@ def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_con
     if rank == 0:
         written = write_model(tag_dir, state, model_config)
     for p in _files(tag_dir):
-        fsync_file(p)
+        fsync_path(p)
     dist.barrier()
     if rank == 0:
         commit(tag_dir, step, marker_extra, known=written)

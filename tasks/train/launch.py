@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +31,9 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict
 
 from lifecycle.core import dataset as ds
+from lifecycle.core import fs
 from lifecycle.core.code import code_version
+from lifecycle.core.procs import free_port, stop_group
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import TrainConfig
@@ -136,7 +137,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
                              f"{need}" + (" (set eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
     code = code_version(__package__)
-    init = {"init_weights_sha256": ds.sha256_file(init_weights)} if init_weights else {}
+    init = {"init_weights_sha256": fs.sha256_file(init_weights)} if init_weights else {}
     fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])
     run_dir = Path(workdir).resolve() / "train" / fp[:20]
     ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"
@@ -151,12 +152,10 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             return _result(latest, run_dir, None, launched=False, sizing=sizing)
         resumed_from = ckpt.step_of(latest) if latest is not None else None
         config_path = run_dir / "config.json"
-        ds.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
+        fs.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
                                            "run_dir": str(run_dir), "tokens": meta.model_dump(),
                                            "token_dataset": tokens.path, "init_weights": init_weights, **init})
-        with socket.socket() as s:  # a free port, unless one is configured
-            s.bind(("127.0.0.1", 0))
-            port = cfg.master_port or s.getsockname()[1]
+        port = cfg.master_port or free_port()
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
         if launcher is None:
             raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
@@ -180,7 +179,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                         raise TimeoutError(f"training exceeded timeout_s={cfg.timeout_s}; ranks killed")
                     time.sleep(0.5)
             except BaseException as e:
-                _stop(proc)
+                stop_group(proc.pid)
                 if isinstance(e, TimeoutError):
                     raise RuntimeError(f"{e}. Last lines of {log_path}:\n{_tail(log_path)}") from e
                 raise
@@ -296,15 +295,3 @@ def _tail(path: Path, n: int = 60) -> str:
     with open(path, "rb") as f:
         return b"".join(deque(f, maxlen=n)).decode(errors="replace")
 
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launcher's process group (launcher and ranks), then SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lifecycle.core.dataset import atomic_write_json
+from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT

@@ -7,6 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from lifecycle.core import dataset as ds
+from lifecycle.core import fs
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, load_tokenizer, run_tokenize, split_of, token_shards
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -60,7 +61,7 @@ def test_tokenize_round_trip_shards_and_side_table(tmp_path):
     # manifest extras describe the shards exactly
     assert meta.dtype == "uint16" and meta.vocab_size == tok.get_vocab_size()
     assert meta.eot_id == tok.token_to_id("<|endoftext|>")
-    assert m["tokenizer_sha256"] == ds.sha256_file(ref.dir / "tokenizer.json")
+    assert m["tokenizer_sha256"] == fs.sha256_file(ref.dir / "tokenizer.json")
     extra = {e["path"] for e in m["extra"]}
     assert {"tokenizer.json", "train-00000.bin", "val-00000.bin"} <= extra
 
@@ -163,7 +164,7 @@ def test_given_tokenizer_is_used_as_is_and_large_vocab_packs_uint32(tmp_path):
     cfg = CFG.model_copy(update={"tokenizer_file": str(given)})
     ref = run_tokenize(make_docs(tmp_path, texts), cfg, str(tmp_path / "w"))
     meta = token_shards(ref)
-    assert meta.tokenizer_sha256 == ds.sha256_file(given)  # a byte copy, not a retrained tokenizer
+    assert meta.tokenizer_sha256 == fs.sha256_file(given)  # a byte copy, not a retrained tokenizer
     assert meta.dtype == "uint32" and meta.vocab_size == 70_003
     tok = load_tokenizer(ref)
     for r in ref.read().to_pylist():

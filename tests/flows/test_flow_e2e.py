@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
-from lifecycle.core.dataset import sha256_file
+from lifecycle.core.fs import sha256_file
 from tests.conftest import ROOT, corpus_records
 
 pytestmark = pytest.mark.e2e
@@ -143,12 +143,12 @@ def test_mlflow_lineage(first_run):
     assert collect_m["sha256"] in card and out["datasets"]["tokenize"] in card
     mv = client.get_model_version(out["model"]["name"], out["model"]["version"])
     assert mv.run_id == parent.info.run_id
-    assert mv.tags["lifecycle.core.dataset.collect.sha256"] == collect_m["sha256"]
+    assert mv.tags["lifecycle.dataset.collect.sha256"] == collect_m["sha256"]
     assert json.loads(open(out["datasets"]["checkpoint"]).read())["sha256"] == mv.tags["lifecycle.model_package_sha256"]
     # registry tags: every dataset, raw inputs, tokenizer, checkpoint marker, config hash, git commit
     tok_m = json.loads(open(out["datasets"]["tokenize"]).read())
     for stage in ("collect", "filter", "dedup", "scrub", "tokenize"):
-        assert mv.tags[f"lifecycle.core.dataset.{stage}.sha256"] == json.loads(open(out["datasets"][stage]).read())["sha256"]
+        assert mv.tags[f"lifecycle.dataset.{stage}.sha256"] == json.loads(open(out["datasets"][stage]).read())["sha256"]
     raw = collect_m["inputs"][0]
     assert mv.tags["lifecycle.raw_input.0"] == f"{raw['sha256']} {raw['path']}"
     assert mv.tags["lifecycle.tokenizer_sha256"] == tok_m["tokenizer_sha256"]

@@ -7,7 +7,7 @@ import sys
 import psutil
 import pytest
 
-from lifecycle.flows import servers
+from lifecycle.core.procs import free_port
 from lifecycle.core.locking import WorkdirBusy, workdir_lock
 from tests.conftest import ROOT
 
@@ -24,7 +24,7 @@ def cli(*args, check=True, timeout=300):
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     wd = tmp_path_factory.mktemp("srv")
-    ports = [str(servers.free_port()), str(servers.free_port())]
+    ports = [str(free_port()), str(free_port())]
     up = cli("up", "--set", f"workdir={wd}", "--prefect-port", ports[0], "--mlflow-port", ports[1], "--json")
     st = json.loads(up.stdout.strip().splitlines()[-1])
     yield wd, st

@@ -4,7 +4,8 @@ steps, and the `champion` alias moves only to a version with lower validation bi
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
-from lifecycle.lineage.tracking import CHAMPION, Tracker, TrackingConfig
+from lifecycle.lineage.registry import CHAMPION, Registry
+from lifecycle.lineage.tracking import Tracker, TrackingConfig
 
 
 class Cfg(BaseModel):
@@ -46,10 +47,11 @@ def test_champion_moves_only_on_lower_bpb(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "w.txt").write_text("weights")
     t = tracker(tmp_path, Cfg(workdir=str(tmp_path)))
+    registry = Registry(t)
     decisions = []
     for bpb in (2.0, 2.5, 1.5):
-        name, version = t.register_model(tmp_path / "pkg", {"metric.val_bpb": repr(bpb)})
-        decisions.append(t.promote(name, version, bpb))
+        name, version = registry.register_model(tmp_path / "pkg", {"metric.val_bpb": repr(bpb)})
+        decisions.append(registry.promote(name, version, bpb))
     c = MlflowClient(tracking_uri=t.uri, registry_uri=t.uri)
     assert [d["decision"] for d in decisions] == ["promoted", "not_promoted", "promoted"]
     assert decisions[1]["champion_version_before"] == "1" and decisions[1]["champion_value_before"] == 2.0

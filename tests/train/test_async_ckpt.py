@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lifecycle.core.dataset import sha256_file
+from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train.async_ckpt import PersistProcess, merge_digests, persist, snapshot
 from lifecycle.tasks.train.model import GPT, ModelConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifecycle.core.dataset import sha256_file
+from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train.model import GPT, ModelConfig
 

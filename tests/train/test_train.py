@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lifecycle.core import dataset as ds
+from lifecycle.core import fs
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.eval.evaluate.stage import windows
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize, token_shards
@@ -244,7 +245,7 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
 
     # damage the final checkpoint after its commit: the rerun falls back to step 30 and, because batches
     # and RNG states are restored, reproduces step 40 bit for bit (same weights file, byte for byte)
-    weights_sha = ds.sha256_file(Path(r2.checkpoint_dir) / "model.safetensors")
+    weights_sha = fs.sha256_file(Path(r2.checkpoint_dir) / "model.safetensors")
     shard = Path(r2.checkpoint_dir) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -252,7 +253,7 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
     r4 = run_train(tokens, longer, workdir)
     assert r4.launched and r4.resumed_from == 30 and r4.checkpoint_dir == r2.checkpoint_dir
     assert ckpt.verify(r4.checkpoint_dir) is None
-    assert ds.sha256_file(Path(r4.checkpoint_dir) / "model.safetensors") == weights_sha
+    assert fs.sha256_file(Path(r4.checkpoint_dir) / "model.safetensors") == weights_sha
     assert r4.final_loss == r2.final_loss
 
 
@@ -312,7 +313,7 @@ def test_deepspeed_zero3_through_a_hostfile_with_activation_checkpointing_resume
     assert marker["zero_stage"] == 3 and marker["world_size"] == 2
     files = {f["path"] for f in marker["files"]}
     assert {f"zero_pp_rank_{r}_mp_rank_00_{k}_states.pt" for r in (0, 1) for k in ("model", "optim")} <= files
-    weights = ds.sha256_file(Path(r1.checkpoint_dir) / "model.safetensors")
+    weights = fs.sha256_file(Path(r1.checkpoint_dir) / "model.safetensors")
 
     shard = Path(r1.checkpoint_dir) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bytearray(shard.read_bytes())
@@ -320,7 +321,7 @@ def test_deepspeed_zero3_through_a_hostfile_with_activation_checkpointing_resume
     shard.write_bytes(bytes(data))
     r2 = run_train(tokens, cfg, str(tmp_path / "w"))
     assert r2.launched and r2.resumed_from == 3 and r2.checkpoint_dir == r1.checkpoint_dir
-    assert ds.sha256_file(Path(r2.checkpoint_dir) / "model.safetensors") == weights
+    assert fs.sha256_file(Path(r2.checkpoint_dir) / "model.safetensors") == weights
     assert [r["loss"] for r in _records(r2.metrics_path, "train")] == losses
 
 

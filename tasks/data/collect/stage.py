@@ -45,17 +45,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DOC_SCHEMA,
-    DatasetRef,
-    RawFile,
-    StagePlan,
-    StageStats,
-    atomic_write_bytes,
-    plan_stage,
-    rejected_table,
-    run_plan,
+    DOC_SCHEMA, DatasetRef, RawFile, StagePlan, StageStats, plan_stage, rejected_table, run_plan,
 )
-from lifecycle.core.paths import confine_matches, is_url
+from lifecycle.core.fs import atomic_write_bytes
+from lifecycle.core.fs import is_remote
+from lifecycle.core.paths import confine_matches
 from lifecycle.core import fs
 from lifecycle.tasks.data.collect import extract
 
@@ -135,12 +129,12 @@ def resolve_inputs(patterns: list[str]) -> list[RawFile]:
         matched = fs.glob_files(pattern)
         if not matched:
             raise InputError(f"collect.inputs: pattern {pattern!r} matches no file")
-        if not is_url(pattern):  # local (file:// too): no symlink or `..` leads out of the pattern's dir
+        if not is_remote(pattern):  # local (file:// too): no symlink or `..` leads out of the pattern's dir
             confine_matches(pattern, matched, error=InputError)
         paths.extend(m for m in matched if m not in paths)
     for p in paths:
         file_kind(p)  # fail on an unknown type before any work starts
-    return [RawFile(path=p, sha256=fs.sha256(p), bytes=fs.size(p)) for p in paths]
+    return [RawFile(path=p, sha256=fs.sha256_file(p), bytes=fs.size(p)) for p in paths]
 
 
 def make_doc_id(source_id: str, text: str) -> str:

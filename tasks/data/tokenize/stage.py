@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lifecycle.core import dataset as ds
+from lifecycle.core import fs
 from lifecycle.core.code import code_version
 
 STAGE = "tokenize"
@@ -147,7 +148,7 @@ def given_tokenizer(cfg: TokenizeConfig) -> ds.RawFile | None:
     path = Path(cfg.tokenizer_file).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"tokenize.tokenizer_file: {path} does not exist")
-    return ds.RawFile(path=str(path), sha256=ds.sha256_file(path), bytes=path.stat().st_size)
+    return ds.RawFile(path=str(path), sha256=fs.sha256_file(path), bytes=path.stat().st_size)
 
 
 def hf_tokenizer_config(cfg: TokenizeConfig) -> dict:
@@ -165,7 +166,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     given = given_tokenizer(cfg)
     if given is not None:
         ds.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
-        if ds.sha256_file(tok_path) != given.sha256:
+        if fs.sha256_file(tok_path) != given.sha256:
             raise RuntimeError(f"tokenize.tokenizer_file {given.path} changed while it was being copied")
     else:
         tok, trainer = new_bpe(cfg)
@@ -173,7 +174,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
         tok.save(str(tok_path))
     writer.add_file("tokenizer.json", kind="extra")
     tok = Tokenizer.from_file(str(tok_path))  # encode with exactly what was saved
-    ds.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg))
+    fs.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg))
     writer.add_file("tokenizer_config.json", kind="extra")
 
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -234,7 +235,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     return {
         "stats": stats,
         "extra": {
-            "tokenizer_sha256": ds.sha256_file(tok_path),
+            "tokenizer_sha256": fs.sha256_file(tok_path),
             "tokenizer_file": "tokenizer.json",
             "dtype": dtype.name,
             "vocab_size": vocab_size,
@@ -300,7 +301,7 @@ def load_tokenizer(ref: ds.DatasetRef):
     from tokenizers import Tokenizer
 
     meta = token_shards(ref)
-    actual = ds.sha256_file(meta.tokenizer_path)
+    actual = fs.sha256_file(meta.tokenizer_path)
     if actual != meta.tokenizer_sha256:
         raise ValueError(f"{meta.tokenizer_path}: sha256 {actual} != manifest {meta.tokenizer_sha256}")
     return Tokenizer.from_file(meta.tokenizer_path)

@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 
 from lifecycle.core.code import code_version
-from lifecycle.core.dataset import DatasetRef, DatasetWriter, materialize, sha256_file
+from lifecycle.core.dataset import DatasetRef, DatasetWriter, materialize
+from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train.checkpoint import MARKER, read_marker, verify
 
 STAGE = "checkpoint"

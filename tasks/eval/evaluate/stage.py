@@ -35,7 +35,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.code import code_version
-from lifecycle.core.dataset import DatasetRef, materialize, sha256_file
+from lifecycle.core.dataset import DatasetRef, materialize
+from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.data.tokenize.stage import token_shards
 

@@ -1,0 +1,136 @@
+"""The MLflow model registry: register a packaged model with its lineage as version tags, and the promotion
+policy that moves the `champion` alias. Run logging is `lineage.tracking`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lifecycle.core.dataset import DatasetRef, sha256_json
+from lifecycle.lineage.tracking import Tracker
+
+CHAMPION = "champion"  # registry alias of the best model version so far
+PROMOTION_METRIC = "val_bpb"  # lower is better; comparable across tokenizers
+
+
+class Registry:
+    """Model versions of `tracking.model_name`, registered from (and tagged onto) a tracker's parent run."""
+
+    def __init__(self, tracker: Tracker):
+        self.tracker, self.client, self.model_name = tracker, tracker.client, tracker.cfg.model_name
+
+    @property
+    def parent_id(self) -> str:
+        return self.tracker.parent_id
+
+    def register_model(self, model_dir: str | Path, tags: dict[str, str], description: str = "") -> tuple[str, str]:
+        """Log the packaged model files to the parent run and register them as a new model version."""
+        from mlflow.exceptions import MlflowException
+
+        self.client.log_artifacts(self.parent_id, str(model_dir), "model")
+        name = self.model_name
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as e:
+            if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
+                raise
+        source = f"{self.client.get_run(self.parent_id).info.artifact_uri}/model"
+        mv = self.client.create_model_version(name, source=source, run_id=self.parent_id, tags=tags,
+                                              description=description)
+        self.client.set_tag(self.parent_id, "lifecycle.model_version", f"{name}/{mv.version}")
+        return name, str(mv.version)
+
+    def register_or_reuse(self, model_ref: DatasetRef, metrics: dict[str, Any]) -> tuple[str, str]:
+        """Register the packaged model once; a rerun that produced the same package reuses its version.
+
+        Version tags: the package's and the checkpoint marker's sha256, the tokenizer digest, the config hash,
+        the git commit, `lifecycle.dataset.<stage>.sha256` for every dataset from collect to the token shards,
+        `lifecycle.raw_input.<i>` = "sha256 path" for every raw input file (and `lifecycle.raw_inputs_sha256`
+        over the whole list), and `metric.<name>` for the evaluation metrics."""
+        name = self.model_name
+        try:
+            for mv in self.client.search_model_versions(f"name = '{name}'"):
+                if mv.tags.get("lifecycle.model_package_sha256") == model_ref.sha256:
+                    self.client.set_tag(self.parent_id, "lifecycle.model_version", f"{name}/{mv.version}")
+                    return name, str(mv.version)
+        except Exception as e:  # no registered model yet
+            if "RESOURCE_DOES_NOT_EXIST" not in str(e):
+                raise
+        lineage = json.loads((model_ref.dir / "lineage.json").read_text())
+        parent_tags = self.tracker.parent_tags()
+        raw = sorted({r["path"]: r["sha256"] for d in lineage["datasets"] for r in d["inputs"]}.items())
+        tags = {
+            "lifecycle.model_package_sha256": model_ref.sha256,
+            "lifecycle.model_package_manifest": str(model_ref.manifest_path),
+            "lifecycle.checkpoint_marker_sha256": lineage["checkpoint_marker_sha256"],
+            "lifecycle.checkpoint_dir": lineage["checkpoint_dir"],
+            "lifecycle.checkpoint_step": str(lineage.get("checkpoint_step")),
+            "lifecycle.tokenizer_sha256": str(lineage.get("tokenizer_sha256")),
+            "lifecycle.config_sha256": parent_tags.get("lifecycle.config_sha256", ""),
+            "lifecycle.git_commit": parent_tags.get("lifecycle.git_commit", ""),
+            "lifecycle.raw_inputs_sha256": sha256_json(raw),
+            "lifecycle.raw_inputs": json.dumps(raw)[:7900],
+        }
+        for i, (path, sha) in enumerate(raw):
+            tags[f"lifecycle.raw_input.{i}"] = f"{sha} {path}"[:7900]
+        for d in lineage["datasets"]:
+            tags[f"lifecycle.dataset.{d['stage']}.sha256"] = d["sha256"]
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                tags[f"metric.{k}"] = repr(float(v))
+        name, version = self.register_model(model_ref.dir, tags, description=f"lineage: {model_ref.manifest_path}")
+        self.promote(name, version, metrics.get(PROMOTION_METRIC))
+        return name, version
+
+    def champion_package(self) -> tuple[str, Path] | None:
+        """(version, package directory) of the registered model's champion, or None when there is none."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            champ = self.client.get_model_version_by_alias(self.model_name, CHAMPION)
+        except MlflowException:
+            return None
+        manifest = champ.tags.get("lifecycle.model_package_manifest")
+        return (str(champ.version), Path(manifest).parent) if manifest else None
+
+    def promotion(self, name: str, version: str) -> dict[str, str]:
+        """The promotion record of a version (`lifecycle.promotion.*` tags), also copied to the parent run."""
+        tags = self.client.get_model_version(name, version).tags
+        rec = {k.removeprefix("lifecycle.promotion."): v for k, v in tags.items() if k.startswith("lifecycle.promotion.")}
+        for k, v in rec.items():
+            self.client.set_tag(self.parent_id, f"lifecycle.promotion.{k}", v)
+        return rec
+
+    def promote(self, name: str, version: str, candidate: float | None) -> dict:
+        """Move alias `champion` to `version` only if its validation bits per byte is strictly lower than the
+        current champion's (or there is no champion yet). The decision, the reason and both numbers are
+        tags on the new version and on the parent run (`lifecycle.promotion.*`)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            champ = self.client.get_model_version_by_alias(name, CHAMPION)
+        except MlflowException:
+            champ = None
+        champ_bpb = float(champ.tags[f"metric.{PROMOTION_METRIC}"]) if champ is not None and \
+            f"metric.{PROMOTION_METRIC}" in champ.tags else None
+        if candidate is None:
+            decision, reason = "not_promoted", f"the new version has no {PROMOTION_METRIC}"
+        elif champ is None:
+            decision, reason = "promoted", "no champion yet"
+        elif champ_bpb is None:
+            decision, reason = "promoted", f"champion version {champ.version} has no {PROMOTION_METRIC}"
+        elif candidate < champ_bpb:
+            decision, reason = "promoted", f"{PROMOTION_METRIC} {candidate:.6g} < champion's {champ_bpb:.6g}"
+        else:
+            decision, reason = "not_promoted", f"{PROMOTION_METRIC} {candidate:.6g} >= champion's {champ_bpb:.6g}"
+        if decision == "promoted":
+            self.client.set_registered_model_alias(name, CHAMPION, version)
+        record = {"decision": decision, "reason": reason, "metric": PROMOTION_METRIC,
+                  "candidate_version": str(version), "candidate_value": candidate,
+                  "champion_version_before": str(champ.version) if champ is not None else None,
+                  "champion_value_before": champ_bpb}
+        for k, v in record.items():
+            self.client.set_model_version_tag(name, version, f"lifecycle.promotion.{k}", str(v))
+            self.client.set_tag(self.parent_id, f"lifecycle.promotion.{k}", str(v))
+        return record
