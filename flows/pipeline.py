@@ -17,7 +17,7 @@ from prefect.context import get_run_context
 
 from lifecycle.config import PipelineConfig
 from lifecycle.core.dataset import DatasetRef, RawFile
-from lifecycle.flows.runner import RunSummary, StageRunner, plain_task
+from lifecycle.flows.runner import RunSummary, StageRunner, plain_task, reporter
 from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
 from lifecycle.lineage.registry import Registry
@@ -42,7 +42,9 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
         inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
         docs = run(COLLECT, inputs=inputs)
         if cfg.collect.incremental and not docs.manifest()["inputs"]:
-            print(f"[collect] no new input files: all {len(inputs)} were collected by earlier runs; nothing to do")
+            note = f"no new input files: all {len(inputs)} were collected by earlier runs; nothing to do"
+            print(f"[collect] {note}")
+            reporter().note(note)
             summary.status = "no_new_inputs"
             tracker.end("FINISHED")
             return summary.model_dump()
@@ -53,7 +55,8 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
         unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
         clean = run(SCRUB, unique)
         tokens = run(TOKENIZE, clean, config=tokenize_cfg)
-        trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None)
+        trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None,
+                      on_metrics=reporter().train_metrics)
         scores = run(EVALUATE, trained, tokens)
         if scores is not None:  # after logging, so a failed run still shows the rate
             check_contamination(summary.metrics, cfg.evaluate)
@@ -100,6 +103,8 @@ class _Logger:
                                metrics={**funnel_metrics(ref), **extra})
         self.parents[stage.name] = ref
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
+        stats = ref.manifest().get("stats") or None
+        reporter().stage_done(stage.name, outcome, stats, "" if stats else f"{ref.num_rows:,} rows")
 
     def _train(self, stage, result, outcome: str, extra: dict, section) -> None:
         tokens = self.parents["tokenize"]
@@ -112,6 +117,7 @@ class _Logger:
         self.summary.checkpoint = result.checkpoint_dir
         self.summary.metrics.update({"train_loss": result.final_loss, "train_steps": result.steps})
         print(f"[train] {outcome}: step {result.steps}, loss {result.final_loss:.4f} -> {result.checkpoint_dir}")
+        reporter().stage_done("train", outcome, None, f"step {result.steps}, loss {result.final_loss:.4f}")
 
     def _eval(self, stage, ref: DatasetRef, outcome: str, extra: dict, section) -> None:
         tokens = self.parents["tokenize"]
@@ -123,7 +129,8 @@ class _Logger:
             self.tracker.log_json(examples, "eval_examples.json")
             self.summary.metrics.update(metrics)
             print(f"[evaluate] {outcome}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-        else:
+            reporter().stage_done("evaluate", outcome, None, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        else:  # its console line comes with the registration (`_register`)
             self.tracker.log_stage(stage.name, {"checkpoint_dir": self.summary.checkpoint}, outcome, inputs=[tokens],
                                    outputs=[ref])
 
@@ -142,6 +149,8 @@ def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg:
     summary.promotion = registry.promotion(name, version)
     print(f"[checkpoint] {summary.stages['checkpoint']}: registered {name} version {version}; "
           f"champion: {summary.promotion.get('decision')} ({summary.promotion.get('reason')})")
+    reporter().stage_done("checkpoint", summary.stages["checkpoint"], None,
+                          f"registered {name} version {version}; champion: {summary.promotion.get('decision')}")
     manifests = {s: json.loads(Path(p).read_text()) for s, p in summary.datasets.items()}
     configs = {s: json.dumps(m.get("config"), sort_keys=True) for s, m in manifests.items()
                if s not in ("checkpoint", "evaluate")}
@@ -177,5 +186,7 @@ def _warm_start(tracker: Tracker, cfg: PipelineConfig, summary: RunSummary):
                 "reason": reason}
     summary.warm_start = decision
     tracker.set_parent_tag("lifecycle.warm_start", json.dumps(decision))
-    print(f"[train] warm start: {'champion version ' + found[0] if weights else 'from scratch'} ({reason})")
+    note = f"warm start: {'champion version ' + found[0] if weights else 'from scratch'} ({reason})"
+    print(f"[train] {note}")
+    reporter().note(note)
     return weights, tok_cfg

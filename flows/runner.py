@@ -9,6 +9,7 @@ Prefect gives each stage retries with backoff, except for errors a retry cannot 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from prefect.utilities.annotations import unmapped
 from pydantic import BaseModel
 
 from lifecycle.config import ConfigError, OrchestrationConfig
-from lifecycle.core.dataset import AccountingError, StagePlan, commit_plan, run_shard
+from lifecycle.core.dataset import SHARD_MARKER, AccountingError, StageStats, StagePlan, commit_plan, run_shard
 from lifecycle.tasks.data.collect.stage import InputError
 from lifecycle.tasks.eval.evaluate.stage import ContaminationError
 
@@ -103,10 +104,15 @@ class ShardRunner:
             "n_workers": self.orch.dask_workers, "threads_per_worker": 1, "processes": True,
             "host": "127.0.0.1", "dashboard_address": None, "silence_logs": logging.WARNING})
 
-    def map(self, task_, plan, n: int) -> list:
+    def map(self, task_, plan, n: int, on_progress: Callable[[], None] | None = None) -> list:
+        """Run `task_(plan, i)` for every shard; `on_progress()` after each shard in turn has finished."""
         if self._runner is None:
             self._runner = self._stack.enter_context(self._make())
         futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n))})
+        if on_progress is not None:
+            for future in futures:
+                future.wait()
+                on_progress()
         return futures.result()  # raises the first shard failure (after that shard's retries)
 
     def close(self) -> None:
@@ -121,6 +127,46 @@ def plain_task(fn: Callable, name: str):
 
 # --------------------------------------------------------------------------------------------------
 # running a registered stage
+
+
+class Reporter:
+    """Progress of a flow run, for whoever watches it (`lifecycle run`'s console, `lifecycle.console`).
+    This one tells no one: served deployments and in-process callers get it. Stage names are strings;
+    `stats` are a manifest's `stats` (rows_in, rows_kept, rows_rejected, rejected_by_reason, ...)."""
+
+    def stage_started(self, stage: str) -> None:
+        pass
+
+    def shards_done(self, stage: str, done: int, total: int, stats: dict) -> None:
+        """`done` of `total` shards are published; `stats` merges theirs."""
+
+    def train_metrics(self, record: dict) -> None:
+        """One new metrics.jsonl record of the training ranks (`kind` train, eval or rollback)."""
+
+    def stage_done(self, stage: str, outcome: str, stats: dict | None = None, detail: str = "") -> None:
+        """`outcome`: computed, resumed or reused; `detail`: a short phrase for what is not in `stats`."""
+
+    def note(self, text: str) -> None:
+        """A line worth a reader's attention that belongs to no stage line (a warm start, nothing to do)."""
+
+
+_reporter: Reporter = Reporter()
+
+
+def reporter() -> Reporter:
+    """The reporter of the flow run in this process."""
+    return _reporter
+
+
+@contextlib.contextmanager
+def reporting(rep: Reporter):
+    """Report the flow runs started inside this block to `rep`."""
+    global _reporter
+    previous, _reporter = _reporter, rep
+    try:
+        yield rep
+    finally:
+        _reporter = previous
 
 
 class RunSummary(BaseModel):
@@ -164,6 +210,7 @@ class StageRunner:
         self.until = until
         self.stopped = False
         self.shards = ShardRunner(cfg.orchestration)
+        self.reporter = reporter()
 
     def wants(self, stage) -> bool:
         """Whether `stage` will run (it is not past `until`)."""
@@ -181,6 +228,7 @@ class StageRunner:
         retries = orch.train_retries if stage.group == "train" else orch.data_retries
         extra: dict[str, Any] = {}
         outcome = None
+        self.reporter.stage_started(stage.name)
         if stage.plan:
             name = stage.sharded_name or stage.name
             ref, outcome, extra = self._sharded(name, stage.entry("plan"), args, {} if stage.run else kw, retries)
@@ -208,9 +256,28 @@ class StageRunner:
         if not isinstance(plan, StagePlan):
             return plan, "reused", {}
         reused = len(plan.done_shards())
-        self.shards.map(shard_task(name, self.cfg.orchestration, retries), plan, len(plan.shards))
+        self.shards.map(shard_task(name, self.cfg.orchestration, retries), plan, len(plan.shards),
+                        on_progress=_ShardProgress(plan, self.reporter))
         ref = plain_task(commit_plan, f"{name}-commit")(plan)
         return ref, "resumed" if reused else "computed", {"shards": len(plan.shards), "shards_reused": reused}
 
     def close(self) -> None:
         self.shards.close()
+
+
+class _ShardProgress:
+    """Reads the stats of newly published shards (their `_shard.json`) and reports the running total."""
+
+    def __init__(self, plan: StagePlan, rep: Reporter):
+        self.plan, self.reporter = plan, rep
+        self.seen: set[int] = set()
+        self.stats = StageStats()
+
+    def __call__(self) -> None:
+        new = [i for i in self.plan.done_shards() if i not in self.seen]
+        for i in new:  # a published shard directory is complete (renamed into place after its marker)
+            marker = json.loads((self.plan.shard_dir(i) / SHARD_MARKER).read_text())
+            self.stats = self.stats + StageStats.from_dict(marker["stats"])
+            self.seen.add(i)
+        if new:
+            self.reporter.shards_done(self.plan.stage, len(self.seen), len(self.plan.shards), self.stats.to_dict())

@@ -1,6 +1,6 @@
 """The `lifecycle` command line.
 
-    lifecycle run [CONFIG] [--set KEY=VALUE ...] [--until STAGE] [--json]
+    lifecycle run [CONFIG] [--set KEY=VALUE ...] [--until STAGE] [--json] [-v]
 
 Other subcommands live beside the code they drive: each module in `COMMAND_MODULES` has a
 `register(subparsers)` that adds its parser and sets `func`.
@@ -64,46 +64,71 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lifecycle.core.locking import WorkdirBusy, workdir_lock
 
     t0 = time.time()
+    out, err, log = sys.stdout, sys.stderr, None
     try:
         with workdir_lock(cfg.workdir, wait=args.wait):
-            mode = _prefect_env(cfg)
-            from lifecycle.flows.pipeline import lifecycle_flow
+            if not args.verbose:  # the libraries' chatter goes to the log file, before any of them is imported
+                from lifecycle.console import Capture, log_path_for
 
-            summary = lifecycle_flow(config=cfg, until=args.until)
+                capture = Capture(log_path_for(cfg.workdir))
+                out, err, log = capture.out, capture.err, capture.log_path
+            from lifecycle.console import RunConsole
+
+            view = RunConsole(err if args.json else out, max_steps=cfg.train.max_steps,
+                              live=False if args.verbose else None)
+            view.print(f"lifecycle run {args.config or DEFAULT_CONFIG} -> {cfg.workdir}"
+                       + (f" (log: {log})" if log else ""))
+            mode = _prefect_env(cfg)  # sets Prefect's environment: before anything imports Prefect
+            from lifecycle.flows.pipeline import lifecycle_flow
+            from lifecycle.flows.runner import reporting
+
+            with view, reporting(view):
+                summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
     except WorkdirBusy as e:
-        print(f"lifecycle: {e}", file=sys.stderr)
+        print(f"lifecycle: {e}", file=err)
         if args.json:
-            print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}))
+            print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}), file=out)
         return 3
+    except KeyboardInterrupt:
+        print("lifecycle: interrupted" + (f"; log: {log}" if log else ""), file=err)
+        return 130
     except Exception as e:  # the flow has logged the traceback; report and fail
-        print(f"lifecycle: run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"lifecycle: run failed: {type(e).__name__}: {e}" + (f"\n  traceback and library logs: {log}" if log else ""),
+              file=err)
         if args.json:
-            print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}))
+            print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}), file=out)
         return 1
     summary["elapsed_s"] = round(time.time() - t0, 1)
+    if log:
+        summary["log"] = str(log)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary), file=out)
     else:
-        print_summary(summary)
+        print_summary(summary, out)
     return 0
 
 
-def print_summary(s: dict) -> None:
-    print(f"\nlifecycle run {s['status']} in {s['elapsed_s']} s")
-    print(f"  work dir:        {s['workdir']}")
+def print_summary(s: dict, file=None) -> None:
+    def p(text: str = "") -> None:
+        print(text, file=file or sys.stdout)
+
+    p(f"\nlifecycle run {s['status']} in {s['elapsed_s']} s")
+    p(f"  work dir:        {s['workdir']}")
     for stage, outcome in s["stages"].items():
         where = s["datasets"].get(stage) or (s["checkpoint"] if stage == "train" else "")
-        print(f"  {stage:<10} {outcome:<9} {where}")
+        p(f"  {stage:<10} {outcome:<9} {where}")
     if s.get("model"):
-        print(f"  model:           {s['model']['name']} version {s['model']['version']}")
+        p(f"  model:           {s['model']['name']} version {s['model']['version']}")
     for k, v in s["metrics"].items():
-        print(f"  {k:<16} {v:.4g}" if isinstance(v, float) else f"  {k:<16} {v}")
-    print(f"  MLflow run:      {s['mlflow_run_id']}")
-    print(f"\nOpen the MLflow UI on these results:\n  .venv/bin/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
-          f" --host 127.0.0.1 --port 5000\nQuery the data with DuckDB, e.g.:\n"
-          f"  .venv/bin/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
-          f"read_parquet('{s['workdir']}/datasets/*/*/**/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
+        p(f"  {k:<16} {v:.4g}" if isinstance(v, float) else f"  {k:<16} {v}")
+    p(f"  MLflow run:      {s['mlflow_run_id']}")
+    if s.get("log"):
+        p(f"  log:             {s['log']}")
+    p(f"\nOpen the MLflow UI on these results:\n  .venv/bin/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
+      f" --host 127.0.0.1 --port 5000\nQuery the data with DuckDB, e.g.:\n"
+      f"  .venv/bin/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
+      f"read_parquet('{s['workdir']}/datasets/*/*/**/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
@@ -116,7 +141,11 @@ def register_run(sub) -> None:
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="Override a config field by dotted path; VALUE is parsed as YAML. Repeatable.")
     run.add_argument("--until", choices=STAGES, help="Stop after this stage.")
-    run.add_argument("--json", action="store_true", help="Print one JSON summary object as the last line.")
+    run.add_argument("--json", action="store_true",
+                     help="Print one JSON summary object as the only line of stdout (progress goes to stderr).")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="Show Prefect, Dask, MLflow and DeepSpeed logs live instead of writing them to "
+                          "<workdir>/logs/run-<time>.log.")
     run.add_argument("--wait", action="store_true",
                      help="If another run holds the work dir, wait for it instead of refusing.")
     run.set_defaults(func=cmd_run)
