@@ -231,7 +231,8 @@ class StageRunner:
         self.reporter.stage_started(stage.name)
         if stage.plan:
             name = stage.sharded_name or stage.name
-            ref, outcome, extra = self._sharded(name, stage.entry("plan"), args, {} if stage.run else kw, retries)
+            ref, outcome, extra = self._sharded(stage.name, name, stage.entry("plan"), args, {} if stage.run else kw,
+                                                retries)
             if stage.run:
                 kw = {**kw, stage.sharded_arg: ref}
         if stage.run:
@@ -250,14 +251,15 @@ class StageRunner:
             self.shards.close()  # the Dask cluster is not needed past the data stages
         return value
 
-    def _sharded(self, name: str, plan_fn: Callable, args: tuple, kw: dict, retries: int):
-        """plan -> one task per missing shard on the shard runner -> commit. Returns (ref, outcome, metrics)."""
+    def _sharded(self, stage: str, name: str, plan_fn: Callable, args: tuple, kw: dict, retries: int):
+        """plan -> one task per missing shard on the shard runner -> commit. Returns (ref, outcome, metrics).
+        `name`: the sharded dataset (dedup's is dedup-signatures); progress is reported for `stage`."""
         plan = plain_task(plan_fn, f"{name}-plan")(*args, **kw)
         if not isinstance(plan, StagePlan):
             return plan, "reused", {}
         reused = len(plan.done_shards())
         self.shards.map(shard_task(name, self.cfg.orchestration, retries), plan, len(plan.shards),
-                        on_progress=_ShardProgress(plan, self.reporter))
+                        on_progress=_ShardProgress(plan, stage, self.reporter))
         ref = plain_task(commit_plan, f"{name}-commit")(plan)
         return ref, "resumed" if reused else "computed", {"shards": len(plan.shards), "shards_reused": reused}
 
@@ -268,8 +270,8 @@ class StageRunner:
 class _ShardProgress:
     """Reads the stats of newly published shards (their `_shard.json`) and reports the running total."""
 
-    def __init__(self, plan: StagePlan, rep: Reporter):
-        self.plan, self.reporter = plan, rep
+    def __init__(self, plan: StagePlan, stage: str, rep: Reporter):
+        self.plan, self.stage, self.reporter = plan, stage, rep
         self.seen: set[int] = set()
         self.stats = StageStats()
 
@@ -280,4 +282,4 @@ class _ShardProgress:
             self.stats = self.stats + StageStats.from_dict(marker["stats"])
             self.seen.add(i)
         if new:
-            self.reporter.shards_done(self.plan.stage, len(self.seen), len(self.plan.shards), self.stats.to_dict())
+            self.reporter.shards_done(self.stage, len(self.seen), len(self.plan.shards), self.stats.to_dict())
