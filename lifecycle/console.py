@@ -99,7 +99,8 @@ def _duration(s: float) -> str:
 
 
 def funnel(stats: dict, elapsed: float | None) -> str:
-    """'2,130 in, 679 kept, 1,451 rejected (68.1%), 1,203 rows/s; top: too_short 900, ...' of a stage's stats."""
+    """'2,130 in, 679 kept, 1,451 rejected (68.1%), 1,203 rows/s; top: too_short 900, ...; pii_email 2' of a
+    stage's manifest stats: the three most frequent drop reasons, then its three largest counters."""
     rows_in, kept = stats.get("rows_in", 0), stats.get("rows_kept", 0)
     rejected = stats.get("rows_rejected", rows_in - kept)
     text = f"{_num(rows_in)} in, {_num(kept)} kept, {_num(rejected)} rejected"
@@ -110,6 +111,9 @@ def funnel(stats: dict, elapsed: float | None) -> str:
     top = sorted((stats.get("rejected_by_reason") or {}).items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     if top:
         text += "; top: " + ", ".join(f"{reason} {_num(n)}" for reason, n in top)
+    counts = sorted((stats.get("counters") or {}).items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    if counts:  # what a stage counts besides drops: redactions, near duplicates, tokens
+        text += "; " + ", ".join(f"{name} {_num(n)}" for name, n in counts)
     return text
 
 

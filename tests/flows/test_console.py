@@ -25,6 +25,8 @@ def test_funnel_names_kept_rejected_rate_and_the_top_three_reasons():
     assert line.endswith("top: gopher_short_doc 1,200, gopher_symbol_ratio 100, gopher_stop_words 90")
     assert "lang" not in line  # only the three largest
     assert "rows/s" not in funnel(STATS, elapsed=None)
+    scrub = {"rows_in": 670, "rows_kept": 670, "rows_rejected": 0, "counters": {"docs_with_pii": 2, "pii_email": 2}}
+    assert funnel(scrub, None) == "670 in, 670 kept, 0 rejected (0.0%); docs_with_pii 2, pii_email 2"
 
 
 def test_train_progress_has_step_loss_throughput_and_eta():
@@ -93,10 +95,10 @@ def test_run_prints_a_short_funnel_and_logs_the_chatter(tmp_path):
     inputs = tmp_path / "docs.jsonl"
     inputs.write_text("".join(json.dumps(r) + "\n" for r in corpus_records(60)) + "{not json}\n")
     wd = tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", "run", "--until", "filter", "--set", f"workdir={wd}",
-                           "--set", f"collect.inputs=[\"{inputs}\"]", "--set", "collect.shard_bytes=20000",
-                           "--set", "orchestration.dask_workers=2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    args = [sys.executable, "-m", "lifecycle.cli", "run", "--until", "filter", "--set", f"workdir={wd}",
+            "--set", f"collect.inputs=[\"{inputs}\"]", "--set", "collect.shard_bytes=20000",
+            "--set", "orchestration.dask_workers=2"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) <= 25, proc.stdout
@@ -120,3 +122,10 @@ def test_run_prints_a_short_funnel_and_logs_the_chatter(tmp_path):
         assert chatter not in proc.stdout, chatter
     assert lines[-1].startswith("  .venv/bin/python -c \"import duckdb")  # the summary ends the output
     assert f"  log:             {log_path}" in lines
+
+    # --json: stdout is the one JSON line; the stage lines go to stderr
+    again = subprocess.run([*args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert len(again.stdout.splitlines()) == 1
+    assert json.loads(again.stdout)["stages"] == {"collect": "reused", "filter": "reused"}
+    assert any(ln.split()[:2] == ["filter", "reused"] for ln in again.stderr.splitlines()), again.stderr
