@@ -49,8 +49,8 @@ class Capture:
         sys.stdout.flush()
         sys.stderr.flush()
         self._saved = (os.dup(1), os.dup(2))
-        self.out = io.TextIOWrapper(os.fdopen(os.dup(self._saved[0]), "wb", buffering=0), line_buffering=True)
-        self.err = io.TextIOWrapper(os.fdopen(os.dup(self._saved[1]), "wb", buffering=0), line_buffering=True)
+        self.out = _text(self._saved[0], sys.stdout)
+        self.err = _text(self._saved[1], sys.stderr)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.write(fd, f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(sys.argv)}\n".encode())
         os.dup2(fd, 1)
@@ -72,6 +72,12 @@ class Capture:
         os.dup2(self._saved[1], 2)
         for fd in self._saved:
             os.close(fd)
+
+
+def _text(fd: int, like: TextIO) -> TextIO:
+    """A line-buffered text stream on a copy of `fd`, with the encoding of the stream it stands in for."""
+    return io.TextIOWrapper(os.fdopen(os.dup(fd), "wb", buffering=0), encoding=getattr(like, "encoding", None),
+                            errors="replace", line_buffering=True)
 
 
 def log_path_for(workdir: str | Path) -> Path:
