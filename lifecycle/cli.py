@@ -10,47 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
-from lifecycle.config import DEFAULT_CONFIG, STAGES, ConfigError, PipelineConfig, load_config
-
-
-def _prefect_env(cfg: PipelineConfig) -> str:
-    """Use the work dir's servers when `lifecycle up` started them. Otherwise the embedded defaults: without
-    a configured Prefect API, keep Prefect's home (its SQLite database and the ephemeral server it starts)
-    inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite."""
-    from lifecycle.flows import servers
-
-    live = servers.active(cfg.workdir)
-    if live:
-        os.environ["PREFECT_API_URL"] = live["prefect_api"]
-        os.environ["MLFLOW_TRACKING_URI"] = live["mlflow"]
-    mode = "servers" if live else ("prefect-api" if os.environ.get("PREFECT_API_URL") else "embedded")
-    if not os.environ.get("PREFECT_API_URL"):
-        home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(cfg.workdir) / ".prefect")))
-        home.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    # task results (the small references stages return) live beside the data they point to
-    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(Path(cfg.workdir) / ".prefect-results"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    if mode == "embedded":
-        _share_ephemeral_server()
-    return mode
-
-
-def _share_ephemeral_server() -> None:
-    """Start Prefect's temporary server now and export its URL, so that Dask worker processes (which
-    inherit the environment) report their task runs to it instead of each starting a server of its own.
-    It is the same singleton Prefect's client would start, and Prefect stops it when this process exits."""
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
-    server.start()
-    os.environ["PREFECT_API_URL"] = server.api_url
+from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
+from lifecycle.tasks.stages import NAMES as STAGES
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -66,7 +30,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.time()
     try:
         with workdir_lock(cfg.workdir, wait=args.wait):
-            mode = _prefect_env(cfg)
+            from lifecycle.flows.servers import prepare_environment
+
+            mode = prepare_environment(cfg.workdir)
             from lifecycle.flows.pipeline import lifecycle_flow
 
             summary = lifecycle_flow(config=cfg, until=args.until)

@@ -1,4 +1,4 @@
-"""Stage tasks on a real (temporary) Prefect server: content-keyed caching across flow runs, retries with
+"""Stage tasks on a real (temporary) Prefect server: no Prefect cache (the dataset store answers reruns), retries with
 backoff for transient errors, and no retry for errors that cannot heal."""
 
 import json
@@ -17,8 +17,6 @@ CALLS: list[str] = []
 
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server(tmp_path_factory):
-    import os
-    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp_path_factory.mktemp("results"))
     with prefect_test_harness(server_startup_timeout=120):
         yield
 
@@ -99,7 +97,9 @@ def test_permanent_errors_are_not_retried():
     assert CALLS.count("t3") == 1
 
 
-def test_cache_keys_come_from_content_not_the_flow_run(tmp_path):
+def test_prefect_caches_nothing_the_dataset_store_answers(tmp_path):
+    """A new flow run with the same content runs the task again (Prefect caches nothing), and the stage
+    function finds its committed dataset (`reused`); new content gives a new dataset."""
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": "one document"}) + "\n")
     cfg = CollectConfig(inputs=[str(src)])
@@ -111,18 +111,19 @@ def test_cache_keys_come_from_content_not_the_flow_run(tmp_path):
         return state.name, state.result()
 
     name1, ref1 = f()
-    name2, ref2 = f()  # a new flow run with the same content: Prefect's cache answers
-    assert (name1, name2) == ("Completed", "Cached") and ref1 == ref2
-    src.write_text(json.dumps({"text": "changed content"}) + "\n")  # new content: a new key, recomputed
+    name2, ref2 = f()
+    assert (name1, name2) == ("Completed", "Completed")
+    assert not ref1.reused and ref2.reused and ref2.sha256 == ref1.sha256 and ref2.path == ref1.path
+    src.write_text(json.dumps({"text": "changed content"}) + "\n")  # new content: a new fingerprint, recomputed
     name3, ref3 = f()
-    assert name3 == "Completed" and ref3.sha256 != ref1.sha256
+    assert name3 == "Completed" and not ref3.reused and ref3.sha256 != ref1.sha256
 
 
-def test_cache_key_covers_the_modules_a_stage_imports():
-    import lifecycle.tasks.data.dedup.stage
-    import lifecycle.tasks.data.dedup.minhash
-    import lifecycle.tasks.data.scrub.stage
-    from lifecycle.flows.runner import stage_modules
+def test_code_version_covers_the_modules_a_stage_imports():
+    from lifecycle.core.code import source_files
 
-    assert lifecycle.tasks.data.dedup.minhash in stage_modules(lifecycle.tasks.data.dedup.stage)
-    assert [m.__name__ for m in stage_modules(lifecycle.tasks.data.scrub.stage)] == ["lifecycle.tasks.data.scrub.detectors", "lifecycle.tasks.data.scrub.stage"]
+    dedup = source_files("lifecycle.tasks.data.dedup")
+    assert "lifecycle.tasks.data.dedup/minhash.py" in dedup and "lifecycle.core/dataset.py" in dedup
+    train = source_files("lifecycle.tasks.train")
+    assert "lifecycle.tasks.data.tokenize.stage" in train  # imported from another stage's folder
+    assert not any(k.startswith("lifecycle.tasks.train") for k in source_files("lifecycle.tasks.data.tokenize"))
