@@ -175,6 +175,8 @@ class StageRunner:
         if not self.wants(stage):
             self.stopped = True
             return None
+        if stage.group != "data":
+            self.shards.close()  # the Dask cluster is not needed past the data stages
         orch = self.cfg.orchestration
         section = config if config is not None else (getattr(self.cfg, stage.name) if stage.configured else None)
         args = (*parents, *([section] if stage.configured else []), self.cfg.workdir)
@@ -198,8 +200,7 @@ class StageRunner:
         self.on_done(stage, value, outcome, extra, section)
         if self.until == stage.name:
             self.stopped = True
-        if stage.group != "data" or stage.name == self.until:
-            self.shards.close()  # the Dask cluster is not needed past the data stages
+            self.shards.close()
         return value
 
     def _sharded(self, name: str, plan_fn: Callable, args: tuple, kw: dict, retries: int):
