@@ -23,7 +23,7 @@ from lifecycle.core.dataset import SHARD_MARKER, StageStats, commit_plan, plan_s
 from lifecycle.tasks.data.collect.stage import CollectConfig, plan_collect, resolve_inputs, shard_inputs
 from lifecycle.tasks.data.filter.stage import FilterConfig, plan_filter
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 
 
 def write_inputs(d: Path, files: int, per_file: int) -> list[str]:

@@ -165,7 +165,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     tok_path = writer.path("tokenizer.json")
     given = given_tokenizer(cfg)
     if given is not None:
-        ds.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
+        fs.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
         if fs.sha256_file(tok_path) != given.sha256:
             raise RuntimeError(f"tokenize.tokenizer_file {given.path} changed while it was being copied")
     else:
