@@ -7,11 +7,11 @@
 
 A document is rejected with the reason of the first listed rule it fails; a rule that is not listed is not
 applied (its section is ignored). Rules, their sections and reason codes:
-- `language` (language.py): py3langid language ID, lang_not_kept / lang_low_score;
-- `gopher_repetition` (gopher_repetition.py): Gopher duplicate lines, paragraphs and n-grams, gopher_dup_* / gopher_top_*;
-- `gopher_quality` (gopher_quality.py): Gopher word count, word length, symbols, bullets, stop words, gopher_*;
-- `c4` (c4.py): C4 line and document rules, c4_*; its kept lines replace the text for the rules after it;
-- `fineweb` (fineweb.py): FineWeb line rules, fineweb_*.
+- `language` (language.py): py3langid language ID; lang_not_kept, lang_low_score;
+- `gopher_repetition` (gopher_repetition.py): Gopher duplicate lines, paragraphs, n-grams; gopher_dup_*, gopher_top_*;
+- `gopher_quality` (gopher_quality.py): Gopher word count, word length, symbols, bullets, stop words; gopher_*;
+- `c4` (c4.py): C4 line and document rules; c4_*. Its kept lines replace the text for the rules after it;
+- `fineweb` (fineweb.py): FineWeb line rules; fineweb_*.
 Default: language ID then Gopher quality. Gopher repetition, C4 and FineWeb are opt-in because on short, curated
 text such as the demo corpus they drop most documents; deploy/configs/fineweb.yaml lists FineWeb's full set.
 Kept rows gain `lang` and `lang_score` columns: py3langid's answer for the input text, whether or not `language`
