@@ -22,11 +22,11 @@ def test_shipped_configs_validate(path):
 def test_overrides_by_dotted_path_parse_yaml(tmp_path):
     cfg = load_config(ROOT / "deploy/configs/demo.yaml", [
         f"workdir={tmp_path}", 'collect.inputs=["/data/*.jsonl", "/more/*.parquet"]', "train.max_steps=50",
-        "train.model.norm=layernorm", "dedup.verify_jaccard=0.8", "filter.min_doc_words=null"])
+        "train.model.norm=layernorm", "dedup.verify_jaccard=0.8", "filter.gopher_quality.min_doc_words=null"])
     assert cfg.workdir == str(tmp_path)
     assert cfg.collect.inputs == ["/data/*.jsonl", "/more/*.parquet"]
     assert cfg.train.max_steps == 50 and cfg.train.model.norm == "layernorm"
-    assert cfg.dedup.verify_jaccard == 0.8 and cfg.filter.min_doc_words is None
+    assert cfg.dedup.verify_jaccard == 0.8 and cfg.filter.gopher_quality.min_doc_words is None
 
 
 @pytest.mark.parametrize("override, field", [

@@ -113,7 +113,7 @@ def test_mlflow_lineage(first_run):
     collect_m = json.loads(open(out["datasets"]["collect"]).read())
     assert by_stage["collect"].data.metrics["rows_in"] == collect_m["stats"]["rows_in"]
     assert by_stage["collect"].data.metrics["rejected.invalid_json"] == 1
-    assert by_stage["filter"].data.params["min_doc_words"] == "50"
+    assert by_stage["filter"].data.params["gopher_quality.min_doc_words"] == "50"
     # datasets are logged with their sha256: MLflow's digest field holds 36 chars, the profile and a tag all 64
     logged = {next(t.value for t in d.tags if t.key == "mlflow.data.context"): d
               for d in by_stage["filter"].inputs.dataset_inputs}
