@@ -20,12 +20,13 @@ from prefect.utilities.annotations import unmapped
 from pydantic import BaseModel
 
 from lifecycle.config import ConfigError, OrchestrationConfig
-from lifecycle.core.dataset import AccountingError, StagePlan, commit_plan, run_shard
+from lifecycle.core.dataset import AccountingError, DatasetDamaged, StagePlan, commit_plan, run_shard
 from lifecycle.tasks.data.collect.stage import InputError
 from lifecycle.tasks.eval.evaluate.stage import ContaminationError
 
-# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity, a contaminated split.
-PERMANENT_ERRORS = (ConfigError, InputError, AccountingError, ContaminationError)
+# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity, a contaminated split,
+# a parent dataset found damaged while read (the next run moves it aside and rebuilds it).
+PERMANENT_ERRORS = (ConfigError, InputError, AccountingError, ContaminationError, DatasetDamaged)
 
 
 def _retry_unless_permanent(_task, _task_run, state) -> bool:

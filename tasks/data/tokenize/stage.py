@@ -121,7 +121,7 @@ def new_bpe(cfg: TokenizeConfig):
 def iter_docs(files: list[Path], batch_rows: int) -> Iterator[pa.RecordBatch]:
     """Stream (doc_id, source_id, text) batches over Parquet files, one row group slice at a time."""
     for path in files:
-        pf = pq.ParquetFile(path)
+        pf = ds.open_parquet(path)  # pages checked against their CRCs
         yield from pf.iter_batches(batch_size=batch_rows, columns=["doc_id", "source_id", "text"])
 
 
