@@ -91,6 +91,8 @@ def register_run(sub) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-hash every committed dataset and checkpoint of a work dir: one line per damaged item, exit 1 on any."""
+    from pathlib import Path
+
     from lifecycle.core.dataset import committed_datasets, verify_dataset
     from lifecycle.tasks.train import checkpoint as ckpt
 
