@@ -69,7 +69,7 @@ def first_run(tmp_path_factory, tiny_inputs):
 def test_full_run_outputs_and_accounting(first_run):
     wd, out = first_run
     assert out["status"] == "completed"
-    assert set(out["datasets"]) == {"collect", "filter", "dedup", "scrub", "tokenize", "checkpoint"}
+    assert set(out["datasets"]) == {"collect", "filter", "dedup", "scrub", "tokenize", "evaluate", "checkpoint"}
     assert all(v == "computed" for v in out["stages"].values()), out["stages"]
     for stage, manifest_path in out["datasets"].items():
         m = json.loads(open(manifest_path).read())
