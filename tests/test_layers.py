@@ -32,7 +32,7 @@ ROOTS = {"lifecycle", "lifecycle.tasks"}
 # third-party top-level packages -> the layers (module prefixes) allowed to import them
 FORBIDDEN_OUTSIDE = {
     "mlflow": ("lifecycle.lineage",),
-    "prefect": ("lifecycle.flows", "lifecycle.cli"),  # cli: Prefect's ephemeral server (see _share_ephemeral_server)
+    "prefect": ("lifecycle.flows",),
     "prefect_dask": ("lifecycle.flows",),
 }
 # what a DeepSpeed rank imports (`deepspeed ... -m lifecycle.tasks.train.trainer`): never Prefect or MLflow
