@@ -8,7 +8,6 @@ The stall fraction is the time the training step waited for its batch over the s
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -18,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(max_steps: int = 100) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_train import make_tokens
+    from tests.train.test_train import make_tokens
 
     from lifecycle.tasks.train.config import TrainConfig
 

@@ -1,6 +1,7 @@
 """Filter agreement: our keep/drop decisions vs datatrove 0.10.1's implementations of the same rules
 (GopherRepetitionFilter, GopherQualityFilter, C4QualityFilter(filter_no_terminal_punct=False),
-FineWebQualityFilter, chained in FineWeb's order) on the same documents: the bundled corpus.
+FineWebQualityFilter, chained in FineWeb's order) on the same documents: the bundled corpus. Our side runs the
+filter section of the shipped deploy/configs/fineweb.yaml, without its language rule.
 
 datatrove runs in its own venv (create it with `bench/make_dtvenv.sh`; path from $DTVENV, default /tmp/dtvenv).
 Language ID is left out of the comparison: datatrove's LanguageFilter needs fastText's lid.176 model, a download.
@@ -18,9 +19,12 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from lifecycle.tasks.data.filter.stage import FINEWEB, document_verdict
+from lifecycle.config import load_config
+from lifecycle.tasks.data.filter.stage import document_verdict
 
-CORPUS = sorted((Path(__file__).resolve().parents[1] / "corpus" / "python-docs").glob("*.jsonl.gz"))
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = sorted((ROOT / "corpus" / "python-docs").glob("*.jsonl.gz"))
+FINEWEB_CONFIG = ROOT / "deploy" / "configs" / "fineweb.yaml"
 DTVENV = Path(os.environ.get("DTVENV", "/tmp/dtvenv"))
 
 DATATROVE_SCRIPT = r"""
@@ -68,7 +72,8 @@ def main() -> None:
         print(f"filter agreement: SKIPPED, no datatrove venv at {DTVENV} (create it with bench/make_dtvenv.sh)")
         return
     texts = load_texts()
-    cfg = FINEWEB.model_copy(update={"languages": None, "lang_threshold": None})
+    fineweb = load_config(FINEWEB_CONFIG).filter
+    cfg = fineweb.model_copy(update={"rules": tuple(r for r in fineweb.rules if r != "language")})
     ours = [document_verdict(t, cfg)[0] for t in texts]
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "docs.jsonl", Path(d) / "verdicts.json"

@@ -8,159 +8,23 @@ Every third trial waits for a checkpoint being written (a tag directory without 
 kills inside the save; the others kill after a uniform random delay into training. The kill takes the
 supervisor (`run_train`), the deepspeed launcher and both ranks down at once with SIGKILL; the rerun
 is the same `run_train` call, which resumes from the last committed checkpoint.
+
+The harness lives in tests/faults.py, which tests/train/test_faults.py runs too.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHILD = r"""
-import sys, json
-sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-from bench.kill_resume import config, tokens
-from lifecycle.tasks.train.launch import run_train
-r = run_train(tokens({tokdir!r}), config(**{opts!r}), {workdir!r})
-print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "resumed_from": r.resumed_from}}))
-"""
-
-
-def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32"):
-    from lifecycle.tasks.train.config import ModelConfig, TrainConfig
-
-    return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64, dropout=0.1), micro_batch_size=8,
-                       max_steps=40, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4, zero_stage=2, num_ranks=ranks,
-                       precision=precision, accelerator=accelerator, threads_per_rank=1, checkpoint_every=5, keep_last=2,
-                       log_every=1, timeout_s=600)
-
-
-def tokens(tokdir: str):
-    from test_train import make_tokens  # the tiny learnable corpus of tests/test_train.py
-
-    return make_tokens(tokdir, 600)
-
-
-def launch(tokdir: str, workdir: str, opts: dict) -> subprocess.Popen:
-    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), tokdir=tokdir, workdir=workdir, opts=opts)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env={**os.environ, "DS_ACCELERATOR": opts["accelerator"]})
-
-
-def descendants_of_supervisor(pid: int) -> list[int]:
-    """Processes started by run_train in supervisor `pid`: the launcher and the ranks carry its pid in their env."""
-    mark = f"LIFECYCLE_SUPERVISOR_PID={pid}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if mark in (d / "environ").read_bytes().split(b"\0"):
-                    out.append(int(d.name))
-            except OSError:
-                continue
-    return out
-
-
-def kill_all(proc: subprocess.Popen) -> None:
-    for pid in descendants_of_supervisor(proc.pid) + [proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-
-
-def result(workdir: str) -> dict:
-    run = next((Path(workdir) / "train").iterdir())
-    losses = [(r["step"], r["loss"]) for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
-    final = run / "checkpoints" / "step_00000040" / "model.safetensors"
-    return {"losses": losses, "weights": final.read_bytes() if final.exists() else None}
-
-
-def wait_ready(proc: subprocess.Popen, workdir: str) -> Path | None:
-    """The run's train.log once the ranks report ready (training starts), or None if the process ended."""
-    while proc.poll() is None:
-        logs = list(Path(workdir).glob("train/*/train.log"))
-        if logs and "ranks ready" in logs[0].read_text(errors="replace"):
-            return logs[0]
-        time.sleep(0.05)
-    return None
-
-
-def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, train_s: float, opts: dict) -> dict:
-    proc = launch(tokdir, workdir, opts)
-    log = wait_ready(proc, workdir)
-    started = time.monotonic()
-    delay = rng.uniform(0.0, train_s)  # a uniform moment of the reference run's training time
-    target = rng.choice(range(5, 40, 5))  # the save to kill inside
-    where = "ended before the kill"
-    while proc.poll() is None:
-        ck = log.parent / "checkpoints"
-        if inside_save:
-            tag = ck / f"step_{target:08d}"
-            writing = [tag] if tag.exists() and not (tag / "COMMITTED.json").exists() else []
-            if writing:
-                kill_all(proc)
-                where = f"inside the save of {writing[0].name}"
-                break
-        elif time.monotonic() - started >= delay:
-            kill_all(proc)
-            where = f"{delay:.2f}s into training"
-            break
-        time.sleep(0.002)
-    final_committed = (log.parent / "checkpoints" / "step_00000040" / "COMMITTED.json").exists()
-    if final_committed:
-        where += " (after the final commit)"
-    mpath = log.parent / "metrics.jsonl"
-    lines = mpath.read_text().splitlines() if mpath.exists() else []
-    killed_at = [json.loads(line)["step"] for line in lines if line.endswith("}")]
-    resumed = launch(tokdir, workdir, opts)
-    out, _ = resumed.communicate()
-    info = json.loads(out.strip().splitlines()[-1]) if resumed.returncode == 0 else {"error": resumed.returncode}
-    return {"where": where, "mid_run": not where.startswith("ended") and not final_committed, "last_logged_step_before_kill": killed_at[-1] if killed_at else 0,
-            "resumed_from": info.get("resumed_from"), **result(workdir)}
+from tests.faults import config, kill_and_resume, tokens  # noqa: E402,F401  (config, tokens: for bench.gpu_mfu)
 
 
 def main(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32") -> dict:
-    rng = random.Random(seed)
-    opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision}
-    with tempfile.TemporaryDirectory() as tmp:
-        tokdir = str(Path(tmp) / "tokens")
-        ref_proc = launch(tokdir, str(Path(tmp) / "ref"), opts)
-        log = wait_ready(ref_proc, str(Path(tmp) / "ref"))
-        t0 = time.monotonic()
-        final = log.parent / "checkpoints" / "step_00000040" / "COMMITTED.json"
-        while not final.exists() and ref_proc.poll() is None:
-            time.sleep(0.01)
-        train_s = time.monotonic() - t0  # ranks ready -> final commit: the window a kill should hit
-        ref_proc.communicate()
-        ref = result(str(Path(tmp) / "ref"))
-        if ref["weights"] is None:
-            sys.exit(f"the uninterrupted reference run failed: see {log}")
-        identical = mid = 0
-        for i in range(kills):
-            t = trial(tokdir, str(Path(tmp) / f"trial{i}"), inside_save=i % 3 == 2, rng=rng, train_s=train_s, opts=opts)
-            same = t["losses"] == ref["losses"] and t["weights"] == ref["weights"]
-            identical += same
-            mid += t["mid_run"] and same
-            print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
-                  f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
-    from lifecycle.tasks.train.launch import release_shm
-
-    release_shm()  # the last kill took the supervisor down before it could unlink DeepSpeed's buffers
-    print(f"{accelerator}, {ranks} rank(s), {precision}: "
-          f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
-          f"({mid} of them killed before the final commit, i.e. really resumed)")
-    return {"kills": kills, "identical": identical, "identical_mid_run": mid}
+    return kill_and_resume(kills, seed, accelerator, ranks, precision)
 
 
 if __name__ == "__main__":

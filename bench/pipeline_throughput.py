@@ -183,8 +183,7 @@ def ours_has_workers_key() -> bool:
 def run_ours(corpus: Path, wd: Path, workers: int) -> tuple[float, dict, dict]:
     cfg = {"name": "pipeline-throughput", "workdir": str(wd / "work"),
            "collect": {"inputs": [str(corpus / "*.jsonl")]},
-           "filter": {"gopher_repetition": True, "gopher_quality": True, "c4": True, "fineweb": True,
-                      "languages": None, "lang_threshold": None},
+           "filter": {"rules": ["gopher_repetition", "gopher_quality", "c4", "fineweb"]},
            "dedup": {"ngram": 5, "bands": 14, "rows": 8, "incremental": False}}
     path = wd / "config.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML

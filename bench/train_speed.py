@@ -13,13 +13,10 @@ from __future__ import annotations
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(steps: int = 20, rounds: int = 3) -> dict:
@@ -32,8 +29,7 @@ def main(steps: int = 20, rounds: int = 3) -> dict:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_train import make_tokens
+    from tests.train.test_train import make_tokens
 
     from lifecycle.tasks.train.loader import Prefetcher
     from lifecycle.tasks.train.model import GPT

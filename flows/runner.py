@@ -21,12 +21,14 @@ from prefect.utilities.annotations import unmapped
 from pydantic import BaseModel
 
 from lifecycle.config import ConfigError, OrchestrationConfig
-from lifecycle.core.dataset import SHARD_MARKER, AccountingError, StageStats, StagePlan, commit_plan, run_shard
+from lifecycle.core.dataset import (SHARD_MARKER, AccountingError, DatasetDamaged, StagePlan, StageStats, commit_plan,
+                                    run_shard)
 from lifecycle.tasks.data.collect.stage import InputError
 from lifecycle.tasks.eval.evaluate.stage import ContaminationError
 
-# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity, a contaminated split.
-PERMANENT_ERRORS = (ConfigError, InputError, AccountingError, ContaminationError)
+# Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity, a contaminated split,
+# a parent dataset found damaged while read (the next run moves it aside and rebuilds it).
+PERMANENT_ERRORS = (ConfigError, InputError, AccountingError, ContaminationError, DatasetDamaged)
 
 
 def _retry_unless_permanent(_task, _task_run, state) -> bool:
@@ -222,6 +224,8 @@ class StageRunner:
         if not self.wants(stage):
             self.stopped = True
             return None
+        if stage.group != "data":
+            self.shards.close()  # the Dask cluster is not needed past the data stages
         orch = self.cfg.orchestration
         section = config if config is not None else (getattr(self.cfg, stage.name) if stage.configured else None)
         args = (*parents, *([section] if stage.configured else []), self.cfg.workdir)
@@ -247,8 +251,7 @@ class StageRunner:
         self.on_done(stage, value, outcome, extra, section)
         if self.until == stage.name:
             self.stopped = True
-        if stage.group != "data" or stage.name == self.until:
-            self.shards.close()  # the Dask cluster is not needed past the data stages
+            self.shards.close()
         return value
 
     def _sharded(self, stage: str, name: str, plan_fn: Callable, args: tuple, kw: dict, retries: int):

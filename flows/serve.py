@@ -54,7 +54,6 @@ def cmd_serve(args) -> int:
         print("lifecycle: serve needs a real Prefect server (the ephemeral one runs no scheduler): "
               "start one with `lifecycle up`, or set PREFECT_API_URL", file=sys.stderr)
         return 2
-    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(cfg.workdir, ".prefect-results"))
     os.environ.setdefault("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "30")
     ensure_zombie_automation()
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy

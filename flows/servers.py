@@ -148,6 +148,38 @@ def active(workdir: str | Path) -> dict[str, str] | None:
 # ------------------------------------------------------------------------------------------ CLI
 
 
+def prepare_environment(workdir: str | Path) -> str:
+    """Use the work dir's servers when `lifecycle up` started them. Otherwise the embedded defaults: without
+    a configured Prefect API, keep Prefect's home (its SQLite database and the ephemeral server it starts)
+    inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite."""
+    live = active(workdir)
+    if live:
+        os.environ["PREFECT_API_URL"] = live["prefect_api"]
+        os.environ["MLFLOW_TRACKING_URI"] = live["mlflow"]
+    mode = "servers" if live else ("prefect-api" if os.environ.get("PREFECT_API_URL") else "embedded")
+    if not os.environ.get("PREFECT_API_URL"):
+        home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(workdir) / ".prefect")))
+        home.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    if mode == "embedded":
+        _share_ephemeral_server()
+    return mode
+
+
+def _share_ephemeral_server() -> None:
+    """Start Prefect's temporary server now and export its URL, so that Dask worker processes (which
+    inherit the environment) report their task runs to it instead of each starting a server of its own.
+    It is the same singleton Prefect's client would start, and Prefect stops it when this process exits."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()
+    os.environ["PREFECT_API_URL"] = server.api_url
+
+
+
 def register(sub) -> None:
     from lifecycle.config import DEFAULT_CONFIG
 

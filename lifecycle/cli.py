@@ -1,6 +1,7 @@
 """The `lifecycle` command line.
 
     lifecycle run [CONFIG] [--set KEY=VALUE ...] [--until STAGE] [--json] [-v]
+    lifecycle verify [--workdir DIR] [--json]
 
 Other subcommands live beside the code they drive: each module in `COMMAND_MODULES` has a
 `register(subparsers)` that adds its parser and sets `func`.
@@ -10,47 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
-from lifecycle.config import DEFAULT_CONFIG, STAGES, ConfigError, PipelineConfig, load_config
-
-
-def _prefect_env(cfg: PipelineConfig) -> str:
-    """Use the work dir's servers when `lifecycle up` started them. Otherwise the embedded defaults: without
-    a configured Prefect API, keep Prefect's home (its SQLite database and the ephemeral server it starts)
-    inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite."""
-    from lifecycle.flows import servers
-
-    live = servers.active(cfg.workdir)
-    if live:
-        os.environ["PREFECT_API_URL"] = live["prefect_api"]
-        os.environ["MLFLOW_TRACKING_URI"] = live["mlflow"]
-    mode = "servers" if live else ("prefect-api" if os.environ.get("PREFECT_API_URL") else "embedded")
-    if not os.environ.get("PREFECT_API_URL"):
-        home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(cfg.workdir) / ".prefect")))
-        home.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    # task results (the small references stages return) live beside the data they point to
-    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(Path(cfg.workdir) / ".prefect-results"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    if mode == "embedded":
-        _share_ephemeral_server()
-    return mode
-
-
-def _share_ephemeral_server() -> None:
-    """Start Prefect's temporary server now and export its URL, so that Dask worker processes (which
-    inherit the environment) report their task runs to it instead of each starting a server of its own.
-    It is the same singleton Prefect's client would start, and Prefect stops it when this process exits."""
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
-    server.start()
-    os.environ["PREFECT_API_URL"] = server.api_url
+from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
+from lifecycle.tasks.stages import NAMES as STAGES
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -78,7 +43,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                               live=False if args.verbose else None)
             view.print(f"lifecycle run {args.config or DEFAULT_CONFIG} -> {cfg.workdir}"
                        + (f" (log: {log})" if log else ""))
-            mode = _prefect_env(cfg)  # sets Prefect's environment: before anything imports Prefect
+            from lifecycle.flows.servers import prepare_environment
+
+            mode = prepare_environment(cfg.workdir)  # Prefect's environment: before anything imports Prefect
             from lifecycle.flows.pipeline import lifecycle_flow
             from lifecycle.flows.runner import reporting
 
@@ -151,12 +118,51 @@ def register_run(sub) -> None:
     run.set_defaults(func=cmd_run)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-hash every committed dataset and checkpoint of a work dir: one line per damaged item, exit 1 on any."""
+    from pathlib import Path
+
+    from lifecycle.core.dataset import committed_datasets, verify_dataset
+    from lifecycle.tasks.train import checkpoint as ckpt
+
+    wd = Path(args.workdir)
+    if not wd.is_dir():
+        print(f"lifecycle verify: --workdir {wd}: no such directory", file=sys.stderr)
+        return 2
+    datasets, checkpoints = committed_datasets(wd), sorted(wd.glob("train/*/checkpoints"))
+    damaged = [{"kind": "dataset", "path": str(d), "problems": p} for d in datasets if (p := verify_dataset(d))]
+    n_ckpt = 0
+    for root in checkpoints:
+        for _, tag in ckpt.list_committed(root):
+            n_ckpt += 1
+            if (reason := ckpt.verify(tag)) is not None:
+                damaged.append({"kind": "checkpoint", "path": str(tag), "problems": [reason]})
+    for d in damaged:
+        print(f"DAMAGED {d['kind']} {d['path']}: {'; '.join(d['problems'])}")
+    if args.json:
+        print(json.dumps({"workdir": str(wd), "datasets": len(datasets), "checkpoints": n_ckpt, "damaged": damaged}))
+    else:
+        print(f"lifecycle verify: {len(datasets)} dataset(s), {n_ckpt} checkpoint(s) in {wd}: "
+              + (f"{len(damaged)} damaged (the next run moves a damaged dataset aside and rebuilds it, and resumes "
+                 "training from the newest sound checkpoint)" if damaged else "all match their manifests"))
+    return 1 if damaged else 0
+
+
+def register_verify(sub) -> None:
+    p = sub.add_parser("verify", help="Check every committed dataset and checkpoint of a work dir against its "
+                                      "manifest (full sha256); exit 1 if any is damaged.")
+    p.add_argument("--workdir", default="runs/demo", help="the lifecycle work dir (default runs/demo)")
+    p.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
+    p.set_defaults(func=cmd_verify)
+
+
 def main(argv: list[str] | None = None) -> int:
     import importlib
 
     parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.strip().splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     register_run(sub)
+    register_verify(sub)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     args = parser.parse_args(argv)

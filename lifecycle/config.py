@@ -2,7 +2,7 @@
 
 YAML files hold values only. `--set a.b.c=VALUE` overrides any field by its dotted path, VALUE parsed as
 YAML. Validation happens before any work starts; an error names the field and the file.
-Secrets never live here (see `lifecycle.settings`).
+Secrets never live here: credentials come from the environment (a config holding a URL with a password is refused).
 """
 
 from __future__ import annotations

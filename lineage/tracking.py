@@ -5,13 +5,23 @@ params, its funnel numbers as metrics, and its input and output datasets with th
 own dataset digest is 8 hex chars of MD5 over the first rows: too weak for lineage; its digest field holds at
 most 36 characters, so the full sha256 also goes into the dataset profile and an input tag) and the manifest
 path as source. Registering the model and the promotion policy live in `lineage.registry`.
+
+The store is checked before anything is logged (`check_store`): a local SQLite store must pass
+`PRAGMA quick_check` (a damaged one is refused, naming the file and the newest backup to restore), and a remote
+tracking server must answer `GET <uri>/health` within seconds. Each completed run then keeps an online copy of a
+SQLite store (`backup_store`, SQLite's backup API) in `<workdir>/backups/mlflow-<time>.db`, the newest 3 kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
+import time
+import urllib.error
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,9 +29,86 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
+from lifecycle.core.fs import fsync_path
 
 MAX_PARAM_LEN = 6000
 MLFLOW_DIGEST_LEN = 36  # mlflow.utils.validation.MAX_DATASET_DIGEST_SIZE
+BACKUPS = "backups"  # <workdir>/backups/mlflow-<time>.db
+KEEP_BACKUPS = 3
+HEALTH_TIMEOUT_S = 5.0
+
+
+class TrackingStoreError(RuntimeError):
+    """The MLflow store is damaged or the tracking server does not answer: nothing is run."""
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a `sqlite:///<path>` tracking URI (SQLAlchemy form: `sqlite:////abs/path.db`, or
+    `sqlite:///rel/path.db` relative to the current directory), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def backups(workdir: str | Path) -> list[Path]:
+    """The SQLite store's backups in a work dir, oldest first."""
+    return sorted((Path(workdir) / BACKUPS).glob("mlflow-*.db"))
+
+
+def check_store(uri: str, workdir: str | Path, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    """Refuse a tracking store that would lose or corrupt what the run logs, before the run does any work.
+
+    SQLite: `PRAGMA quick_check` must say ok (a store that does not exist yet is fine: MLflow creates it).
+    http(s): `GET <uri>/health` must answer 200 within `timeout_s` (MLflow's own client retries a dead server
+    for minutes)."""
+    db = sqlite_path(uri)
+    if db is not None:
+        if not db.exists() or db.stat().st_size == 0:
+            return
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as con:
+                rows = [r[0] for r in con.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as e:
+            rows = [f"{type(e).__name__}: {e}"]
+        if rows != ["ok"]:
+            rows = [" ".join(str(r).split()) for r in rows]  # one line
+            found = backups(workdir)
+            fix = (f"restore the newest backup: cp {found[-1]} {db}" if found else
+                   f"no backup in {Path(workdir) / BACKUPS}: move {db} aside to start a new store")
+            raise TrackingStoreError(f"MLflow store {db} is damaged (PRAGMA quick_check: {'; '.join(rows[:3])}); "
+                                     f"nothing was run; {fix}")
+    elif uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as r:
+                if r.status != 200:
+                    raise TrackingStoreError(f"MLflow tracking server {uri} answered GET /health with {r.status}")
+        except (urllib.error.URLError, OSError) as e:  # refused, unresolvable, timed out, HTTP error
+            raise TrackingStoreError(f"MLflow tracking server {uri} does not answer (GET {url}, {timeout_s:g} s: "
+                                     f"{getattr(e, 'reason', e)}); start it (`lifecycle up`) or fix "
+                                     "tracking.tracking_uri / MLFLOW_TRACKING_URI; nothing was run") from None
+
+
+def backup_store(uri: str, workdir: str | Path, keep: int = KEEP_BACKUPS) -> Path | None:
+    """An online copy of a SQLite store (SQLite's backup API: consistent while MLflow holds it open) in
+    `<workdir>/backups/mlflow-<UTC time>.db`; the newest `keep` backups are kept. None for other stores."""
+    db = sqlite_path(uri)
+    if db is None or not db.exists():
+        return None
+    out_dir = Path(workdir) / BACKUPS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"{time.time() % 1:.6f}"[1:] + "Z"
+    dest = out_dir / f"mlflow-{stamp}.db"
+    tmp = dest.with_name(dest.name + ".tmp")
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as src, contextlib.closing(sqlite3.connect(tmp)) as dst:
+        src.backup(dst)
+    fsync_path(tmp)
+    os.replace(tmp, dest)
+    fsync_path(out_dir)
+    for old in backups(workdir)[:-keep]:
+        old.unlink()
+    return dest
 
 
 class TrackingConfig(BaseModel):
@@ -66,6 +153,7 @@ class Tracker:
         # explicit config, else the work dir's MLflow server (`lifecycle up` exports it), else SQLite in the work dir
         self.uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.workdir / 'mlflow.db'}"
         self.cfg = cfg
+        check_store(self.uri, self.workdir)
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
         name = cfg.experiment or default_experiment
@@ -113,11 +201,14 @@ class Tracker:
         return self.parent_id
 
     def end(self, status: str = "FINISHED") -> None:
+        """Terminate the stage runs and the parent run; after a FINISHED run, back up a SQLite store."""
         for rid in self.stage_runs.values():
             if self.client.get_run(rid).info.status == "RUNNING":
                 self.client.set_terminated(rid, status)
         if self.parent_id:
             self.client.set_terminated(self.parent_id, status)
+        if status == "FINISHED":
+            backup_store(self.uri, self.workdir)
 
     def stage_run(self, stage: str) -> str:
         if stage not in self.stage_runs:

@@ -1,6 +1,9 @@
+"""Helpers shared by the test modules (import them as `from tests.conftest import ...`) and the slow marker."""
+
 import gzip
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,33 +15,35 @@ CORPUS = sorted((ROOT / "corpus" / "python-docs").glob("*.jsonl.gz"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def corpus_records(n: int) -> list[dict]:
-    """The first n records of the bundled (real, human-written) corpus."""
+def corpus_records(n: int, every_file: bool = False) -> list[dict]:
+    """The first n records of the bundled (real, human-written) corpus: of its first file, or of all its files."""
     out = []
-    with gzip.open(CORPUS[0], "rt", encoding="utf-8") as f:
-        for line in f:
-            out.append(json.loads(line))
-            if len(out) == n:
-                break
+    for path in CORPUS if every_file else CORPUS[:1]:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                out.append(json.loads(line))
+                if len(out) == n:
+                    return out
     return out
 
 
-@pytest.fixture
-def lifecycle_cmd():
-    return [sys.executable, "-m", "lifecycle.cli"]
+def docs_table(texts: list[str], prefix: str = "d"):
+    """A document table (DOC_SCHEMA) holding `texts`, with doc_ids `<prefix><i>` and source_ids `src-<prefix><i>`."""
+    import pyarrow as pa
+
+    from lifecycle.core.dataset import DOC_SCHEMA
+
+    n = len(texts)
+    return pa.table({"doc_id": [f"{prefix}{i}" for i in range(n)], "source_id": [f"src-{prefix}{i}" for i in range(n)],
+                     "text": texts, "source": ["test"] * n, "url": [None] * n, "meta": ["{}"] * n}, schema=DOC_SCHEMA)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long fault-injection runs; skipped unless LIFECYCLE_SLOW=1")
+def jaccard(a: str, b: str, n: int = 5) -> float:
+    """True Jaccard similarity of two texts' word n-gram shingle sets (what dedup's MinHash estimates)."""
+    from lifecycle.tasks.data.dedup.stage import shingles
 
-
-def pytest_collection_modifyitems(config, items):
-    if os.environ.get("LIFECYCLE_SLOW") == "1":
-        return
-    skip = pytest.mark.skip(reason="slow: run with LIFECYCLE_SLOW=1 .venv/bin/python -m pytest -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    x, y = shingles(a, n), shingles(b, n)
+    return len(x & y) / max(1, len(x | y))
 
 
 def make_collect(workdir, tables, fixture: str = "tests"):
@@ -52,3 +57,40 @@ def make_collect(workdir, tables, fixture: str = "tests"):
         return {"stats": StageStats(rows_in=n, rows_kept=n)}
 
     return materialize(workdir, "collect", {"fixture": fixture}, "test", build)
+
+
+def last_json(text: str):
+    """The JSON object a `--json` command prints as its last line."""
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def lifecycle(*args: str, rc: int | None = 0, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the `lifecycle` command as a user does (a new process, in the checkout). `rc`: the exit status it
+    must end with (None: any); the assertion shows the tail of its output."""
+    proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if rc is not None:
+        assert proc.returncode == rc, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def lifecycle_in_process(capsys, *argv: str):
+    """Run a `lifecycle ... --json` command in this process; (exit status, its JSON)."""
+    from lifecycle.cli import main
+
+    capsys.readouterr()
+    rc = main([*argv, "--json"])
+    return rc, last_json(capsys.readouterr().out)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long fault-injection runs; skipped unless LIFECYCLE_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LIFECYCLE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with LIFECYCLE_SLOW=1 .venv/bin/python -m pytest -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,14 +1,11 @@
 """Config: every shipped file validates; bad values fail before any work, naming the field."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lifecycle.config import ConfigError, load_config, parse_override
-from tests.conftest import ROOT
+from tests.conftest import ROOT, last_json, lifecycle
 
 CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
 
@@ -22,11 +19,11 @@ def test_shipped_configs_validate(path):
 def test_overrides_by_dotted_path_parse_yaml(tmp_path):
     cfg = load_config(ROOT / "deploy/configs/demo.yaml", [
         f"workdir={tmp_path}", 'collect.inputs=["/data/*.jsonl", "/more/*.parquet"]', "train.max_steps=50",
-        "train.model.norm=layernorm", "dedup.verify_jaccard=0.8", "filter.min_doc_words=null"])
+        "train.model.norm=layernorm", "dedup.verify_jaccard=0.8", "filter.gopher_quality.min_doc_words=null"])
     assert cfg.workdir == str(tmp_path)
     assert cfg.collect.inputs == ["/data/*.jsonl", "/more/*.parquet"]
     assert cfg.train.max_steps == 50 and cfg.train.model.norm == "layernorm"
-    assert cfg.dedup.verify_jaccard == 0.8 and cfg.filter.min_doc_words is None
+    assert cfg.dedup.verify_jaccard == 0.8 and cfg.filter.gopher_quality.min_doc_words is None
 
 
 @pytest.mark.parametrize("override, field", [
@@ -56,10 +53,9 @@ def test_malformed_override_and_missing_file(tmp_path):
 
 
 def test_cli_rejects_bad_config_before_any_work(tmp_path):
-    args = [sys.executable, "-m", "lifecycle.cli", "run", str(ROOT / "deploy/configs/demo.yaml"), "--json",
+    args = ["run", str(ROOT / "deploy/configs/demo.yaml"), "--json",
             "--set", f"workdir={tmp_path / 'w'}", "--set", "train.max_steps=-3"]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
+    proc = lifecycle(*args, rc=2, timeout=120)
     assert "train.max_steps" in proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["status"] == "invalid_config"
+    assert last_json(proc.stdout)["status"] == "invalid_config"
     assert not Path(tmp_path / "w").exists()

@@ -1,4 +1,5 @@
-"""The production layout in deploy/: structure checks of the Dockerfile, the compose file and prefect.yaml."""
+"""The production layout in deploy/: structure checks of the Dockerfile, the compose file, prefect.yaml and every
+shipped pipeline config (deploy/configs/*.yaml)."""
 
 import re
 
@@ -7,10 +8,24 @@ import yaml
 from prefect.client.schemas.schedules import CronSchedule
 
 from lifecycle.flows.pipeline import lifecycle_flow
-from lifecycle.config import STAGES, validate_config
+from lifecycle.config import STAGES, load_config, validate_config
+from lifecycle.core.paths import is_url
 from tests.conftest import ROOT
 
 DEPLOY = ROOT / "deploy"
+CONFIGS = sorted((DEPLOY / "configs").glob("*.yaml"))
+
+
+def test_shipped_configs_are_found():
+    assert {"demo.yaml", "fineweb.yaml"} <= {p.name for p in CONFIGS}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_validates_and_its_inputs_exist(path):
+    cfg = load_config(path)  # raises ConfigError naming the file and the field if any value is invalid
+    assert cfg.filter.rules, f"{path.name}: no filter rule listed"
+    for pattern in cfg.collect.inputs:  # each config runs as shipped, from the repository root
+        assert is_url(pattern) or list(ROOT.glob(pattern)), f"{path.name}: collect.inputs {pattern!r} matches nothing"
 
 
 def test_compose_services_postgres_for_both_and_loopback_ports():

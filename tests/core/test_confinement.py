@@ -4,19 +4,17 @@ cannot reach any file but the catalog's own through DuckDB."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from lifecycle.cli import main
 from lifecycle.config import ConfigError, load_config
 from lifecycle.core.dataset import MANIFEST
 from lifecycle.lineage import catalog
 from lifecycle.tasks.data.collect.stage import InputError, resolve_inputs
-from tests.conftest import ROOT, make_collect
+from tests.conftest import ROOT, last_json, lifecycle, make_collect
+from tests.conftest import lifecycle_in_process as cli
 
 DEMO = ROOT / "deploy/configs/demo.yaml"
 OUTSIDE = "allowed roots"  # every confinement error says which roots were allowed
@@ -68,11 +66,9 @@ def test_a_symlinked_directory_cannot_smuggle_a_root(tmp_path):
 
 def test_lifecycle_run_refuses_an_escaping_input_before_any_work(tmp_path):
     wd = tmp_path / "w"
-    proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", "run", str(DEMO), "--json",
-                           "--set", f"workdir={wd}", "--set", f'input_roots=["{tmp_path}"]',
-                           "--set", 'collect.inputs=["/etc/passwd"]'], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = lifecycle("run", DEMO, "--json", "--set", f"workdir={wd}", "--set", f'input_roots=["{tmp_path}"]',
+                     "--set", 'collect.inputs=["/etc/passwd"]', rc=2)
+    out = last_json(proc.stdout)
     assert out["status"] == "invalid_config" and "/etc/passwd" in out["error"] and OUTSIDE in out["error"]
     assert not wd.exists()
 
@@ -109,12 +105,6 @@ def workdir(tmp_path):
                   "source": ["x", "x"], "url": [None, None], "meta": [None, None]})
     ref = make_collect(str(wd), [t], fixture="confinement")
     return wd, ref
-
-
-def cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main([*argv, "--json"])
-    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def test_sql_queries_the_catalog_but_cannot_read_other_files(workdir, capsys, tmp_path):

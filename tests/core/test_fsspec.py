@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 
 import fsspec
 import pyarrow as pa
@@ -14,7 +12,7 @@ import pytest
 
 from lifecycle.config import ConfigError, load_config
 from lifecycle.tasks.data.collect.stage import CollectConfig, resolve_inputs, run_collect
-from tests.conftest import ROOT, corpus_records
+from tests.conftest import corpus_records, last_json, lifecycle
 
 HTML = b"<html><body><article><h1>Reading room</h1><p>" + b"The reading room opens at nine every morning. " * 20 + \
        b"</p></article></body></html>"
@@ -76,12 +74,8 @@ def test_object_store_work_dir_is_refused_with_the_reason(tmp_path):
 
 def test_run_with_file_urls_for_work_dir_and_inputs(inputs, tmp_path):
     wd = tmp_path / "w"
-    proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", "run", "--json", "--until", "filter",
-                           "--set", f"workdir=file://{wd}", "--set", f"collect.inputs=[\"file://{inputs}/*\"]",
-                           "--set", "collect.shard_bytes=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = last_json(lifecycle("run", "--json", "--until", "filter", "--set", f"workdir=file://{wd}",
+                              "--set", f"collect.inputs=[\"file://{inputs}/*\"]", "--set", "collect.shard_bytes=1").stdout)
     assert out["workdir"] == str(wd) and out["stages"] == {"collect": "computed", "filter": "computed"}
     collect = json.loads(open(out["datasets"]["collect"]).read())
     assert collect["shards"] == 3 and collect["stats"]["rows_in"] == 32  # 3 files, each its own shard (Dask)

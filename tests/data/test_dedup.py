@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pyarrow as pa
-from conftest import corpus_records
+from tests.conftest import corpus_records
 from datasketch import MinHashLSH
 
 from lifecycle.lineage.charts import funnel_rows

@@ -10,10 +10,10 @@ Run with `-s` to see the measured numbers:
 import json
 
 import numpy as np
-from conftest import corpus_records
 
 from lifecycle.tasks.data.collect.stage import CollectConfig, run_collect
-from lifecycle.tasks.data.dedup.stage import DedupConfig, run_dedup, shingles
+from lifecycle.tasks.data.dedup.stage import DedupConfig, run_dedup
+from tests.conftest import corpus_records, jaccard
 
 RATES = (0.005, 0.01, 0.015, 0.02, 0.025, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6)
 
@@ -32,11 +32,6 @@ def edit(text: str, rate: float, rng: np.random.Generator) -> str:
         else:
             words.insert(i, new)
     return " ".join(words)
-
-
-def jaccard(a: str, b: str) -> float:
-    x, y = shingles(a, 5), shingles(b, 5)
-    return len(x & y) / max(1, len(x | y))
 
 
 def planted_pairs(seed: int = 0) -> tuple[list[str], list[tuple[int, int, float, float]]]:

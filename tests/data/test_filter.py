@@ -1,4 +1,5 @@
-"""Gopher quality filter: each rule on both sides of its threshold, disabled rules, and the stage on disk."""
+"""Filter rules: each Gopher quality rule on both sides of its threshold, disabled rules, language ID, Gopher
+repetition, C4 and FineWeb on literal text, the ordered rules list and its config, and the stage on disk."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import pytest
 from tests import conftest
 from pydantic import ValidationError
 
+from lifecycle.config import ConfigError, load_config
 from lifecycle.core.dataset import DOC_SCHEMA
-from lifecycle.tasks.data.filter.stage import FilterConfig, document_verdict, filter_table, gopher_reason, run_filter, split_words
+from lifecycle.tasks.data.filter.gopher_quality import GopherQualityConfig
+from lifecycle.tasks.data.filter.stage import FilterConfig, document_verdict, filter_table, run_filter
+from lifecycle.tasks.data.filter.words import split_words
 
-CFG = FilterConfig()
+ROOT = conftest.ROOT
+FINEWEB_ORDER = ("language", "gopher_repetition", "gopher_quality", "c4", "fineweb")
+CFG = GopherQualityConfig()
 # the Gopher quality rules alone (the literal documents below are repetitive on purpose)
-GQ = FilterConfig(languages=None, lang_threshold=None, gopher_repetition=False, c4=False, fineweb=False)
+GQ = FilterConfig(rules=("gopher_quality",))
 
 
 def doc(n: int) -> str:
@@ -23,8 +29,12 @@ def doc(n: int) -> str:
     return " ".join(itertools.islice(itertools.cycle(["the", "house", "with", "garden"]), n))
 
 
-def reason(text: str, cfg: FilterConfig = CFG) -> str | None:
-    verdict = gopher_reason(text, cfg)
+def gopher_reason(text: str, cfg: GopherQualityConfig) -> tuple[str, str] | None:
+    return cfg.reason(text, split_words(text))
+
+
+def reason(text: str, cfg: GopherQualityConfig = CFG) -> str | None:
+    verdict = cfg.reason(text)  # words=None: the rule splits the text itself
     return None if verdict is None else verdict[0]
 
 
@@ -83,7 +93,7 @@ def test_short_doc():
 
 
 def test_long_doc():
-    cfg = FilterConfig(max_doc_words=60)
+    cfg = GopherQualityConfig(max_doc_words=60)
     assert gopher_reason(doc(61), cfg) == ("gopher_long_doc", "words=61")
     assert reason(doc(60), cfg) is None
 
@@ -121,7 +131,7 @@ def test_bullet_lines():
     assert reason("\n".join(f"• {doc(6)}" for _ in range(10))) == "gopher_bullet_lines"
     starred = "\n".join(f"* {doc(6)}" for _ in range(10))
     assert reason(starred) is None  # '*' is not a bullet by default (datatrove: '•' and '-')
-    assert reason(starred, FilterConfig(bullet_prefixes=("*",))) == "gopher_bullet_lines"
+    assert reason(starred, GopherQualityConfig(bullet_prefixes=("*",))) == "gopher_bullet_lines"
 
 
 def test_ellipsis_lines():
@@ -144,14 +154,14 @@ def test_stop_words_are_distinct_and_case_sensitive():
     assert gopher_reason(" ".join(["the", "house"] * 25), CFG) == ("gopher_stop_words", "stop_words=1")
     assert reason(" ".join(["The", "house", "With", "garden"] * 13)) == "gopher_stop_words"
     assert reason(" ".join(["the", "house", "of", "garden"] * 13)) is None
-    assert reason(" ".join(["the", "house"] * 25), FilterConfig(min_stop_words=1)) is None
+    assert reason(" ".join(["the", "house"] * 25), GopherQualityConfig(min_stop_words=1)) is None
 
 
 def test_first_failing_rule_is_the_reason():
     text = "x " * 10  # short, too few stop words, mean word length 1
     assert reason(text) == "gopher_short_doc"
-    assert reason(text, FilterConfig(min_doc_words=None)) == "gopher_below_avg_word_len"
-    assert reason(text, FilterConfig(min_doc_words=None, min_avg_word_length=None)) == "gopher_stop_words"
+    assert reason(text, GopherQualityConfig(min_doc_words=None)) == "gopher_below_avg_word_len"
+    assert reason(text, GopherQualityConfig(min_doc_words=None, min_avg_word_length=None)) == "gopher_stop_words"
 
 
 @pytest.mark.parametrize(
@@ -169,21 +179,23 @@ def test_first_failing_rule_is_the_reason():
 )
 def test_disabled_rule_does_not_fire(field, text):
     assert reason(text) is not None
-    assert reason(text, FilterConfig(**{field: None})) is None
+    assert reason(text, GopherQualityConfig(**{field: None})) is None
 
 
 def test_disabled_symbol_rule_does_not_fire():
     text = "# " * 6 + doc(50)
     assert reason(text) == "gopher_symbol_ratio"
-    assert reason(text, FilterConfig(max_symbol_word_ratio=None)) is None
+    assert reason(text, GopherQualityConfig(max_symbol_word_ratio=None)) is None
 
 
 def test_all_rules_disabled_keeps_even_empty_text():
-    off = FilterConfig(**{k: None for k, f in FilterConfig.model_fields.items() if f.default is not None
-                          and not isinstance(f.default, (tuple, bool)) and k != "fineweb_short_line_length"},
-                       gopher_repetition=False, c4=False, fineweb=False, languages=None)
+    off = FilterConfig(language={"languages": None, "min_score": None},
+                       gopher_quality={k: None for k, f in GopherQualityConfig.model_fields.items()
+                                       if f.default is not None and not isinstance(f.default, (tuple, bool))})
+    assert off.rules == FilterConfig().rules and off.gopher_quality.min_stop_words is None
     assert document_verdict("", off)[0] is None
-    assert reason("", FilterConfig(min_doc_words=None)) == "gopher_alpha_ratio"  # no words: ratio 0, no crash
+    assert document_verdict("", FilterConfig(rules=()))[0] is None
+    assert reason("", GopherQualityConfig(min_doc_words=None)) == "gopher_alpha_ratio"  # no words: ratio 0, no crash
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,18 +204,51 @@ def test_all_rules_disabled_keeps_even_empty_text():
 
 def test_config_is_validated_frozen_and_closed():
     with pytest.raises(ValidationError, match="min_doc_words"):
-        FilterConfig(min_doc_words=100, max_doc_words=10)
+        GopherQualityConfig(min_doc_words=100, max_doc_words=10)
     with pytest.raises(ValidationError, match="min_avg_word_length"):
-        FilterConfig(min_avg_word_length=12)
+        GopherQualityConfig(min_avg_word_length=12)
     with pytest.raises(ValidationError, match="min_stop_words"):
-        FilterConfig(min_stop_words=3, stop_words=("the", "of"))
+        GopherQualityConfig(min_stop_words=3, stop_words=("the", "of"))
     with pytest.raises(ValidationError):
-        FilterConfig(max_bullet_lines_ratio=1.5)
+        GopherQualityConfig(max_bullet_lines_ratio=1.5)
     with pytest.raises(ValidationError):
-        FilterConfig(max_non_alpha_words_ratio=0.8)  # datatrove's name is not accepted silently
+        GopherQualityConfig(max_non_alpha_words_ratio=0.8)  # datatrove's name is not accepted silently
     with pytest.raises(ValidationError):
         CFG.min_doc_words = 3
-    assert all(f.description for f in FilterConfig.model_fields.values())
+    with pytest.raises(ValidationError):
+        FilterConfig().gopher_quality.min_doc_words = 3
+    # the section's own checks run when the whole filter config is built, and name the field
+    with pytest.raises(ValidationError, match="min_doc_words"):
+        FilterConfig(gopher_quality={"min_doc_words": 100, "max_doc_words": 10})
+    with pytest.raises(ValidationError, match="gopher_quality.max_non_alpha_words_ratio"):
+        FilterConfig(gopher_quality={"max_non_alpha_words_ratio": 0.8})
+    with pytest.raises(ValidationError, match="min_doc_words"):
+        FilterConfig(min_doc_words=3)  # the flat field paths of before are not accepted silently
+    sections = [FilterConfig, *(type(s) for s in FilterConfig().active()),
+                *(FilterConfig.model_fields[r].annotation for r in FINEWEB_ORDER)]
+    assert all(f.description for model in sections for f in model.model_fields.values())
+
+
+def test_rules_are_known_names_listed_once():
+    assert FilterConfig().rules == ("language", "gopher_quality")
+    with pytest.raises(ValidationError, match="rules"):
+        FilterConfig(rules=("language", "gopher_qualty"))
+    with pytest.raises(ValidationError, match="gopher_quality more than once"):
+        FilterConfig(rules=("gopher_quality", "language", "gopher_quality"))
+
+
+def test_overrides_reach_each_rule_section(tmp_path):
+    demo = ROOT / "deploy" / "configs" / "demo.yaml"
+    cfg = load_config(demo, [f"workdir={tmp_path}", "filter.gopher_quality.min_doc_words=null",
+                             "filter.c4.min_sentences=3", "filter.rules=[c4, language]",
+                             "filter.language.languages=[en, de]"])
+    assert cfg.filter.rules == ("c4", "language")
+    assert cfg.filter.gopher_quality.min_doc_words is None and cfg.filter.c4.min_sentences == 3
+    assert cfg.filter.language.languages == ("en", "de")
+    with pytest.raises(ConfigError, match="`filter.min_doc_words`"):
+        load_config(demo, ["filter.min_doc_words=null"])
+    with pytest.raises(ConfigError, match="`filter.fineweb.newline_ratio`"):
+        load_config(demo, ["filter.fineweb.newline_ratio=-1"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -258,7 +303,8 @@ def test_run_filter_accounts_for_every_row_and_reuses(tmp_path):
     again = run_filter(parent, GQ, str(tmp_path))
     assert again.reused and again.path == ref.path and again.sha256 == ref.sha256
 
-    other = run_filter(parent, GQ.model_copy(update={"min_doc_words": 3}), str(tmp_path))
+    other = run_filter(parent, FilterConfig(rules=("gopher_quality",), gopher_quality={"min_doc_words": 3}),
+                       str(tmp_path))
     assert not other.reused and other.path != ref.path
     assert other.num_rows == 4
 
@@ -266,17 +312,19 @@ def test_run_filter_accounts_for_every_row_and_reuses(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # language ID, Gopher repetition, C4, FineWeb: each rule firing and not firing on literal text
 
-from lifecycle.tasks.data.filter.quality_rules import count_sentences, dup_ngram_chars, top_ngram_chars  # noqa: E402
+from lifecycle.tasks.data.filter.c4 import count_sentences  # noqa: E402
+from lifecycle.tasks.data.filter.gopher_repetition import dup_ngram_chars, top_ngram_chars  # noqa: E402
 
 EN = ("The committee met on Tuesday to discuss the budget for the coming year. It agreed that the library "
       "should receive additional funding for new books. Longer opening hours in winter were approved as well. "
       "Volunteers will help with the reading programme for children. The mayor thanked everyone for coming.")
 DE = ("Der Ausschuss traf sich am Dienstag, um den Haushalt für das kommende Jahr zu besprechen. Er beschloss, "
       "dass die Bibliothek zusätzliche Mittel für neue Bücher erhalten soll.")
-def only(**family) -> FilterConfig:
-    base = dict(languages=None, lang_threshold=None, gopher_repetition=False, gopher_quality=False, c4=False,
-                fineweb=False)
-    return FilterConfig(**{**base, **family})
+
+
+def only(rule: str, **fields) -> FilterConfig:
+    """`rule` alone, its section's `fields` set."""
+    return FilterConfig(rules=(rule,), **{rule: fields})
 
 
 def verdict(text, cfg):
@@ -285,18 +333,21 @@ def verdict(text, cfg):
 
 
 def test_language_id_rules_and_columns():
-    ONLY_LANG = only(languages=("en",), lang_threshold=0.65)
+    ONLY_LANG = only("language", languages=("en",), min_score=0.65)
     assert verdict(EN, ONLY_LANG) is None
     assert verdict(DE, ONLY_LANG) == "lang_not_kept"
-    assert verdict(DE, ONLY_LANG.model_copy(update={"languages": ("en", "de")})) is None
-    assert verdict(DE, ONLY_LANG.model_copy(update={"languages": None})) is None
-    assert verdict(EN, ONLY_LANG.model_copy(update={"lang_threshold": 1.0})) == "lang_low_score"
+    assert verdict(DE, only("language", languages=("en", "de"))) is None
+    assert verdict(DE, only("language", languages=None)) is None
+    assert verdict(EN, only("language", min_score=1.0)) == "lang_low_score"
     _, _, lang, score = document_verdict(DE, ONLY_LANG)
     assert lang == "de" and 0.9 < score <= 1.0
+    assert ONLY_LANG.language.reason(DE) == ("lang_not_kept", f"lang=de score={score:.3f}")
+    # the language is detected and stored even when no language rule is listed
+    assert document_verdict(DE, FilterConfig(rules=()))[1:] == (DE, lang, score)
 
 
 def test_gopher_duplicate_lines_and_paragraphs():
-    cfg = only(gopher_repetition=True)
+    cfg = only("gopher_repetition")
     paras = ["The river rose overnight after heavy rain.", "Farmers moved their cattle to higher fields.",
              "A bridge on the northern road was closed.", "Schools opened late on Monday morning.",
              "Volunteers filled sandbags near the old mill.", "The mayor asked residents to stay calm.",
@@ -306,32 +357,31 @@ def test_gopher_duplicate_lines_and_paragraphs():
     # 4 of 10 paragraphs repeat an earlier one: 0.4 > 0.3
     rep = paras[:6] + [paras[0]] * 4
     assert verdict("\n\n".join(rep), cfg) == "gopher_dup_para_frac"
-    assert verdict("\n\n".join(rep), cfg.model_copy(update={"dup_para_frac": None})) == "gopher_dup_para_char_frac"
+    assert verdict("\n\n".join(rep), only("gopher_repetition", dup_para_frac=None)) == "gopher_dup_para_char_frac"
     lines = "\n".join(paras[:6] + [paras[0]] * 4)  # single newlines: lines, not paragraphs
     assert verdict(lines, cfg) == "gopher_dup_line_frac"
-    assert verdict(lines, cfg.model_copy(update={"dup_line_frac": None})) == "gopher_dup_line_char_frac"
-    assert verdict(lines, cfg.model_copy(update={"dup_line_frac": None, "dup_line_char_frac": None,
-                                                 "top_ngram_char_frac": (), "dup_ngram_char_frac": ()})) is None
+    assert verdict(lines, only("gopher_repetition", dup_line_frac=None)) == "gopher_dup_line_char_frac"
+    assert verdict(lines, only("gopher_repetition", dup_line_frac=None, dup_line_char_frac=None,
+                               top_ngram_char_frac=(), dup_ngram_char_frac=())) is None
 
 
 def test_gopher_top_and_duplicated_ngrams():
     assert top_ngram_chars("a b a b a b".split(), 2) == len("a b") * 3
     assert dup_ngram_chars("x y z x y z".split(), 3) == len("xyz")
-    cfg = only(gopher_repetition=True)
+    cfg = only("gopher_repetition")
     text = "cheap shoes " * 12 + EN
     assert verdict(text, cfg) == "gopher_top_2_gram"
-    assert verdict(text, cfg.model_copy(update={"top_ngram_char_frac": ((2, 0.9), (3, 0.9), (4, 0.9))})) \
+    assert verdict(text, only("gopher_repetition", top_ngram_char_frac=((2, 0.9), (3, 0.9), (4, 0.9)))) \
         == "gopher_dup_5_grams"
     assert verdict(EN, cfg) is None
 
 
 def test_c4_rules():
-    cfg = only(c4=True)
+    cfg = only("c4")
     assert verdict(EN, cfg) is None
     assert verdict(EN + "\nLorem ipsum dolor sit amet, consectetur.", cfg) == "c4_lorem_ipsum"
     assert verdict(EN + "\nThe dict {'a': 1} is built here.", cfg) == "c4_curly_bracket"
-    assert verdict(EN + "\nThe dict {'a': 1} is built here.", cfg.model_copy(update={"c4_curly_bracket": False})) \
-        is None
+    assert verdict(EN + "\nThe dict {'a': 1} is built here.", only("c4", curly_bracket=False)) is None
     four = "One sentence here. Two sentences here. Three sentences here. Four sentences here."
     assert verdict(four, cfg) == "c4_too_few_sentences"
     assert verdict(four + " Five now.", cfg) is None
@@ -341,37 +391,64 @@ def test_c4_rules():
     _, text, _, _ = document_verdict(EN + "\nPlease enable JavaScript to continue.\nMenu\nSee our privacy policy here.",
                                      cfg)
     assert text == EN
-    assert verdict(four + "\nNo end punctuation here five", cfg.model_copy(update={"c4_terminal_punct": True})) \
+    assert verdict(four + "\nNo end punctuation here five", only("c4", terminal_punct=True)) \
         == "c4_too_few_sentences"
     assert count_sentences(split_words("Hi there. How are you? Fine!")) == 3
     assert count_sentences(split_words("Version 3.11.2 is out.")) == 1
 
 
 def test_fineweb_rules():
-    cfg = only(fineweb=True)
+    cfg = only("fineweb")
     long_lines = [f"This is line number {w} of a document that ends properly." for w in "abcdefgh"]
     assert verdict("\n".join(long_lines), cfg) is None
     no_punct = [line.rstrip(".") for line in long_lines]
     assert verdict("\n".join(no_punct), cfg) == "fineweb_line_punct_ratio"  # 0 / 8 < 0.12
     assert verdict("\n".join(no_punct[:7] + long_lines[:1]), cfg) is None  # 1 / 8 = 0.125
     short = ["Short one.", "Tiny.", "Small line."] * 2 + long_lines[:2]
-    assert verdict("\n".join(short), cfg.model_copy(update={"fineweb_char_dup_ratio": None})) \
+    assert verdict("\n".join(short), only("fineweb", char_dup_ratio=None)) \
         == "fineweb_short_line_ratio"  # 6 / 8 > 0.67
     assert verdict("\n".join(long_lines + long_lines[:1]), cfg) == "fineweb_char_dup_ratio"
     listy = "\n".join(f"Item {w}." for w in "abcdefghijkl")  # 1 newline per 3 words > 0.3
-    assert verdict(listy, cfg.model_copy(update={"fineweb_short_line_ratio": None})) == "fineweb_list_ratio"
-    assert verdict(listy, cfg.model_copy(update={"fineweb_short_line_ratio": None,
-                                                 "fineweb_newline_ratio": None})) is None
+    assert verdict(listy, only("fineweb", short_line_ratio=None)) == "fineweb_list_ratio"
+    assert verdict(listy, only("fineweb", short_line_ratio=None, newline_ratio=None)) is None
+
+
+def load_fineweb() -> FilterConfig:
+    return load_config(ROOT / "deploy" / "configs" / "fineweb.yaml").filter
+
+
+def test_shipped_fineweb_config_is_fineweb_recipe():
+    """deploy/configs/fineweb.yaml lists every rule in datatrove examples/fineweb.py's order, and each value it
+    spells out is the code's default, which is FineWeb's (cited beside each field)."""
+    fineweb = load_fineweb()
+    assert fineweb.rules == FINEWEB_ORDER
+    assert fineweb == FilterConfig(rules=FINEWEB_ORDER)
+    assert fineweb.c4.terminal_punct is False  # C4QualityFilter(filter_no_terminal_punct=False)
 
 
 def test_rule_order_follows_fineweb():
-    from lifecycle.tasks.data.filter.stage import FINEWEB
-
-    assert FINEWEB.gopher_repetition and FINEWEB.c4 and FINEWEB.fineweb and not FilterConfig().c4
+    FINEWEB = load_fineweb()
+    assert "c4" not in FilterConfig().rules
     text = DE + "\n" + "{" * 3
     assert verdict(text, FINEWEB) == "lang_not_kept"  # language first, before any quality rule
     braces = EN + "\nThe dict {'a': 1} is here."
     assert verdict(braces, FINEWEB) == "c4_curly_bracket"
     assert verdict(braces, FilterConfig()) is None  # C4 is opt-in
-    no_rep = FINEWEB.model_copy(update={"gopher_repetition": False})
+    no_rep = FilterConfig(rules=tuple(r for r in FINEWEB.rules if r != "gopher_repetition"))
     assert verdict("The house is on the hill. {", no_rep) == "gopher_short_doc"  # Gopher quality before C4
+
+
+def test_rules_run_in_the_listed_order_and_only_listed_rules_run():
+    text = "The house is on the hill. {"
+    assert verdict(text, FilterConfig(rules=("gopher_quality", "c4"))) == "gopher_short_doc"
+    assert verdict(text, FilterConfig(rules=("c4", "gopher_quality"))) == "c4_curly_bracket"
+    # a section whose rule is not listed is not applied
+    assert verdict(EN, FilterConfig(rules=("language",), gopher_quality={"min_doc_words": 10_000})) is None
+
+
+def test_rules_after_c4_see_its_edited_text():
+    menu = EN + "\nHome\nAbout us\nContact\nMenu"
+    assert verdict(menu, only("fineweb")) == "fineweb_short_line_ratio"  # 4 of 5 lines are short
+    v, kept_text, _, _ = document_verdict(menu, FilterConfig(rules=("c4", "fineweb")))
+    assert v is None and kept_text == EN  # C4 dropped the short lines before FineWeb judged the text
+    assert verdict(menu, FilterConfig(rules=("fineweb", "c4"))) == "fineweb_short_line_ratio"

@@ -2,22 +2,15 @@
 kernel gives the numpy reference's signatures bit for bit."""
 
 import numpy as np
-from datasketch import MinHashLSH
-
-from lifecycle.tasks.data.dedup.stage import shingles
 import pyarrow as pa
 import pytest
+from datasketch import MinHashLSH
 
-from bench.minhash_signatures import load_texts
 from lifecycle.tasks.data.dedup.minhash import band_keys, lean, signatures, signatures_numpy
+from tests.conftest import corpus_records, jaccard
 
 BASE = ("the committee met on tuesday to discuss the budget for the coming year and agreed that the library should "
         "receive additional funding for new books computers and longer opening hours in winter").split()
-
-
-def jaccard(a: str, b: str) -> float:
-    x, y = shingles(a, 5), shingles(b, 5)
-    return len(x & y) / len(x | y)
 
 
 def test_estimates_track_true_jaccard_and_lsh_finds_near_copies():
@@ -65,7 +58,7 @@ def test_band_keys_give_datasketch_lsh_candidates():
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_numba_kernel_is_bit_identical_to_the_numpy_reference_on_the_corpus(parallel):
-    texts = load_texts(limit=100_000)  # the whole bundled corpus, ASCII and non-ASCII documents
+    texts = [r["text"] for r in corpus_records(100_000, every_file=True)]  # the whole bundled corpus, ASCII and non-ASCII documents
     assert any(not t.isascii() for t in texts)
     for n, num_perm, seed in ((5, 112, 1), (3, 64, 7)):
         assert (signatures(texts, n, num_perm, seed, parallel=parallel) == signatures_numpy(texts, n, num_perm, seed)).all()

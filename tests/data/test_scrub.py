@@ -6,12 +6,11 @@ import json
 
 import pyarrow as pa
 import pytest
-
-from tests import conftest
 from pydantic import ValidationError
 
 from lifecycle.core.dataset import DOC_SCHEMA
 from lifecycle.tasks.data.scrub.stage import PII_TYPES, ScrubConfig, run_scrub, scrub_table, scrub_text
+from tests.conftest import docs_table, make_collect
 
 CFG = ScrubConfig()
 ZERO = {k: 0 for k in PII_TYPES}
@@ -20,21 +19,6 @@ ZERO = {k: 0 for k in PII_TYPES}
 def found(counts: dict) -> dict:
     """The non-zero counts only."""
     return {k: n for k, n in counts.items() if n}
-
-
-def docs_table(texts: list[str], prefix: str = "d") -> pa.Table:
-    n = len(texts)
-    return pa.table(
-        {
-            "doc_id": [f"{prefix}{i}" for i in range(n)],
-            "source_id": [f"src-{prefix}{i}" for i in range(n)],
-            "text": texts,
-            "source": ["test"] * n,
-            "url": [None] * n,
-            "meta": ["{}"] * n,
-        },
-        schema=DOC_SCHEMA,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,10 +267,6 @@ def test_scrubbing_twice_is_an_error():
     once, _, _ = scrub_table(docs_table(["a@example.com"]), CFG)
     with pytest.raises(ValueError, match="pii_email"):
         scrub_table(once, CFG)
-
-
-def make_collect(workdir, tables: list[pa.Table]):
-    return conftest.make_collect(workdir, tables, "test_scrub")
 
 
 def test_run_scrub_keeps_every_row_and_reuses(tmp_path):

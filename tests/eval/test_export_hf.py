@@ -1,9 +1,5 @@
 """`lifecycle export hf`: a real transformers load of the export gives our logits (fp32, max abs diff <= 1e-4)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -11,7 +7,7 @@ from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.eval.export import ExportError, export_hf
 from lifecycle.tasks.train.model import GPT, ModelConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, new_bpe
-from tests.conftest import ROOT, corpus_records
+from tests.conftest import corpus_records, last_json, lifecycle
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +75,7 @@ def test_refuses_damaged_checkpoint(tmp_path, tokenizer_file):
 
 def test_cli_export_json(tmp_path, tokenizer_file):
     tag, _ = committed(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", "export", "hf", str(tag), str(tmp_path / "out"),
-                           "--tokenizer", str(tokenizer_file), "--workdir", str(tmp_path),
-                           "--input-root", str(tokenizer_file.parent), "--json"],
-                          cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = last_json(lifecycle("export", "hf", tag, tmp_path / "out", "--tokenizer", tokenizer_file,
+                              "--workdir", tmp_path, "--input-root", tokenizer_file.parent, "--json").stdout)
     assert out["status"] == "ok" and out["max_abs_logit_diff_fp32"] <= 1e-4
     assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "tokenizer.json").exists()

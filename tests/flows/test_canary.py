@@ -4,13 +4,14 @@ reach the tokenized shards, the scrubbed dataset, the rejected rows, the lineage
 The real flow runs through `tokenize` (`lifecycle run --until tokenize`: ephemeral Prefect server, MLflow on
 SQLite). Every canary sits inside a real English paragraph that passes the quality filter, and the tests check
 that those documents were kept (scrubbed, not merely filtered out) before they search for the canaries.
+The same run has secrets in its environment (where settings come from): none of them may reach any file or log.
+One run serves every test here; it is also the test of `--until`.
 """
 
 import json
+import os
 import random
 import string
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from mlflow import MlflowClient
 
 from lifecycle.core.dataset import DatasetRef
 from lifecycle.tasks.data.tokenize.stage import load_tokenizer, token_shards
-from tests.conftest import ROOT, corpus_records
+from tests.conftest import corpus_records, last_json, lifecycle
 
 pytestmark = pytest.mark.e2e
 
@@ -138,6 +139,10 @@ DENSE = (
     "the web site and apologised to the people who were named in it, and the committee has agreed on new rules "
     "for the newsletter so that it cannot happen again in the future."
 )
+# settings from the environment (never config): a key for an object store, a database password
+AWS_SECRET, DB_PASSWORD = "canaryAWSsecret" + _pick(ALNUM, 16), "canaryDBpw" + _pick(ALNUM, 12)
+ENV_SECRETS = {"AWS_SECRET_ACCESS_KEY": AWS_SECRET,
+               "LIFECYCLE_DATABASE_URL": f"postgresql://lifecycle:{DB_PASSWORD}@db:5432/prefect"}
 KEPT_SOURCES = {"canary-garden", "canary-migration", "canary-onboarding", "canary-benefits"}  # + html, txt
 DENSE_SOURCE = "canary-dense"
 
@@ -172,12 +177,10 @@ def raw_inputs(tmp_path_factory) -> Path:
 def run(raw_inputs, tmp_path_factory):
     wd = tmp_path_factory.mktemp("canary-work")
     inputs = [str(raw_inputs / "*.jsonl"), str(raw_inputs / "*.html"), str(raw_inputs / "*.txt")]
-    proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", "run", "--json", "--until", "tokenize",
-                           "--set", f"workdir={wd}", "--set", f"collect.inputs={json.dumps(inputs)}",
-                           "--set", "tokenize.vocab_size=400", "--set", "tokenize.val_fraction=0.3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = lifecycle("run", "--json", "--until", "tokenize", "--set", f"workdir={wd}",
+                     "--set", f"collect.inputs={json.dumps(inputs)}", "--set", "tokenize.vocab_size=400",
+                     "--set", "tokenize.val_fraction=0.3", env={**os.environ, **ENV_SECRETS})
+    out = last_json(proc.stdout)
     assert out["status"] == "completed"
     out["stdio"] = proc.stdout + proc.stderr
     return wd, out, raw_inputs
@@ -321,6 +324,28 @@ def test_no_canary_anywhere_but_the_raw_stages(run):
     assert file_leaks(ref(out, "dedup").files()[-1])  # the search works: the raw stages do hold them
     for p in files:
         assert file_leaks(p) == [], p
+
+
+def test_until_stops_after_its_stage(run):
+    wd, out, _ = run
+    assert list(out["stages"]) == list(out["datasets"]) == ["collect", "filter", "dedup", "scrub", "tokenize"]
+    assert out["checkpoint"] is None and out["model"] is None and out["metrics"] == {}
+    assert sorted(p.name for p in (wd / "datasets").iterdir()) == ["collect", "dedup", "dedup-signatures", "filter",
+                                                                   "scrub", "tokenize"]
+    assert not (wd / "train").exists()
+
+
+def test_environment_secrets_reach_no_file_and_no_log(run):
+    """Every byte the run left (the MLflow store and artifacts, Prefect's database and logs, datasets, results)
+    and everything it printed."""
+    wd, out, _ = run
+    files = [p for p in wd.rglob("*") if p.is_file()]
+    assert any(p.name == "mlflow.db" for p in files) and any(p.suffix == ".db" and "prefect" in p.name for p in files)
+    secrets = [AWS_SECRET.encode(), DB_PASSWORD.encode()]
+    for p in files:
+        data = p.read_bytes()
+        assert not [s for s in secrets if s in data], f"an environment secret leaked into {p}"
+    assert not [s for s in secrets if s in out["stdio"].encode()]
 
 
 def test_metadata_is_scrubbed_like_the_text():

@@ -3,15 +3,14 @@ CPU ranks) on a tiny slice of the bundled corpus plus planted duplicates, PII an
 
 import json
 import os
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
 from lifecycle.core.fs import sha256_file
-from tests.conftest import ROOT, corpus_records
+from tests.conftest import ROOT, corpus_records, last_json, lifecycle
+from tests.conftest import lifecycle_in_process as audit
 
 pytestmark = pytest.mark.e2e
 
@@ -22,14 +21,12 @@ TINY = [
 ]
 
 
-def run_cli(workdir, inputs, extra=(), flags=()):
-    args = [sys.executable, "-m", "lifecycle.cli", "run", *flags, str(ROOT / "deploy/configs/demo.yaml"), "--json", "--set", f"workdir={workdir}",
+def run_cli(workdir, inputs, extra=()):
+    args = ["run", ROOT / "deploy/configs/demo.yaml", "--json", "--set", f"workdir={workdir}",
             "--set", f"collect.inputs={json.dumps(inputs)}"]
     for s in [*TINY, *extra]:
         args += ["--set", s]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json(lifecycle(*args).stdout)
 
 
 def rows(manifest_path, kind="files"):
@@ -72,7 +69,7 @@ def first_run(tmp_path_factory, tiny_inputs):
 def test_full_run_outputs_and_accounting(first_run):
     wd, out = first_run
     assert out["status"] == "completed"
-    assert set(out["datasets"]) == {"collect", "filter", "dedup", "scrub", "tokenize", "checkpoint"}
+    assert set(out["datasets"]) == {"collect", "filter", "dedup", "scrub", "tokenize", "evaluate", "checkpoint"}
     assert all(v == "computed" for v in out["stages"].values()), out["stages"]
     for stage, manifest_path in out["datasets"].items():
         m = json.loads(open(manifest_path).read())
@@ -113,7 +110,7 @@ def test_mlflow_lineage(first_run):
     collect_m = json.loads(open(out["datasets"]["collect"]).read())
     assert by_stage["collect"].data.metrics["rows_in"] == collect_m["stats"]["rows_in"]
     assert by_stage["collect"].data.metrics["rejected.invalid_json"] == 1
-    assert by_stage["filter"].data.params["min_doc_words"] == "50"
+    assert by_stage["filter"].data.params["gopher_quality.min_doc_words"] == "50"
     # datasets are logged with their sha256: MLflow's digest field holds 36 chars, the profile and a tag all 64
     logged = {next(t.value for t in d.tags if t.key == "mlflow.data.context"): d
               for d in by_stage["filter"].inputs.dataset_inputs}
@@ -188,23 +185,6 @@ def test_rerun_reuses_everything(first_run, tiny_inputs):
     steps = [h.step for h in client.get_metric_history(train.info.run_id, "loss")]
     assert len(steps) == len(set(steps)) == 16
     assert len(client.get_metric_history(parent.info.run_id, "val_bpb")) == 1
-
-
-def test_until_stops_after_stage(tmp_path, tiny_inputs):
-    out = run_cli(tmp_path / "w", tiny_inputs, flags=["--until", "dedup"])
-    assert out["status"] == "completed"
-    assert list(out["stages"]) == ["collect", "filter", "dedup"]
-    assert out["checkpoint"] is None and out["model"] is None
-    assert not (tmp_path / "w" / "datasets" / "scrub").exists()
-
-
-def audit(capsys, *argv):
-    """Run an audit command in-process (`lifecycle ... --json`) and parse its JSON."""
-    from lifecycle.cli import main
-
-    capsys.readouterr()
-    rc = main([*argv, "--json"])
-    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def test_audit_cli(first_run, capsys):

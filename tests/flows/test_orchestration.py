@@ -1,7 +1,8 @@
-"""Stage tasks on a real (temporary) Prefect server: content-keyed caching across flow runs, retries with
-backoff for transient errors, and no retry for errors that cannot heal."""
+"""Stage tasks on a real (temporary) Prefect server: retries with backoff for transient errors, no retry for errors
+that cannot heal, and no Prefect cache: the dataset store is the only one (a deleted dataset is rebuilt)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from prefect import flow
@@ -99,7 +100,9 @@ def test_permanent_errors_are_not_retried():
     assert CALLS.count("t3") == 1
 
 
-def test_cache_keys_come_from_content_not_the_flow_run(tmp_path):
+def test_prefect_caches_nothing_the_dataset_store_answers(tmp_path):
+    """A second flow run over the same content runs the task again (no Prefect cache), and the stage finds its
+    own committed dataset; new content makes a new dataset."""
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": "one document"}) + "\n")
     cfg = CollectConfig(inputs=[str(src)])
@@ -111,18 +114,49 @@ def test_cache_keys_come_from_content_not_the_flow_run(tmp_path):
         return state.name, state.result()
 
     name1, ref1 = f()
-    name2, ref2 = f()  # a new flow run with the same content: Prefect's cache answers
-    assert (name1, name2) == ("Completed", "Cached") and ref1 == ref2
-    src.write_text(json.dumps({"text": "changed content"}) + "\n")  # new content: a new key, recomputed
+    name2, ref2 = f()
+    assert (name1, name2) == ("Completed", "Completed")
+    assert (ref1.reused, ref2.reused) == (False, True) and ref2.path == ref1.path and ref2.sha256 == ref1.sha256
+    src.write_text(json.dumps({"text": "changed content"}) + "\n")
     name3, ref3 = f()
-    assert name3 == "Completed" and ref3.sha256 != ref1.sha256
+    assert name3 == "Completed" and not ref3.reused and ref3.sha256 != ref1.sha256
 
 
-def test_cache_key_covers_the_modules_a_stage_imports():
-    import lifecycle.tasks.data.dedup.stage
-    import lifecycle.tasks.data.dedup.minhash
-    import lifecycle.tasks.data.scrub.stage
-    from lifecycle.flows.runner import stage_modules
+def test_a_deleted_dataset_is_rebuilt_on_rerun(tmp_path):
+    """The flow's stage runner over collect..tokenize; the scrub dataset is deleted; the rerun rebuilds exactly it
+    (same fingerprint, same bytes), reuses the rest, and no stale result points at the deleted folder."""
+    import shutil
 
-    assert lifecycle.tasks.data.dedup.minhash in stage_modules(lifecycle.tasks.data.dedup.stage)
-    assert [m.__name__ for m in stage_modules(lifecycle.tasks.data.scrub.stage)] == ["lifecycle.tasks.data.scrub.detectors", "lifecycle.tasks.data.scrub.stage"]
+    from lifecycle.config import load_config
+    from lifecycle.flows.runner import RunSummary, StageRunner
+    from lifecycle.tasks.stages import COLLECT, DEDUP, FILTER, SCRUB, TOKENIZE
+    from tests.conftest import corpus_records
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in corpus_records(40)))
+    cfg = load_config(None, [f"workdir={tmp_path / 'w'}", f"collect.inputs=[\"{src}\"]", "tokenize.vocab_size=300",
+                             "tokenize.val_fraction=0.2", "orchestration.dask_workers=0"])
+
+    @flow
+    def data_stages() -> dict:
+        summary = RunSummary(workdir=cfg.workdir)
+        run = StageRunner(cfg, summary, "tokenize", on_done=lambda *a: None)
+        try:
+            docs = run(COLLECT, inputs=resolve_inputs(cfg.collect.inputs))
+            tokens = run(TOKENIZE, run(SCRUB, run(DEDUP, run(FILTER, docs))))
+        finally:
+            run.close()
+        assert tokens is not None
+        return summary.model_dump()
+
+    first = data_stages()
+    assert set(first["stages"].values()) == {"computed"}, first["stages"]
+    scrub_dir = Path(first["datasets"]["scrub"]).parent
+    manifest = (scrub_dir / "_manifest.json").read_text()
+    shutil.rmtree(scrub_dir)
+    again = data_stages()
+    assert again["stages"] == {"collect": "reused", "filter": "reused", "dedup": "reused", "scrub": "computed",
+                               "tokenize": "reused"}
+    assert again["datasets"] == first["datasets"]
+    rebuilt = json.loads((scrub_dir / "_manifest.json").read_text())
+    assert rebuilt["sha256"] == json.loads(manifest)["sha256"] and rebuilt["fingerprint"] == json.loads(manifest)["fingerprint"]

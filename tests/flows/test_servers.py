@@ -9,26 +9,16 @@ import pytest
 
 from lifecycle.core.procs import free_port
 from lifecycle.core.locking import WorkdirBusy, workdir_lock
-from tests.conftest import ROOT
-
-CLI = [sys.executable, "-m", "lifecycle.cli"]
-
-
-def cli(*args, check=True, timeout=300):
-    proc = subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
-
+from tests.conftest import ROOT, last_json, lifecycle
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     wd = tmp_path_factory.mktemp("srv")
     ports = [str(free_port()), str(free_port())]
-    up = cli("up", "--set", f"workdir={wd}", "--prefect-port", ports[0], "--mlflow-port", ports[1], "--json")
-    st = json.loads(up.stdout.strip().splitlines()[-1])
+    up = lifecycle("up", "--set", f"workdir={wd}", "--prefect-port", ports[0], "--mlflow-port", ports[1], "--json")
+    st = last_json(up.stdout)
     yield wd, st
-    cli("down", "--set", f"workdir={wd}", check=False)
+    lifecycle("down", "--set", f"workdir={wd}", rc=None)
 
 
 def _group_pids(pid):
@@ -40,7 +30,7 @@ def test_up_status_and_loopback_only(live):
     wd, st = live
     assert set(st) == {"prefect", "mlflow"} and all(e["healthy"] for e in st.values())
     assert (wd / ".servers" / "prefect.pid").read_text().strip() == str(st["prefect"]["pid"])
-    status = json.loads(cli("status", "--set", f"workdir={wd}", "--json").stdout.strip().splitlines()[-1])
+    status = last_json(lifecycle("status", "--set", f"workdir={wd}", "--json").stdout)
     assert all(e["healthy"] for e in status.values())
     pids = set().union(*(_group_pids(e["pid"]) for e in st.values()))
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == "LISTEN" and c.pid in pids]
@@ -53,7 +43,7 @@ def test_run_uses_the_servers_and_refuses_a_concurrent_run(live, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"d{i}", "text": f"document number {i} " * 30}) + "\n" for i in range(5)))
     args = ["run", "--json", "--until", "collect", "--set", f"workdir={wd}", "--set", f"collect.inputs=[\"{src}\"]"]
-    out = json.loads(cli(*args).stdout.strip().splitlines()[-1])
+    out = last_json(lifecycle(*args).stdout)
     assert out["orchestration"] == "servers" and out["mlflow_tracking_uri"] == st["mlflow"]["url"]
     # the MLflow server (not a SQLite file opened by the run) holds the run
     from mlflow import MlflowClient
@@ -64,7 +54,7 @@ def test_run_uses_the_servers_and_refuses_a_concurrent_run(live, tmp_path):
         assert json.loads(r.read())["state_type"] == "COMPLETED"
     # while another run holds the work dir, a second one refuses with a clear message
     with workdir_lock(wd):
-        busy = cli(*args, check=False)
+        busy = lifecycle(*args, rc=None)
         assert busy.returncode == 3 and "in use by another lifecycle run" in busy.stderr
         with pytest.raises(WorkdirBusy):
             with workdir_lock(wd):
@@ -110,7 +100,7 @@ def test_serve_runs_incrementally_on_the_cron_schedule(live, tmp_path):
     inputs.mkdir()
     first, second = inputs / "a.jsonl", inputs / "b.jsonl"
     first.write_text("".join(json.dumps(r) + "\n" for r in recs[:20]))
-    serve = subprocess.Popen([*CLI, "serve", "--cron", "* * * * *", "--name", "every-minute", "--set", f"workdir={wd}",
+    serve = subprocess.Popen([sys.executable, "-m", "lifecycle.cli", "serve", "--cron", "* * * * *", "--name", "every-minute", "--set", f"workdir={wd}",
                               "--set", f"collect.inputs=[\"{inputs}/*.jsonl\"]", "--set", "name=served",
                               "--until", "dedup"],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -156,12 +146,12 @@ def test_down_stops_exactly_what_up_started(live):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         pids = set().union(*(_group_pids(e["pid"]) for e in st.values()))
-        out = json.loads(cli("down", "--set", f"workdir={wd}", "--json").stdout.strip().splitlines()[-1])
+        out = last_json(lifecycle("down", "--set", f"workdir={wd}", "--json").stdout)
         assert sorted(out["stopped"]) == ["mlflow", "prefect"]
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
         assert bystander.poll() is None  # an unrelated process is untouched
         assert not (wd / ".servers" / "prefect.pid").exists()
-        again = json.loads(cli("down", "--set", f"workdir={wd}", "--json").stdout.strip().splitlines()[-1])
+        again = last_json(lifecycle("down", "--set", f"workdir={wd}", "--json").stdout)
         assert again["stopped"] == []
     finally:
         bystander.kill()

@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DatasetRef, DatasetWriter, StagePlan, StageStats, materialize, plan_per_file, rejected_table, run_plan, sha256_json,
+    DatasetRef, DatasetWriter, StagePlan, StageStats, materialize, plan_per_file, read_parquet, rejected_table, run_plan, sha256_json,
 )
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.tasks.data.dedup import minhash as minhash_module
@@ -458,12 +458,13 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
     index_path = writer.path(INDEX_FILE)
     index_rows = 0
     index_schema = _index_schema(cfg)
-    index_out = pq.ParquetWriter(index_path, index_schema, compression="zstd") if cfg.incremental else None
+    index_out = pq.ParquetWriter(index_path, index_schema, compression="zstd",
+                                 write_page_checksum=True) if cfg.incremental else None
     try:
         if files:
             decide(con, cfg, files, sig_files, counts, index, spill)
         for k, (path, sig_path) in enumerate(zip(files, sig_files)):
-            t = pq.read_table(path)
+            t = read_parquet(path)  # hashed against the parent manifest while read
             d = con.sql("SELECT doc_id, source_id, kind, of_doc, part_idx, cluster_size FROM decision "
                         "WHERE file_idx = $k ORDER BY row", params={"k": k}).to_arrow_table()
             if d.num_rows != t.num_rows or not d.column("doc_id").cast(pa.string()).equals(
@@ -492,7 +493,7 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
             if rejected:
                 writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
             if index_out is not None:
-                rows = pq.read_table(sig_path, columns=index_schema.names).filter(keep)
+                rows = pq.read_table(sig_path, columns=index_schema.names, page_checksum_verification=True).filter(keep)
                 index_out.write_table(rows.cast(index_schema))
                 index_rows += rows.num_rows
     finally:

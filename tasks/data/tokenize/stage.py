@@ -121,7 +121,7 @@ def new_bpe(cfg: TokenizeConfig):
 def iter_docs(files: list[Path], batch_rows: int) -> Iterator[pa.RecordBatch]:
     """Stream (doc_id, source_id, text) batches over Parquet files, one row group slice at a time."""
     for path in files:
-        pf = pq.ParquetFile(path)
+        pf = ds.open_parquet(path)  # pages checked against their CRCs
         yield from pf.iter_batches(batch_size=batch_rows, columns=["doc_id", "source_id", "text"])
 
 
@@ -165,7 +165,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     tok_path = writer.path("tokenizer.json")
     given = given_tokenizer(cfg)
     if given is not None:
-        ds.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
+        fs.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
         if fs.sha256_file(tok_path) != given.sha256:
             raise RuntimeError(f"tokenize.tokenizer_file {given.path} changed while it was being copied")
     else:

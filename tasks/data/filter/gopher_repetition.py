@@ -1,0 +1,84 @@
+"""Gopher repetition rules (Rae et al. 2021, table A1), following datatrove 0.10.1
+`src/datatrove/pipeline/filters/gopher_repetition_filter.py` line by line so that our decisions can be
+benchmarked against it (bench/filter_agreement.py): duplicate paragraph/line fractions and character fractions,
+top 2/3/4-gram character fractions, duplicated 5..10-gram character fractions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from pydantic import Field
+
+from lifecycle.tasks.data.filter.rule import Rule, Verdict
+from lifecycle.tasks.data.filter.words import find_duplicates, split_words
+
+_PARAGRAPH = re.compile(r"\n{2,}")
+_LINES = re.compile("\n+")
+
+
+def top_ngram_chars(words: list[str], n: int) -> int:
+    """Characters covered by the most frequent n-gram (space-joined length x count): datatrove `find_top_duplicate`."""
+    counts = Counter(" ".join(words[i : i + n]) for i in range(len(words) - n + 1))
+    gram, c = counts.most_common(1)[0]
+    return len(gram) * c
+
+
+def dup_ngram_chars(words: list[str], n: int) -> int:
+    """Characters in repeated n-grams, skipping past each repeat: datatrove `find_all_duplicate`."""
+    seen: set[str] = set()
+    chars = i = 0
+    while i < len(words) - n + 1:
+        gram = "".join(words[i : i + n])
+        if gram in seen:
+            chars += len(gram)
+            i += n
+        else:
+            seen.add(gram)
+            i += 1
+    return chars
+
+
+class GopherRepetitionConfig(Rule):
+    """Gopher repetition rules (datatrove GopherRepetitionFilter defaults). Every threshold can be set to null,
+    every n-gram list to [], to disable it."""
+
+    dup_para_frac: float | None = Field(0.3, ge=0, description="Max fraction of duplicated paragraphs. Gopher: 0.30.")
+    dup_para_char_frac: float | None = Field(0.2, ge=0, description=(
+        "Max fraction of characters in duplicated paragraphs. Gopher: 0.20."))
+    dup_line_frac: float | None = Field(0.3, ge=0, description="Max fraction of duplicated lines. Gopher: 0.30.")
+    dup_line_char_frac: float | None = Field(0.2, ge=0, description=(
+        "Max fraction of characters in duplicated lines. Gopher: 0.20."))
+    top_ngram_char_frac: tuple[tuple[int, float], ...] = Field(((2, 0.2), (3, 0.18), (4, 0.16)), description=(
+        "(n, max fraction of characters covered by the most frequent n-gram). Gopher: 2: 0.20, 3: 0.18, 4: 0.16."))
+    dup_ngram_char_frac: tuple[tuple[int, float], ...] = Field(
+        ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)), description=(
+            "(n, max fraction of characters in duplicated n-grams). Gopher: 5: 0.15 ... 10: 0.10."))
+
+    def reason(self, text: str, words: list[str] | None = None) -> Verdict:
+        if not text:
+            return "gopher_rep_empty", "empty text"
+        words = split_words(text) if words is None else words
+        paragraphs = _PARAGRAPH.split(text.strip())
+        dup, chars = find_duplicates(paragraphs)
+        if self.dup_para_frac is not None and dup / len(paragraphs) > self.dup_para_frac:
+            return "gopher_dup_para_frac", f"dup_para_frac={dup / len(paragraphs):.3g}"
+        if self.dup_para_char_frac is not None and chars / len(text) > self.dup_para_char_frac:
+            return "gopher_dup_para_char_frac", f"dup_para_char_frac={chars / len(text):.3g}"
+        lines = _LINES.split(text)
+        dup, chars = find_duplicates(lines)
+        if self.dup_line_frac is not None and dup / len(lines) > self.dup_line_frac:
+            return "gopher_dup_line_frac", f"dup_line_frac={dup / len(lines):.3g}"
+        if self.dup_line_char_frac is not None and chars / len(text) > self.dup_line_char_frac:
+            return "gopher_dup_line_char_frac", f"dup_line_char_frac={chars / len(text):.3g}"
+        for n, frac in self.top_ngram_char_frac:
+            if len(words) >= n:
+                r = top_ngram_chars(words, n) / len(text)
+                if r > frac:
+                    return f"gopher_top_{n}_gram", f"top_{n}_gram_char_frac={r:.3g}"
+        for n, frac in self.dup_ngram_char_frac:
+            r = dup_ngram_chars(words, n) / len(text)
+            if r > frac:
+                return f"gopher_dup_{n}_grams", f"dup_{n}_gram_char_frac={r:.3g}"
+        return None
