@@ -87,8 +87,8 @@ def print_summary(s: dict, file=None) -> None:
         p(f"  {stage:<10} {outcome:<9} {where}")
     if s.get("model"):
         p(f"  model:           {s['model']['name']} version {s['model']['version']}")
-    for k, v in s["metrics"].items():
-        p(f"  {k:<16} {v:.4g}" if isinstance(v, float) else f"  {k:<16} {v}")
+    for line in metric_lines(s["metrics"]):
+        p(line)
     p(f"  MLflow run:      {s['mlflow_run_id']}")
     if s.get("log"):
         p(f"  log:             {s['log']}")
@@ -96,6 +96,17 @@ def print_summary(s: dict, file=None) -> None:
       f" --host 127.0.0.1 --port 5000\nQuery the data with DuckDB, e.g.:\n"
       f"  .venv/bin/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
       f"read_parquet('{s['workdir']}/datasets/*/*/**/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
+
+
+def metric_lines(metrics: dict) -> list[str]:
+    """One line per metric family, in order: {val_loss: 5.314, val_bpb: 2.063, step: 200} ->
+    ['  val:             loss 5.314, bpb 2.063', '  step:            200']."""
+    groups: dict[str, list[str]] = {}
+    for k, v in metrics.items():
+        family, _, name = k.partition("_")
+        value = f"{v:.4g}" if isinstance(v, float) else str(v)
+        groups.setdefault(family, []).append(f"{name} {value}" if name else value)
+    return [f"  {family + ':':<16} " + ", ".join(items) for family, items in groups.items()]
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).

@@ -34,6 +34,13 @@ def test_train_progress_has_step_loss_throughput_and_eta():
     assert train_progress(rec, 200) == "step 120/200, loss 5.4321, 12.3k tok/s, ETA 0:40"
 
 
+def test_summary_prints_one_line_per_metric_family():
+    from lifecycle.cli import metric_lines
+
+    assert metric_lines({"train_loss": 5.1174, "train_steps": 200, "val_loss": 5.314, "val_bpb": 2.0634, "step": 200}) == [
+        "  train:           loss 5.117, steps 200", "  val:             loss 5.314, bpb 2.063", "  step:            200"]
+
+
 def test_console_implements_the_reporter_interface():
     for name, fn in inspect.getmembers(Reporter, inspect.isfunction):
         if not name.startswith("_"):
