@@ -58,8 +58,8 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
 
     stub_muon()
     mcfg = ModelConfig(vocab_size=4096, n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, seq_len=128)
-    cfg = TrainConfig(model=mcfg, micro_batch_size=batch, num_ranks=1, zero_stage=2, accelerator=accelerator,
-                      precision=precision)
+    cfg = TrainConfig(model=mcfg, batch={"micro_batch_size": batch, "num_ranks": 1},
+                      engine={"zero_stage": 2, "accelerator": accelerator, "precision": precision})
     device, backend = select_device(cfg)
     wait_device = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cpu":

@@ -1,6 +1,6 @@
 """MFU and tokens/s of our DeepSpeed path on one GPU: a GPT-2-small-sized decoder (12 layers, width 768, seq 512,
 85 M parameters with the tiny test vocabulary) for 60 bf16 ZeRO-2 steps through `run_train`, on the learnable
-corpus of tests/test_train.py (repeated many times: this measures speed, not learning).
+corpus of tests/train/test_train.py (repeated many times: this measures speed, not learning).
 
 `python -m bench.gpu_mfu` on a host with a CUDA build of torch and DeepSpeed. Prints the medians of steps 21-60
 (past warm-up) of the per-step metrics that training logs: step time, tokens/s, MFU (against the bf16 matmul
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "train")]
 
 
 def main() -> dict:
@@ -26,10 +26,12 @@ def main() -> dict:
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
     from lifecycle.tasks.train.launch import run_train
 
-    cfg = TrainConfig(model=ModelConfig(n_layer=12, n_head=12, n_embd=768, seq_len=512), micro_batch_size=16,
-                      max_steps=60, decay_steps=60, warmup_steps=5, lr=6e-4, min_lr=6e-5, zero_stage=2, num_ranks=1,
-                      precision="bf16", accelerator="cuda", checkpoint_every=30, keep_last=2, log_every=1,
-                      eval_every=0, timeout_s=300)
+    cfg = TrainConfig(model=ModelConfig(n_layer=12, n_head=12, n_embd=768, seq_len=512), max_steps=60,
+                      optimizer={"decay_steps": 60, "warmup_steps": 5, "lr": 6e-4, "min_lr": 6e-5},
+                      batch={"micro_batch_size": 16, "num_ranks": 1},
+                      engine={"zero_stage": 2, "precision": "bf16", "accelerator": "cuda"},
+                      checkpoint={"every": 30, "keep_last": 2}, logging={"every": 1, "eval_every": 0},
+                      launch={"timeout_s": 300})
     with tempfile.TemporaryDirectory() as tmp:
         tok = tokens(str(Path(tmp) / "tok"))
         t0 = time.time()

@@ -43,8 +43,8 @@ def main(steps: int = 20, rounds: int = 3) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         shards = token_shards(make_tokens(tmp, 1500))
         mcfg = ModelConfig(vocab_size=shards.vocab_size, n_layer=4, n_head=4, n_embd=128, seq_len=128)  # demo shape
-        base = TrainConfig(model=mcfg, micro_batch_size=16, num_ranks=1, grad_clip=1.0)
-        tokens_per_step = base.micro_batch_size * mcfg.seq_len
+        base = TrainConfig(model=mcfg, batch={"micro_batch_size": 16, "num_ranks": 1}, optimizer={"grad_clip": 1.0})
+        tokens_per_step = base.batch.micro_batch_size * mcfg.seq_len
 
         def plain():
             torch.manual_seed(0)

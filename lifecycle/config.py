@@ -40,7 +40,7 @@ class OrchestrationConfig(BaseModel):
     train_retries: int = Field(1, ge=0, description="Retries of the train stage; each resumes from the last commit.")
     stage_timeout_s: float | None = Field(
         3600, gt=0, description="Timeout of each stage attempt except train (a Prefect timeout cannot stop the "
-        "DeepSpeed ranks: the train supervisor enforces `train.timeout_s` itself). null = none.")
+        "DeepSpeed ranks: the train supervisor enforces `train.launch.timeout_s` itself). null = none.")
     dask_workers: int = Field(
         default_factory=lambda: min(os.cpu_count() or 1, 4), ge=0,
         description="Worker processes of the Dask LocalCluster that runs the shards of collect, filter and "

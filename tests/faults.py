@@ -34,10 +34,12 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32"):
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
-    return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64, dropout=0.1), micro_batch_size=8,
-                       max_steps=40, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4, zero_stage=2, num_ranks=ranks,
-                       precision=precision, accelerator=accelerator, threads_per_rank=1, checkpoint_every=5, keep_last=2,
-                       log_every=1, timeout_s=600)
+    return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64, dropout=0.1), max_steps=40,
+                       optimizer={"decay_steps": 60, "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
+                       batch={"micro_batch_size": 8, "num_ranks": ranks},
+                       engine={"zero_stage": 2, "precision": precision, "accelerator": accelerator},
+                       checkpoint={"every": 5, "keep_last": 2}, logging={"every": 1},
+                       launch={"threads_per_rank": 1, "timeout_s": 600})
 
 
 def tokens(tokdir: str):

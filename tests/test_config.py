@@ -28,7 +28,7 @@ def test_overrides_by_dotted_path_parse_yaml(tmp_path):
 
 @pytest.mark.parametrize("override, field", [
     ("train.max_steps=-3", "train.max_steps"),
-    ("train.zero_stage=7", "train.zero_stage"),
+    ("train.engine.zero_stage=7", "train.engine.zero_stage"),
     ("train.model.norm=batchnorm", "train.model.norm"),
     ("dedup.bands=0", "dedup.bands"),
     ("collect.inputs=[]", "collect.inputs"),

@@ -72,6 +72,8 @@ def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
         return out
     if isinstance(obj, list):
         return [_map(v, fn) for v in obj]
+    if isinstance(obj, torch.Size):  # ints only; kept a torch.Size, as DeepSpeed's own save pickles it
+        return obj
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_map(v, fn) for v in obj)
     return obj
@@ -381,7 +383,7 @@ class AsyncSaver:
     def __init__(self, engine, ckpt_root: str | Path, keep_last: int, log=print):
         self.engine, self.root, self.keep_last, self.log = engine, Path(ckpt_root), keep_last, log
         self.rank = dist.get_rank()
-        self.device = engine.device  # the rank's device (the CPU, or its GPU under train.accelerator=cuda)
+        self.device = engine.device  # the rank's device (the CPU, or its GPU under train.engine.accelerator=cuda)
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")  # rank 0's commits
         self.writer = PersistProcess()
         self.ds_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, self.writer)

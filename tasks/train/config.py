@@ -2,20 +2,20 @@
 
 The CLI, the flow and the sizing planner import this module without loading torch; the ranks read the same
 config from the launch file the supervisor writes.
+
+`TrainConfig` is grouped in sections, as torchtitan's job config is: `optimizer`, `batch`, `engine`, `guard`
+(trajectory: in the run fingerprint) and `checkpoint`, `logging`, `launch` (operational: out of it as a
+whole), plus a few top-level fields (`model`, `seed`, `max_steps`, ...). A YAML file or an override names a
+field by its dotted path: `train.optimizer.lr`, `--set train.checkpoint.every=50`, `train.max_steps`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-# Fields that do not change the trajectory, so they are not part of the run fingerprint.
-OPERATIONAL = {"max_steps", "checkpoint_every", "keep_last", "eval_every", "eval_batches", "log_every",
-               "master_port", "timeout_s", "threads_per_rank", "max_epochs", "peak_flops_per_rank", "prefetch",
-               "async_save", "hostfile", "master_addr", "num_nodes", "include", "exclude", "launcher", "init_from"}
-
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 class ModelConfig(BaseModel):
     """Architecture of the decoder in lifecycle.tasks.train.model (kept here, torch-free). Every field is in the run fingerprint."""
@@ -72,33 +72,77 @@ class ModelConfig(BaseModel):
         return 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 
-class TrainConfig(BaseModel):
-    """Training hyperparameters and how the DeepSpeed ranks are run."""
+class Section(BaseModel):
+    """A group of `TrainConfig` fields. A section whose class sets `operational = True` holds only settings that do
+    not change the trajectory (how the run is launched, logged, checkpointed), so the whole section stays out of
+    the run fingerprint; every field of any other section is in it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    operational: ClassVar[bool] = False
 
-    model: ModelConfig = ModelConfig()
-    """Architecture. `model.vocab_size` null = take it from the tokenizer at run time."""
-    init_from: Literal["scratch", "champion"] = "scratch"
-    """`champion`: start from the weights of the registry's champion version (and tokenize with its tokenizer)
-    when its architecture equals `model`; otherwise from scratch, and the run says why. Only the weights carry
-    over: optimizer state and LR schedule start fresh. The weights' sha256 is part of the run fingerprint."""
-    model_size: Literal["fixed", "auto"] = "fixed"
-    """fixed: `model` as given. auto: keep `model`'s recipe (norm, mlp, pos, seq_len, ...) but pick n_layer,
-    n_embd and n_head for the compute-optimal N = D/20 of the token dataset's actual train tokens D
-    (lifecycle.tasks.train.sizing; Chinchilla's 20 tokens per parameter)."""
-    max_epochs: float = Field(4.0, gt=0)
-    """Warn when max_steps would pass over the train tokens more than this many times (repeated data
-    is worth less: Muennighoff et al. 2023 find up to ~4 epochs nearly as good as fresh data)."""
-    peak_flops_per_rank: float | None = Field(None, gt=0)
-    """Peak FLOP/s of one rank's device, the MFU denominator (e.g. 989e12 for an H100's dense bf16).
-    Null = measured at start-up with an fp32 matmul on the rank's threads, so MFU is relative to what
-    this CPU can do."""
-    prefetch: int = Field(4, ge=0)
-    """Micro-batches a background thread prepares ahead of the training step (0 = load in the step)."""
-    async_save: bool = True
-    """Checkpoints are snapshotted to host memory and persisted in the background (lifecycle.tasks.train.async_ckpt);
-    false = the synchronous save of lifecycle.tasks.train.checkpoint. Either way the commit marker comes last."""
+
+class OptimizerConfig(Section):
+    """AdamW and its learning-rate schedule (linear warmup, cosine decay, then flat)."""
+
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = Field(1e-4, ge=0)
+    """Learning rate at the end of the cosine decay and after it; at most `lr`."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warmup steps: lr = lr·(step+1)/(warmup_steps+1). Below the cosine horizon."""
+    decay_steps: int | None = Field(None, ge=1)
+    """Step at which the cosine reaches min_lr. Null = `train.max_steps`, so raising max_steps then changes the
+    lr curve and starts a new run; set it to be able to extend a run later (see lifecycle.tasks.train.launch)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW decoupled weight decay on matrices (2-D weights); norms and biases get none."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip (DeepSpeed `gradient_clipping`); 0 disables it."""
+
+    @field_validator("min_lr")
+    @classmethod
+    def _min_lr_below_lr(cls, v: float, info: ValidationInfo) -> float:
+        if "lr" in info.data and v > info.data["lr"]:
+            raise ValueError(f"min_lr ({v}) must not exceed lr ({info.data['lr']})")
+        return v
+
+
+class BatchConfig(Section):
+    """What one optimizer step sees. Global batch = micro_batch_size·grad_accum·num_ranks sequences."""
+
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per rank per forward/backward."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step."""
+    num_ranks: int = Field(2, ge=1)
+    """Data-parallel ranks (the world size). Without a hostfile, processes the deepspeed launcher starts on this
+    machine; with `train.launch.hostfile`, the total number of ranks the (filtered) hostfile gives."""
+
+
+class EngineConfig(Section):
+    """The DeepSpeed engine: sharding, numerics and the device. All of it changes the numbers a step computes."""
+
+    zero_stage: int = Field(2, ge=0, le=3)
+    """DeepSpeed ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 weights/activations with fp32 master weights. fp16 does not run on CPU."""
+    accelerator: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks run: `cpu` (DeepSpeed's CPU accelerator, gloo) or `cuda` (one GPU per rank, NCCL; the
+    launcher's `--num_gpus` picks the local GPUs). Every rank fails at start-up, naming this field, when `cuda`
+    is asked for and torch sees no GPU. In the fingerprint: a GPU run's numerics differ from a CPU run's."""
+    activation_checkpointing: bool = False
+    """Keep only each transformer block's input in forward and recompute the block in backward
+    (torch.utils.checkpoint, non-reentrant): activation memory drops from every intermediate of every block
+    to one (B, T, n_embd) tensor per block, for about one extra forward of compute. Gradients are the same
+    up to rounding; it stays in the run fingerprint, so switching it starts a new run rather than mixing
+    two numerics in one trajectory."""
+
+
+class GuardConfig(Section):
+    """Loss-spike and non-finite-loss rollback: restore the last commit and skip the offending batches. In the
+    fingerprint: a rollback changes which batches the run trains on."""
+
     spike_factor: float | None = Field(4.0, gt=1)
     """Roll back when a step's rank-averaged loss exceeds this many times the mean of the last
     `spike_window` losses (a NaN or infinite loss always rolls back). Null = only NaN/inf."""
@@ -108,68 +152,55 @@ class TrainConfig(BaseModel):
     """Data steps skipped at a rollback: the offending step's batches and the ones just before it."""
     max_rollbacks: int = Field(5, ge=0)
     """Fail the run after this many rollbacks (something other than a bad batch is wrong)."""
-    micro_batch_size: int = Field(16, ge=1)
-    """Sequences per rank per forward/backward."""
-    grad_accum: int = Field(1, ge=1)
-    """Micro-batches accumulated per optimizer step. Global batch = micro_batch_size·grad_accum·num_ranks."""
-    max_steps: int = Field(200, ge=1)
-    """Optimizer steps to reach. Not part of the run fingerprint: raising it extends the run."""
-    lr: float = Field(1e-3, gt=0)
-    """Peak learning rate, reached at the end of warmup."""
-    min_lr: float = Field(1e-4, ge=0)
-    """Learning rate at the end of the cosine decay and after it."""
-    warmup_steps: int = Field(20, ge=0)
-    """Linear warmup steps: lr = lr·(step+1)/(warmup_steps+1)."""
-    decay_steps: int | None = Field(None, ge=1)
-    """Step at which the cosine reaches min_lr. Null = max_steps (see the module docstring)."""
-    weight_decay: float = Field(0.1, ge=0)
-    """AdamW decoupled weight decay on matrices (2-D weights); norms and biases get none."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
-    grad_clip: float = Field(1.0, ge=0)
-    """Global gradient-norm clip (DeepSpeed `gradient_clipping`); 0 disables it."""
-    zero_stage: int = Field(2, ge=0, le=3)
-    """DeepSpeed ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """fp32, or bf16 weights/activations with fp32 master weights. fp16 does not run on CPU."""
-    accelerator: Literal["cpu", "cuda"] = "cpu"
-    """Where the ranks run: `cpu` (DeepSpeed's CPU accelerator, gloo) or `cuda` (one GPU per rank, NCCL; the
-    launcher's `--num_gpus` picks the local GPUs). Every rank fails at start-up, naming this field, when `cuda`
-    is asked for and torch sees no GPU."""
-    activation_checkpointing: bool = False
-    """Keep only each transformer block's input in forward and recompute the block in backward
-    (torch.utils.checkpoint, non-reentrant): activation memory drops from every intermediate of every block
-    to one (B, T, n_embd) tensor per block, for about one extra forward of compute. Gradients are the same
-    up to rounding; it stays in the run fingerprint, so switching it starts a new run rather than mixing
-    two numerics in one trajectory."""
-    num_ranks: int = Field(2, ge=1)
-    """Data-parallel processes started by the deepspeed launcher on this machine."""
-    threads_per_rank: int | None = Field(None, ge=1)
-    """OMP/torch threads per rank. Null = CPU cores // num_ranks (at least 1)."""
-    checkpoint_every: int = Field(100, ge=1)
+
+
+class CheckpointConfig(Section):
+    """When and how committed checkpoints are written (lifecycle.tasks.train.checkpointer). Operational."""
+
+    operational: ClassVar[bool] = True
+
+    every: int = Field(100, ge=1)
     """Commit a checkpoint every this many steps; one is always committed at max_steps."""
     keep_last: int = Field(3, ge=1)
     """Committed checkpoints kept (K newest); older ones are deleted after each commit."""
-    seed: int = 1337
-    """Seeds the initial weights (same on every rank) and the batch sampler (seed, step, rank, micro)."""
+    async_save: bool = True
+    """Checkpoints are snapshotted to host memory and persisted in the background (lifecycle.tasks.train.async_ckpt);
+    false = the synchronous save of lifecycle.tasks.train.checkpoint. Either way the commit marker comes last and
+    the files are the same."""
+
+
+class LoggingConfig(Section):
+    """What rank 0 appends to metrics.jsonl, and how often. Operational."""
+
+    operational: ClassVar[bool] = True
+
+    every: int = Field(10, ge=1)
+    """Append a metrics record (rank-averaged loss) every this many steps, and at the first and last."""
     eval_every: int = Field(0, ge=0)
     """Validation loss every this many steps during training (0 = never; the evaluate task does it after)."""
     eval_batches: int = Field(4, ge=1)
     """Micro-batches per rank for each in-training validation."""
-    log_every: int = Field(10, ge=1)
-    """Append a metrics record (rank-averaged loss) every this many steps, and at the first and last."""
-    master_port: int | None = Field(None, ge=1024, le=65535)
-    """torch.distributed rendezvous port; null = pick a free one at launch."""
-    timeout_s: float | None = Field(None, gt=0)
-    """Kill the ranks and fail after this many seconds (null = no limit)."""
+    peak_flops_per_rank: float | None = Field(None, gt=0)
+    """Peak FLOP/s of one rank's device, the MFU denominator (e.g. 989e12 for an H100's dense bf16).
+    Null = measured at start-up with a matmul on the rank's device and threads, so MFU is relative to what
+    this hardware can do."""
+
+
+class LaunchConfig(Section):
+    """How the ranks are started and supervised (the deepspeed launcher, threads, time limit). Operational."""
+
+    operational: ClassVar[bool] = True
+
     hostfile: str | None = None
     """DeepSpeed hostfile (`<host> slots=<ranks>` per line, `#` comments) to run the ranks across the listed
-    hosts; null = `num_ranks` ranks on this machine. With a hostfile `num_ranks` is the total number of
-    ranks the (filtered) hostfile gives, and every host needs the same run directory (a shared file system)
-    and the same Python environment at the same path, reachable by passwordless ssh (pdsh by default)."""
+    hosts; null = `train.batch.num_ranks` ranks on this machine. Every host needs the same run directory (a
+    shared file system) and the same Python environment at the same path, reachable by passwordless ssh (pdsh
+    by default)."""
     master_addr: str | None = None
     """Address of the rank-0 host for the rendezvous. Null: 127.0.0.1 when every rank is on one host, else
     the DeepSpeed launcher asks the first host over ssh (`hostname -I`)."""
+    master_port: int | None = Field(None, ge=1024, le=65535)
+    """torch.distributed rendezvous port; null = pick a free one at launch."""
     num_nodes: int | None = Field(None, ge=1)
     """Use only the first this many hosts of the hostfile (launcher `--num_nodes`)."""
     include: str | None = None
@@ -178,36 +209,119 @@ class TrainConfig(BaseModel):
     """Hosts/slots to leave out, same syntax (launcher `--exclude`)."""
     launcher: Literal["pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm"] = "pdsh"
     """How the DeepSpeed launcher starts the ranks on other hosts (launcher `--launcher`)."""
+    threads_per_rank: int | None = Field(None, ge=1)
+    """OMP/torch threads per rank. Null = CPU cores // num_ranks (at least 1)."""
+    prefetch: int = Field(4, ge=0)
+    """Micro-batches a background thread of each rank prepares ahead of the training step (0 = load in the step)."""
+    timeout_s: float | None = Field(None, gt=0)
+    """Kill the ranks and fail after this many seconds (null = no limit)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "LaunchConfig":
+        if self.hostfile is None and (self.num_nodes or self.include or self.exclude):
+            raise ValueError("train.launch.num_nodes/include/exclude select hosts of a hostfile: "
+                             "set train.launch.hostfile too")
+        if self.include and self.exclude:
+            raise ValueError("train.launch.include and train.launch.exclude are mutually exclusive")
+        if self.num_nodes and (self.include or self.exclude):
+            raise ValueError("train.launch.num_nodes cannot be combined with include/exclude "
+                             "(the DeepSpeed launcher refuses it)")
+        return self
+
+
+class Operational:
+    """Marks a top-level `TrainConfig` field that does not change the trajectory: `Annotated[T, OPERATIONAL]`."""
+
+    def __repr__(self) -> str:
+        return "OPERATIONAL"
+
+
+OPERATIONAL = Operational()
+
+
+def is_operational(field: FieldInfo) -> bool:
+    """Whether a `TrainConfig` field stays out of the run fingerprint: an operational section, or a top-level
+    field marked `OPERATIONAL`."""
+    kind = field.annotation
+    if isinstance(kind, type) and issubclass(kind, Section):
+        return kind.operational
+    return any(isinstance(m, Operational) for m in field.metadata)
+
+
+class TrainConfig(BaseModel):
+    """Training hyperparameters and how the DeepSpeed ranks are run, in sections (`train.<section>.<field>`).
+
+    The run fingerprint (`run_key`) holds every field of the sections that are not `operational`, plus the
+    top-level fields not marked `OPERATIONAL`: what determines the trajectory, never where it stops
+    (`max_steps`) or how it is run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    model: ModelConfig = ModelConfig()
+    """Architecture. `model.vocab_size` null = take it from the tokenizer at run time."""
+    model_size: Literal["fixed", "auto"] = "fixed"
+    """fixed: `model` as given. auto: keep `model`'s recipe (norm, mlp, pos, seq_len, ...) but pick n_layer,
+    n_embd and n_head for the compute-optimal N = D/20 of the token dataset's actual train tokens D
+    (lifecycle.tasks.train.sizing; Chinchilla's 20 tokens per parameter)."""
+    init_from: Annotated[Literal["scratch", "champion"], OPERATIONAL] = "scratch"
+    """`champion`: start from the weights of the registry's champion version (and tokenize with its tokenizer)
+    when its architecture equals `model`; otherwise from scratch, and the run says why. Only the weights carry
+    over: optimizer state and LR schedule start fresh. Operational: the weights' sha256 is what enters the
+    run fingerprint."""
+    seed: int = 1337
+    """Seeds the initial weights (same on every rank) and the batch sampler (seed, step, rank, micro)."""
+    max_steps: Annotated[int, Field(ge=1), OPERATIONAL] = 200
+    """Optimizer steps to reach. Not part of the run fingerprint: raising it extends the run (with
+    `optimizer.decay_steps` set; null makes the cosine follow max_steps, and that is in the fingerprint)."""
+    max_epochs: Annotated[float, Field(gt=0), OPERATIONAL] = 4.0
+    """Warn when max_steps would pass over the train tokens more than this many times (repeated data
+    is worth less: Muennighoff et al. 2023 find up to ~4 epochs nearly as good as fresh data)."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW and the learning-rate schedule."""
+    batch: BatchConfig = BatchConfig()
+    """Micro-batch, gradient accumulation and the number of data-parallel ranks."""
+    engine: EngineConfig = EngineConfig()
+    """DeepSpeed ZeRO stage, precision, device and activation checkpointing."""
+    guard: GuardConfig = GuardConfig()
+    """Rollback on a non-finite or spiking loss."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoint cadence, retention and sync/async saving (operational)."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metrics and in-training evaluation cadence (operational)."""
+    launch: LaunchConfig = LaunchConfig()
+    """Hosts, rendezvous, threads and time limit of the ranks (operational)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
-        if self.warmup_steps >= self.horizon:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below decay_steps/max_steps ({self.horizon})")
-        if self.hostfile is None and (self.num_nodes or self.include or self.exclude):
-            raise ValueError("num_nodes/include/exclude select hosts of a hostfile: set train.hostfile too")
-        if self.include and self.exclude:
-            raise ValueError("train.include and train.exclude are mutually exclusive")
-        if self.num_nodes and (self.include or self.exclude):
-            raise ValueError("train.num_nodes cannot be combined with include/exclude (the DeepSpeed launcher refuses it)")
+        if self.optimizer.warmup_steps >= self.horizon:
+            raise ValueError(f"train.optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below the cosine "
+                             f"horizon, train.optimizer.decay_steps or else train.max_steps ({self.horizon})")
         return self
 
     @property
     def horizon(self) -> int:
-        return self.decay_steps or self.max_steps
+        """Step at which the cosine reaches min_lr: `optimizer.decay_steps`, or `max_steps` when that is null."""
+        return self.optimizer.decay_steps or self.max_steps
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.batch.micro_batch_size * self.batch.grad_accum * self.batch.num_ranks
 
     def lr_at(self, step: int) -> float:
         """Learning rate of update `step` (0-based): linear warmup, cosine to min_lr at `horizon`, then flat."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / (self.warmup_steps + 1)
+        opt = self.optimizer
+        if step < opt.warmup_steps:
+            return opt.lr * (step + 1) / (opt.warmup_steps + 1)
         if step >= self.horizon:
-            return self.min_lr
-        ratio = (step - self.warmup_steps) / (self.horizon - self.warmup_steps)
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (self.lr - self.min_lr)
+            return opt.min_lr
+        ratio = (step - opt.warmup_steps) / (self.horizon - opt.warmup_steps)
+        return opt.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (opt.lr - opt.min_lr)
 
     def run_key(self) -> dict:
-        """The config part of the run fingerprint (operational fields out, cosine horizon resolved)."""
-        key = self.model_dump(mode="json", exclude=OPERATIONAL)
-        key["decay_steps"] = self.horizon
+        """The config part of the run fingerprint: every field that is not operational (`is_operational`), with
+        the cosine horizon resolved (decay_steps null and max_steps N give the key of decay_steps N)."""
+        fields = type(self).model_fields
+        key = self.model_dump(mode="json", exclude={name for name, f in fields.items() if is_operational(f)})
+        key["optimizer"]["decay_steps"] = self.horizon
         return key

@@ -4,10 +4,11 @@ One run directory `<workdir>/train/<fingerprint[:20]>/` per trajectory: config.j
 ds_config.json, train.log (appended per launch), metrics.jsonl (rank 0), checkpoints/step_<8 digits>/.
 
 The fingerprint covers what determines the trajectory: token dataset, code, model and optimisation
-fields. It leaves out where the run stops (`max_steps`) and how it is operated (checkpoint cadence,
-logging, port, timeout). So a larger `max_steps` resumes from the last committed checkpoint of the same
-directory, and the same config again launches nothing. The cosine horizon is `decay_steps`: set it to extend a
-run later; left null it follows `max_steps`, so a longer run is a new run (its lr curve differs).
+sections (`TrainConfig.run_key`). It leaves out where the run stops (`max_steps`) and how it is operated (the
+operational sections `checkpoint`, `logging`, `launch`). So a larger `max_steps` resumes from the last
+committed checkpoint of the same directory, and the same config again launches nothing. The cosine horizon is
+`optimizer.decay_steps`: set it to extend a run later; left null it follows `max_steps`, so a longer run is a
+new run (its lr curve differs).
 
 No torch here (the CLI imports this module for its config): the ranks import it.
 """
@@ -36,7 +37,7 @@ from lifecycle.core.code import code_version
 from lifecycle.core.procs import free_port, stop_group
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.data.tokenize.stage import token_shards
-from lifecycle.tasks.train.config import TrainConfig
+from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
@@ -83,7 +84,7 @@ def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple
         log.info("model_size=auto: %s train tokens -> N = %.4g -> n_layer=%d n_embd=%d n_head=%d (N = %d)",
                  train_tokens, target, sized.n_layer, sized.n_embd, sized.n_head, plan.non_embedding_params(sized))
         cfg = cfg.model_copy(update={"model": sized})
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.num_ranks * cfg.model.seq_len
+    tokens_per_step = cfg.global_batch * cfg.model.seq_len
     epochs = cfg.max_steps * tokens_per_step / max(train_tokens, 1)
     if epochs > cfg.max_epochs:
         msg = (f"training repeats the data {epochs:.1f} times (max_steps {cfg.max_steps} x {tokens_per_step} tokens "
@@ -132,10 +133,10 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
     cfg, sizing = resolve_model(cfg, meta.vocab_size, meta.num_tokens["train"])
     need = cfg.model.seq_len + 1
-    for split in ("train", "val") if cfg.eval_every else ("train",):
+    for split in ("train", "val") if cfg.logging.eval_every else ("train",):
         if meta.num_tokens[split] < need:
             raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
-                             f"{need}" + (" (set eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
+                             f"{need}" + (" (set train.logging.eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
     code = code_version(__package__)
     init = {"init_weights_sha256": fs.sha256_file(init_weights)} if init_weights else {}
     fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])
@@ -155,14 +156,14 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         fs.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
                                            "run_dir": str(run_dir), "tokens": meta.model_dump(),
                                            "token_dataset": tokens.path, "init_weights": init_weights, **init})
-        port = cfg.master_port or free_port()
+        port = cfg.launch.master_port or free_port()
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
         if launcher is None:
             raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
-        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.num_ranks)
+        threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.batch.num_ranks)
         cmd = [launcher, *launch_args(cfg, port, run_dir, threads), "--module", "--no_local_rank",
                "lifecycle.tasks.train.trainer", "--config", str(config_path)]
-        env = {**os.environ, "DS_ACCELERATOR": cfg.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                "LIFECYCLE_SUPERVISOR_PID": str(os.getpid())}
         tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
         release_shm()  # buffers leaked by earlier launches whose supervisor was killed
@@ -175,8 +176,8 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             try:
                 while proc.poll() is None:
                     tail.poll()
-                    if cfg.timeout_s is not None and time.monotonic() - start > cfg.timeout_s:
-                        raise TimeoutError(f"training exceeded timeout_s={cfg.timeout_s}; ranks killed")
+                    if cfg.launch.timeout_s is not None and time.monotonic() - start > cfg.launch.timeout_s:
+                        raise TimeoutError(f"training exceeded train.launch.timeout_s={cfg.launch.timeout_s}; ranks killed")
                     time.sleep(0.5)
             except BaseException as e:
                 stop_group(proc.pid)
@@ -201,7 +202,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
-        raise ValueError(f"train.hostfile {path}: cannot read it ({e.strerror})") from None
+        raise ValueError(f"train.launch.hostfile {path}: cannot read it ({e.strerror})") from None
     hosts: dict[str, int] = {}
     for n, raw in enumerate(lines, start=1):
         line = raw.split("#", 1)[0].strip()
@@ -218,7 +219,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     return hosts
 
 
-def select_hosts(hosts: dict[str, int], cfg: TrainConfig) -> dict[str, int]:
+def select_hosts(hosts: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
     """{host: ranks} that the launcher's `--include`/`--exclude`/`--num_nodes` leave of a hostfile (the
     selection rules of deepspeed/launcher/runner.py), so the world size is checked before anything starts."""
     def parse(spec: str) -> dict[str, int | None]:  # "node1@node2:0,2" -> {node1: None (all), node2: 2}
@@ -244,23 +245,25 @@ def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> lis
     with its host selection. With a hostfile, the rank environment that the launcher does not forward over
     ssh itself (it forwards PYTHON* variables) is written to `<run_dir>/.deepspeed_env`, which it reads
     from its working directory."""
-    if cfg.hostfile is None:
-        return ["--num_gpus", str(cfg.num_ranks), "--master_port", str(port)]
-    chosen = select_hosts(read_hostfile(cfg.hostfile), cfg)
-    if sum(chosen.values()) != cfg.num_ranks:
-        raise ValueError(f"hostfile {cfg.hostfile} gives {sum(chosen.values())} ranks "
-                         f"({', '.join(f'{h}: {n}' for h, n in chosen.items())}) but train.num_ranks={cfg.num_ranks}")
-    args = ["--hostfile", str(Path(cfg.hostfile).resolve()), "--master_port", str(port), "--launcher", cfg.launcher]
+    hl = cfg.launch
+    if hl.hostfile is None:
+        return ["--num_gpus", str(cfg.batch.num_ranks), "--master_port", str(port)]
+    chosen = select_hosts(read_hostfile(hl.hostfile), hl)
+    if sum(chosen.values()) != cfg.batch.num_ranks:
+        raise ValueError(f"hostfile {hl.hostfile} gives {sum(chosen.values())} ranks "
+                         f"({', '.join(f'{h}: {n}' for h, n in chosen.items())}) but "
+                         f"train.batch.num_ranks={cfg.batch.num_ranks}")
+    args = ["--hostfile", str(Path(hl.hostfile).resolve()), "--master_port", str(port), "--launcher", hl.launcher]
     one_host = len(chosen) == 1
-    master = cfg.master_addr or ("127.0.0.1" if one_host and next(iter(chosen)) in LOCAL_HOSTS else None)
+    master = hl.master_addr or ("127.0.0.1" if one_host and next(iter(chosen)) in LOCAL_HOSTS else None)
     if master:
         args += ["--master_addr", master]
     if one_host:  # DeepSpeed starts a single host's ranks locally, but would still try ssh to it first
         args.append("--no_ssh_check")
-    for flag, value in (("--num_nodes", cfg.num_nodes), ("--include", cfg.include), ("--exclude", cfg.exclude)):
+    for flag, value in (("--num_nodes", hl.num_nodes), ("--include", hl.include), ("--exclude", hl.exclude)):
         if value:
             args += [flag, str(value)]
-    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.accelerator}\nOMP_NUM_THREADS={threads}\n")
+    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.engine.accelerator}\nOMP_NUM_THREADS={threads}\n")
     return args
 
 

@@ -139,7 +139,7 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         # Recompute each block's activations in backward instead of keeping them (set by the train loop from
-        # `train.activation_checkpointing`; not a ModelConfig field, since the weights do not depend on it).
+        # `train.engine.activation_checkpointing`; not a ModelConfig field, since the weights do not depend on it).
         self.activation_checkpointing = False
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight

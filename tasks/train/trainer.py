@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train.checkpointer import make_checkpointer
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
 from lifecycle.tasks.data.tokenize.stage import TokenShards
@@ -35,14 +36,14 @@ from lifecycle.tasks.train.config import TrainConfig
 
 
 def ds_config(cfg: TrainConfig) -> dict:
-    """DeepSpeed config. The optimizer (torch AdamW) and the LambdaLR schedule are built in `main`."""
+    """DeepSpeed config. The optimizer (torch AdamW) and the LambdaLR schedule are built in `Trainer`."""
     return {
-        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * cfg.num_ranks,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        "train_batch_size": cfg.global_batch,
+        "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_size,
+        "gradient_accumulation_steps": cfg.batch.grad_accum,
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "zero_optimization": {"stage": cfg.engine.zero_stage},
+        "bf16": {"enabled": cfg.engine.precision == "bf16"},
         "zero_allow_untested_optimizer": True,  # our torch.optim.AdamW: no DeepSpeed optimizer op to JIT-build
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
@@ -71,35 +72,32 @@ def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[in
     """`skipped`: data steps thrown away by loss-spike rollbacks; step s reads data step
     `loader.data_step(s, skipped)`."""
     return {"kind": "uniform_windows", "next_step": next_step, "seed": cfg.seed, "world_size": world,
-            "micro_batch_size": cfg.micro_batch_size, "grad_accum": cfg.grad_accum, "seq_len": cfg.model.seq_len,
+            "micro_batch_size": cfg.batch.micro_batch_size, "grad_accum": cfg.batch.grad_accum,
+            "seq_len": cfg.model.seq_len,
             "skipped": sorted(skipped)}
 
 
-DEVICE = torch.device("cpu")  # this rank's device, set by `select_device` at start-up
-
-
 def select_device(cfg: TrainConfig) -> tuple[torch.device, str]:
-    """(device, process-group backend) for `train.accelerator`: the CPU with gloo, or this rank's GPU
+    """(device, process-group backend) for `train.engine.accelerator`: the CPU with gloo, or this rank's GPU
     (LOCAL_RANK, set by the launcher) with NCCL."""
-    global DEVICE
-    if cfg.accelerator == "cpu":
-        DEVICE = torch.device("cpu")
-        return DEVICE, "gloo"
+    if cfg.engine.accelerator == "cpu":
+        return torch.device("cpu"), "gloo"
     if not torch.cuda.is_available():
-        raise RuntimeError("train.accelerator=cuda, but torch sees no CUDA device on this host "
+        raise RuntimeError("train.engine.accelerator=cuda, but torch sees no CUDA device on this host "
                            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use accelerator: cpu")
-    DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(DEVICE)
-    return DEVICE, "nccl"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device, "nccl"
 
 
-def measure_peak_flops(seconds: float = 0.3, n: int = 512, dtype: torch.dtype = torch.float32) -> float:
-    """FLOP/s of an n×n matmul in `dtype` on this rank's device (on the CPU, this process's threads): the MFU
+def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 512,
+                       dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n×n matmul in `dtype` on `device` (on the CPU, this process's threads): the MFU
     denominator when none is configured."""
-    if DEVICE.type == "cuda":
+    if device.type == "cuda":
         n = max(n, 4096)
-    a, b = torch.randn(n, n, device=DEVICE, dtype=dtype), torch.randn(n, n, device=DEVICE, dtype=dtype)
-    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a @ b  # warm-up
     sync()
     reps, t0 = 0, time.perf_counter()
@@ -119,7 +117,7 @@ def injected_faults() -> set[int]:
 
 def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, rank: int, micro: int):
     """(x, y) int64 tensors (B, T) of random windows, a pure function of (seed, step, rank, micro)."""
-    T, B = cfg.model.seq_len, cfg.micro_batch_size
+    T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     # We recreate np.memmap every batch to avoid a memory leak (nanoGPT): a long-lived map keeps every
     # page it ever touched accounted to the process.
     data = shards.memmap("train")
@@ -134,33 +132,41 @@ def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, rank: int, micro
 
 def val_batches(shards: TokenShards, cfg: TrainConfig, rank: int, world: int):
     """Fixed non-overlapping validation windows, a disjoint slice per rank (wrapping on a short shard)."""
-    T, B = cfg.model.seq_len, cfg.micro_batch_size
+    T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     data = np.concatenate(shards.memmap("val"))
     n_win = (len(data) - 1) // T
-    for b in range(cfg.eval_batches):
+    for b in range(cfg.logging.eval_batches):
         idx = [((b * world + rank) * B + j) % n_win for j in range(B)]
         x = np.stack([data[i * T : i * T + T] for i in idx]).astype(np.int64)
         y = np.stack([data[i * T + 1 : i * T + T + 1] for i in idx]).astype(np.int64)
         yield torch.from_numpy(x), torch.from_numpy(y)
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """This process's Python, NumPy and torch RNG states (and `device`'s, on a GPU): DeepSpeed saves none."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if DEVICE.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(DEVICE)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and DEVICE.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], DEVICE)
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=DEVICE)  # NCCL reduces device tensors only
+def gather_rng(world: int, device: torch.device) -> list[dict]:
+    """Every rank's `rng_state`, in rank order (collective)."""
+    states: list = [None] * world
+    dist.all_gather_object(states, rng_state(device))
+    return states
+
+
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -196,180 +202,245 @@ class Metrics:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()), flush=True)
 
 
+class Trainer:
+    """One rank's training run, torchtitan-style: the engine, data, checkpointer and metrics are attributes, and
+    each phase of a step is a short method. `Trainer(launch)` builds everything and restores the newest
+    committed checkpoint; `train_step()` runs one optimizer step and whatever is due after it (log, eval,
+    save), or rolls back on a bad loss; `close()` commits the last save. Every rank calls the same methods
+    at the same steps (they are collective)."""
+
+    def __init__(self, launch: dict):
+        self.launch = launch
+        self.cfg = cfg = TrainConfig.model_validate(launch["train"])
+        self.shards = TokenShards.model_validate(launch["tokens"])
+        self.run_dir = Path(launch["run_dir"])
+        self.device, backend = self._init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world != cfg.batch.num_ranks:
+            raise RuntimeError(f"launched with {self.world} ranks but train.batch.num_ranks={cfg.batch.num_ranks}")
+        self.engine, self.scheduler = self._build_engine()
+        dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
+        self.peak = cfg.logging.peak_flops_per_rank or measure_peak_flops(self.device, dtype=dtype)
+        self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say)
+        torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
+        self.step, self.elapsed, self.skipped = 0, 0.0, []
+        if (found := self.restore()) is not None:
+            self.say(f"resumed from {found} at step {self.step}")
+        self.metrics = Metrics(self.run_dir / "metrics.jsonl", self.step, enabled=self.rank == 0)
+        self.faults = injected_faults()
+        self.engine.train()
+        self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
+        self.first = self.step  # the first step of this launch is always logged
+        self.window_start, self.window_steps = time.perf_counter(), 0  # the steps the next train record averages
+        self.supervisor = int(os.environ.get("LIFECYCLE_SUPERVISOR_PID", "0"))
+        self.loader = self.batches()
+        self.recent: list[float] = []  # healthy losses for the spike test
+        self.rollbacks = 0
+
+    def say(self, message: str) -> None:
+        """A line in train.log, from rank 0 only."""
+        if self.rank == 0:
+            print(message, flush=True)
+
+    # ----------------------------------------------------------------------------------------------
+    # set-up
+
+    def _init_distributed(self) -> tuple[torch.device, str]:
+        import deepspeed
+
+        stub_muon()
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        device, backend = select_device(self.cfg)
+        deepspeed.init_distributed(dist_backend=backend)
+        return device, backend
+
+    def _build_engine(self):
+        """The model (same initial weights on every rank), AdamW with the warmup-cosine schedule, and the
+        DeepSpeed engine over them. Rank 0 writes the DeepSpeed config it used beside the run."""
+        import deepspeed
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        model = GPT(cfg.model)
+        if self.launch.get("init_weights"):  # warm start; a resume overwrites these with the checkpoint's
+            from safetensors.torch import load_file
+
+            model.load_export(load_file(self.launch["init_weights"]))
+        model.to(self.device)
+        model.activation_checkpointing = cfg.engine.activation_checkpointing
+        n_params = model.num_params()  # before ZeRO-3 partitions the parameters
+        self.n_matmul, self.flops_per_token = model.num_params(exclude_embeddings=True), model.flops_per_token()
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = cfg.optimizer
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
+        schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
+        engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                                       config=ds_config(cfg))
+        if self.rank == 0:
+            atomic_write_json(self.run_dir / "ds_config.json", ds_config(cfg))
+        self.say(f"{n_params:,} parameters, ranks ready after {time.time() - T_START:.1f}s")
+        return engine, scheduler
+
+    def batches(self) -> Prefetcher:
+        """This rank's micro-batches from the current step to max_steps, prepared ahead by a thread."""
+        cfg = self.cfg
+        keys = ((s, data_step(s, self.skipped), m) for s in range(self.step, cfg.max_steps)
+                for m in range(cfg.batch.grad_accum))
+        return Prefetcher(lambda k: get_batch(self.shards, cfg, k[1], self.rank, k[2]), keys, cfg.launch.prefetch)
+
+    # ----------------------------------------------------------------------------------------------
+    # the step
+
+    def train_step(self) -> None:
+        """One optimizer step, then what is due after it: a train record, an eval, a checkpoint. A non-finite or
+        spiking loss rolls back to the last commit instead."""
+        if self.supervisor and not pid_alive(self.supervisor):  # orphaned: a rerun may already own the run dir
+            raise SystemExit(f"supervisor {self.supervisor} is gone; stopping at step {self.step} (last commit stands)")
+        t0 = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        dstep = data_step(self.step, self.skipped)
+        loss = self.forward_backward(dstep)
+        if self.is_bad(loss):
+            self.rollback(loss, dstep)
+            return
+        self.recent = (self.recent + [loss])[-self.cfg.guard.spike_window:]
+        self.step += 1
+        self.elapsed += time.perf_counter() - t0
+        self.window_steps += 1
+        self.checkpointer.poll()
+        last = self.step == self.cfg.max_steps
+        commit = self.step % self.cfg.checkpoint.every == 0 or last
+        if self.step % self.cfg.logging.every == 0 or self.step == self.first + 1 or commit:  # same on every rank
+            self.log(loss, lr)
+        if self.cfg.logging.eval_every and (self.step % self.cfg.logging.eval_every == 0 or last):
+            self.eval()
+        if commit:
+            self.save(loss, last)
+
+    def forward_backward(self, dstep: int) -> float:
+        """grad_accum micro-batches through the engine (it steps the optimizer on the last); returns the
+        rank-averaged loss, every step: the spike test needs it on all ranks."""
+        loss_sum = 0.0
+        for micro in range(self.cfg.batch.grad_accum):
+            x, y = (t.to(self.device, non_blocking=True) for t in self.loader.get((self.step, dstep, micro)))
+            _, loss = self.engine(x, y)
+            if dstep in self.faults:
+                loss = loss * float("nan")
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += loss.item()
+        return mean_over_ranks(loss_sum / self.cfg.batch.grad_accum, self.device)
+
+    def is_bad(self, loss: float) -> bool:
+        """Non-finite, or more than spike_factor times the mean of the last spike_window healthy losses."""
+        g = self.cfg.guard
+        return not math.isfinite(loss) or (
+            g.spike_factor is not None and len(self.recent) >= g.spike_window
+            and loss > g.spike_factor * sum(self.recent[-g.spike_window:]) / g.spike_window)
+
+    # ----------------------------------------------------------------------------------------------
+    # what a step may trigger
+
+    def log(self, loss: float, lr: float) -> None:
+        """A train record over the steps since the last one: loss, lr, throughput, MFU, data stall."""
+        now = time.perf_counter()
+        window = now - self.window_start
+        wait = mean_over_ranks(self.loader.take_wait(), self.device)
+        step_time = window / self.window_steps
+        self.metrics.write({"kind": "train", "step": self.step, "loss": loss, "lr": lr,
+                            "tokens": self.step * self.tokens_per_step, "elapsed": round(self.elapsed, 3),
+                            "step_time": step_time, "data_wait": wait / self.window_steps, "stall_frac": wait / window,
+                            "tokens_per_s": self.tokens_per_step / step_time,
+                            "mfu": self.flops_per_token * self.tokens_per_step / step_time / (self.peak * self.world),
+                            "params": self.n_matmul, "flops_per_token": self.flops_per_token})
+        self.window_start, self.window_steps = now, 0
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        """Validation loss over eval_batches fixed windows per rank; its time is left out of the next record."""
+        self.engine.eval()
+        losses = [self.engine(x.to(self.device), y.to(self.device))[1].item()
+                  for x, y in val_batches(self.shards, self.cfg, self.rank, self.world)]
+        self.engine.train()
+        val_loss = mean_over_ranks(sum(losses) / len(losses), self.device)
+        self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
+        self.window_start = time.perf_counter()
+        self.loader.take_wait()
+
+    def save(self, loss: float, last: bool) -> None:
+        """Checkpoint this step: RNG states and sampler position in client_state, run facts in the marker."""
+        cfg, shards = self.cfg, self.shards
+        client_state = {"step": self.step, "elapsed": self.elapsed,
+                        "sampler": sampler_state(cfg, self.step, self.world, self.skipped),
+                        "rng": gather_rng(self.world, self.device), "config": self.launch["train"],
+                        "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
+        marker = {"loss": loss, "tokens": self.step * self.tokens_per_step, "world_size": self.world,
+                  "zero_stage": cfg.engine.zero_stage, "precision": cfg.engine.precision,
+                  "fingerprint": self.launch["fingerprint"],
+                  "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
+        t_save = time.perf_counter()
+        self.checkpointer.save(self.step, client_state, cfg.model, marker, wait=last)
+        self.say(f"save stall {time.perf_counter() - t_save:.3f}s at step {self.step}")
+        self.window_start = time.perf_counter()
+        self.loader.take_wait()
+
+    def restore(self) -> Path | None:
+        """Load the newest committed checkpoint whose hashes verify into the engine, this rank's RNG states and
+        the sampler position; returns its tag directory (None: nothing committed, start at step 0)."""
+        got = self.checkpointer.restore(max_step=self.cfg.max_steps)
+        if got is None:
+            self.step, self.elapsed, self.skipped = 0, 0.0, []
+            return None
+        tag_dir, state = got
+        skipped = state["sampler"].get("skipped", [])
+        expected = sampler_state(self.cfg, state["step"], self.world, skipped)
+        if state["sampler"] != expected or state["dataset_sha256"] != self.shards.dataset_sha256:
+            raise RuntimeError(f"checkpoint {tag_dir} was written for another sampler/dataset: {state['sampler']}")
+        set_rng_state(state["rng"][self.rank], self.device)
+        self.step, self.elapsed, self.skipped = state["step"], state["elapsed"], skipped
+        return tag_dir
+
+    def rollback(self, loss: float, dstep: int) -> None:
+        """Back to the last commit, with the bad step's data (and spike_skip - 1 data steps before it) skipped
+        from now on; the metrics past that commit are dropped and a rollback record says why."""
+        g = self.cfg.guard
+        self.rollbacks += 1
+        if self.rollbacks > g.max_rollbacks:
+            raise RuntimeError(f"loss {loss} at step {self.step + 1}: more than max_rollbacks={g.max_rollbacks}")
+        self.loader.close()
+        bad_step, skipped_before = self.step + 1, self.skipped
+        throw = list(range(max(0, dstep - g.spike_skip + 1), dstep + 1))
+        found = self.restore()
+        if found is None:
+            raise RuntimeError(f"loss {loss} at step {bad_step} and no committed checkpoint to roll back to")
+        self.skipped = sorted(set(self.skipped) | set(skipped_before) | set(throw))
+        self.metrics.truncate(self.step)
+        self.metrics.write({"kind": "rollback", "step": self.step, "bad_step": bad_step,
+                            "bad_loss": loss if math.isfinite(loss) else None,
+                            "reason": "nan" if not math.isfinite(loss) else "spike",
+                            "skipped_data_steps": throw, "checkpoint": str(found)})
+        self.recent, self.loader = [], self.batches()
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def close(self) -> None:
+        """Stop the loader, commit the save in flight, leave the process group."""
+        self.loader.close()
+        self.checkpointer.close()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="launch config written by lifecycle.tasks.train.launch.run_train")
     ap.add_argument("--local_rank", type=int, default=None, help="ignored (passed by some launchers)")
     args = ap.parse_args(argv)
-    launch = json.loads(Path(args.config).read_text())
-    cfg = TrainConfig.model_validate(launch["train"])
-    shards = TokenShards.model_validate(launch["tokens"])
-    run_dir = Path(launch["run_dir"])
-    ckpt_root = run_dir / "checkpoints"
-
-    import deepspeed
-
-    stub_muon()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    device, backend = select_device(cfg)
-    deepspeed.init_distributed(dist_backend=backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != cfg.num_ranks:
-        raise RuntimeError(f"launched with {world} ranks but num_ranks={cfg.num_ranks}")
-
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(cfg.model)
-    if launch.get("init_weights"):  # warm start; a resume below overwrites these with the checkpoint's
-        from safetensors.torch import load_file
-
-        model.load_export(load_file(launch["init_weights"]))
-    model.to(device)
-    model.activation_checkpointing = cfg.activation_checkpointing
-    n_params = model.num_params()  # before ZeRO-3 partitions the parameters
-    n_matmul, fpt = model.num_params(exclude_embeddings=True), model.flops_per_token()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cfg.lr_at(s) / cfg.lr)  # noqa: E731
-    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                                   config=ds_config(cfg))
-    if rank == 0:
-        atomic_write_json(run_dir / "ds_config.json", ds_config(cfg))
-        print(f"{n_params:,} parameters, ranks ready after {time.time() - T_START:.1f}s", flush=True)
-
-    peak = cfg.peak_flops_per_rank or measure_peak_flops(dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-    saver = None
-    if cfg.async_save:
-        from lifecycle.tasks.train.async_ckpt import AsyncSaver
-
-        saver = AsyncSaver(engine, ckpt_root, cfg.keep_last, log=lambda m: print(m, flush=True) if rank == 0 else None)
-
-    def restore() -> tuple[int, float, list[int], Path | None]:
-        """Load the newest committed checkpoint whose hashes verify (rank 0 picks, every rank loads)."""
-        found = [ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps) if rank == 0 else None]
-        dist.broadcast_object_list(found, src=0)
-        if found[0] is None:
-            return 0, 0.0, [], None
-        _, state = engine.load_checkpoint(str(ckpt_root), tag=Path(found[0]).name)
-        skipped_ = state["sampler"].get("skipped", [])
-        expected = sampler_state(cfg, state["step"], world, skipped_)
-        if state["sampler"] != expected or state["dataset_sha256"] != shards.dataset_sha256:
-            raise RuntimeError(f"checkpoint {found[0]} was written for another sampler/dataset: {state['sampler']}")
-        set_rng_state(state["rng"][rank])
-        return state["step"], state["elapsed"], skipped_, Path(found[0])
-
-    torch.manual_seed(cfg.seed + 1 + rank)  # per-rank stream for dropout
-    step, elapsed, skipped, found = restore()
-    if rank == 0 and found is not None:
-        print(f"resumed from {found} at step {step}", flush=True)
-    metrics = Metrics(run_dir / "metrics.jsonl", step, enabled=rank == 0)
-
-    def batches(from_step: int) -> Prefetcher:
-        keys = ((s, data_step(s, skipped), m) for s in range(from_step, cfg.max_steps) for m in range(cfg.grad_accum))
-        return Prefetcher(lambda k: get_batch(shards, cfg, k[1], rank, k[2]), keys, cfg.prefetch)
-
-    faults = injected_faults()
-    engine.train()
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.model.seq_len
-    first, window_start, window_steps = step, time.perf_counter(), 0
-    supervisor = int(os.environ.get("LIFECYCLE_SUPERVISOR_PID", "0"))
-    loader = batches(step)
-    recent: list[float] = []  # healthy losses for the spike test
-    rollbacks = 0
-    while step < cfg.max_steps:
-        if supervisor and not pid_alive(supervisor):  # orphaned: a rerun may already own the run directory
-            raise SystemExit(f"supervisor {supervisor} is gone; stopping at step {step} (last commit stands)")
-        t0 = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
-        loss_sum = 0.0
-        dstep = data_step(step, skipped)
-        for micro in range(cfg.grad_accum):
-            x, y = (t.to(device, non_blocking=True) for t in loader.get((step, dstep, micro)))
-            _, loss = engine(x, y)
-            if dstep in faults:
-                loss = loss * float("nan")
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.item()
-        mean_loss = mean_over_ranks(loss_sum / cfg.grad_accum)  # every step: the spike test needs it on all ranks
-        bad = not math.isfinite(mean_loss) or (
-            cfg.spike_factor is not None and len(recent) >= cfg.spike_window
-            and mean_loss > cfg.spike_factor * sum(recent[-cfg.spike_window:]) / cfg.spike_window)
-        if bad:
-            rollbacks += 1
-            if rollbacks > cfg.max_rollbacks:
-                raise RuntimeError(f"loss {mean_loss} at step {step + 1}: more than max_rollbacks={cfg.max_rollbacks}")
-            loader.close()
-            if saver is not None:
-                saver.finish()
-            bad_step = step + 1
-            throw = list(range(max(0, dstep - cfg.spike_skip + 1), dstep + 1))
-            skipped_before = skipped
-            step, elapsed, skipped, found = restore()
-            if found is None:
-                raise RuntimeError(f"loss {mean_loss} at step {bad_step} and no committed checkpoint to roll back to")
-            skipped = sorted(set(skipped) | set(skipped_before) | set(throw))
-            metrics.truncate(step)
-            metrics.write({"kind": "rollback", "step": step, "bad_step": bad_step,
-                           "bad_loss": mean_loss if math.isfinite(mean_loss) else None,
-                           "reason": "nan" if not math.isfinite(mean_loss) else "spike",
-                           "skipped_data_steps": throw, "checkpoint": str(found)})
-            recent, loader = [], batches(step)
-            window_start, window_steps = time.perf_counter(), 0
-            continue
-        recent = (recent + [mean_loss])[-cfg.spike_window:]
-        step += 1
-        elapsed += time.perf_counter() - t0
-        window_steps += 1
-        if saver is not None:
-            saver.poll()
-        last = step == cfg.max_steps
-        commit = step % cfg.checkpoint_every == 0 or last
-        if step % cfg.log_every == 0 or step == first + 1 or commit:  # same decision on every rank
-            now = time.perf_counter()
-            window = now - window_start
-            wait = mean_over_ranks(loader.take_wait())
-            step_time = window / window_steps
-            metrics.write({"kind": "train", "step": step, "loss": mean_loss, "lr": lr, "tokens": step * tokens_per_step,
-                           "elapsed": round(elapsed, 3), "step_time": step_time,
-                           "data_wait": wait / window_steps, "stall_frac": wait / window,
-                           "tokens_per_s": tokens_per_step / step_time,
-                           "mfu": fpt * tokens_per_step / step_time / (peak * world),
-                           "params": n_matmul, "flops_per_token": fpt})
-            window_start, window_steps = now, 0
-        if cfg.eval_every and (step % cfg.eval_every == 0 or last):
-            metrics.write({"kind": "eval", "step": step, "val_loss": evaluate(engine, shards, cfg, rank, world)})
-            window_start = time.perf_counter()
-            loader.take_wait()
-        if commit:
-            client_state = {"step": step, "elapsed": elapsed, "sampler": sampler_state(cfg, step, world, skipped),
-                            "rng": gather_rng(world), "config": launch["train"],
-                            "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
-            marker = {"loss": mean_loss, "tokens": step * tokens_per_step, "world_size": world,
-                      "zero_stage": cfg.zero_stage, "precision": cfg.precision, "fingerprint": launch["fingerprint"],
-                      "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
-            t_save = time.perf_counter()
-            if saver is not None:
-                saver.start(step, client_state, cfg.model, marker)
-                if last:
-                    saver.finish()
-            else:
-                tag_dir = ckpt.save(engine, ckpt_root, step, client_state, cfg.model, marker)
-                if rank == 0:
-                    for gone in ckpt.prune(ckpt_root, cfg.keep_last, keep=(tag_dir,)):
-                        print(f"pruned {gone}", flush=True)
-                    print(f"committed {tag_dir}", flush=True)
-            if rank == 0:
-                print(f"save stall {time.perf_counter() - t_save:.3f}s at step {step}", flush=True)
-            window_start = time.perf_counter()
-            loader.take_wait()
-    loader.close()
-    if saver is not None:
-        saver.finish()
-        saver.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    trainer = Trainer(json.loads(Path(args.config).read_text()))
+    while trainer.step < trainer.cfg.max_steps:
+        trainer.train_step()
+    trainer.close()
 
 
 def pid_alive(pid: int) -> bool:
@@ -380,20 +451,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def gather_rng(world: int) -> list[dict]:
-    states: list = [None] * world
-    dist.all_gather_object(states, rng_state())
-    return states
-
-
-@torch.no_grad()
-def evaluate(engine, shards: TokenShards, cfg: TrainConfig, rank: int, world: int) -> float:
-    engine.eval()
-    losses = [engine(x.to(DEVICE), y.to(DEVICE))[1].item() for x, y in val_batches(shards, cfg, rank, world)]
-    engine.train()
-    return mean_over_ranks(sum(losses) / len(losses))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from tests.conftest import lifecycle_in_process as audit
 pytestmark = pytest.mark.e2e
 
 TINY = [
-    "train.max_steps=16", "train.checkpoint_every=8", "train.eval_every=8", "train.eval_batches=2", "train.log_every=1", "train.micro_batch_size=4", "train.warmup_steps=2",
+    "train.max_steps=16", "train.checkpoint.every=8", "train.logging.eval_every=8", "train.logging.eval_batches=2", "train.logging.every=1", "train.batch.micro_batch_size=4", "train.optimizer.warmup_steps=2",
     "train.model.n_layer=2", "train.model.n_embd=64", "train.model.n_head=2", "train.model.seq_len=64",
     "tokenize.vocab_size=512", "tokenize.val_fraction=0.2", "evaluate.max_batches=4", "orchestration.retry_backoff_s=0.1",
 ]

@@ -47,30 +47,54 @@ def tokens(tmp_path_factory):
 
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64)
-CFG = TrainConfig(model=TINY, micro_batch_size=8, max_steps=30, decay_steps=60, warmup_steps=5, lr=3e-3, min_lr=3e-4,
-                  zero_stage=2, precision="fp32", num_ranks=2, threads_per_rank=1, checkpoint_every=10, keep_last=2,
-                  log_every=5, eval_every=10, eval_batches=2, timeout_s=300)
+CFG = TrainConfig.model_validate({
+    "model": TINY.model_dump(), "max_steps": 30,
+    "optimizer": {"decay_steps": 60, "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
+    "batch": {"micro_batch_size": 8, "num_ranks": 2}, "engine": {"zero_stage": 2, "precision": "fp32"},
+    "checkpoint": {"every": 10, "keep_last": 2}, "logging": {"every": 5, "eval_every": 10, "eval_batches": 2},
+    "launch": {"threads_per_rank": 1, "timeout_s": 300}})
+
+
+def with_(cfg: TrainConfig, **changes) -> TrainConfig:
+    """`cfg` with dotted-path changes (`"optimizer.lr": 1e-3`), validated again like a YAML override."""
+    data = cfg.model_dump()
+    for path, value in changes.items():
+        *sections, name = path.split(".")
+        node = data
+        for section in sections:
+            node = node[section]
+        node[name] = value
+    return TrainConfig.model_validate(data)
 
 
 # --------------------------------------------------------------------------------------------------
 # fast
 
 
-def test_config_validation():
-    with pytest.raises(ValueError, match="min_lr"):
-        TrainConfig(lr=1e-4, min_lr=1e-3)
-    with pytest.raises(ValueError, match="warmup_steps"):
-        TrainConfig(max_steps=10, warmup_steps=10)
-    with pytest.raises(ValueError, match="extra"):
-        TrainConfig(zero=2)
-    with pytest.raises(ValueError):
-        TrainConfig(zero_stage=4)
-    with pytest.raises(ValueError):
-        TrainConfig(precision="fp16")
+def _error_locs(data: dict) -> list[str]:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        TrainConfig.model_validate(data)
+    return [".".join(map(str, err["loc"])) for err in e.value.errors()]
+
+
+def test_config_validation_names_the_dotted_field():
+    with pytest.raises(ValueError, match=r"min_lr \(0.001\) must not exceed lr"):
+        TrainConfig.model_validate({"optimizer": {"lr": 1e-4, "min_lr": 1e-3}})
+    assert _error_locs({"optimizer": {"lr": 1e-4, "min_lr": 1e-3}}) == ["optimizer.min_lr"]
+    with pytest.raises(ValueError, match="train.optimizer.warmup_steps .10. must be below .* train.max_steps .10."):
+        TrainConfig.model_validate({"max_steps": 10, "optimizer": {"warmup_steps": 10}})
+    assert _error_locs({"zero": 2}) == ["zero"]  # extra fields are refused
+    assert _error_locs({"zero_stage": 2}) == ["zero_stage"]  # an old flat field is not silently dropped
+    assert _error_locs({"engine": {"zero_stage": 4}}) == ["engine.zero_stage"]
+    assert _error_locs({"engine": {"precision": "fp16"}}) == ["engine.precision"]
+    assert _error_locs({"checkpoint": {"every": 0}, "batch": {"grad_accum": 0}}) == ["batch.grad_accum", "checkpoint.every"]
 
 
 def test_lr_schedule_warmup_cosine_then_flat():
-    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=50, decay_steps=100)
+    cfg = TrainConfig.model_validate({"max_steps": 50, "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10,
+                                                                     "decay_steps": 100}})
     lrs = [cfg.lr_at(s) for s in range(120)]
     assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)
     assert lrs[10] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
@@ -80,16 +104,43 @@ def test_lr_schedule_warmup_cosine_then_flat():
 
 
 def test_run_key_leaves_out_where_the_run_stops():
-    longer = CFG.model_copy(update={"max_steps": 40, "checkpoint_every": 5, "log_every": 1, "master_port": 29999})
+    longer = with_(CFG, max_steps=40, **{"checkpoint.every": 5, "logging.every": 1, "launch.master_port": 29999})
     assert longer.run_key() == CFG.run_key()
-    assert CFG.model_copy(update={"lr": 1e-3}).run_key() != CFG.run_key()
+    assert with_(CFG, **{"optimizer.lr": 1e-3}).run_key() != CFG.run_key()
     # without an explicit horizon the cosine follows max_steps, so a longer run is a different run
     plain = TrainConfig(max_steps=30)
-    assert plain.model_copy(update={"max_steps": 40}).run_key() != plain.run_key()
+    assert with_(plain, max_steps=40).run_key() != plain.run_key()
+    assert plain.run_key()["optimizer"]["decay_steps"] == 30 == with_(plain, **{"optimizer.decay_steps": 30}).run_key()["optimizer"]["decay_steps"]
+
+
+def test_run_key_ignores_operational_sections_and_follows_the_others():
+    from lifecycle.tasks.train.config import Section, is_operational
+
+    fields = TrainConfig.model_fields
+    operational = {name for name, f in fields.items() if is_operational(f)}
+    assert operational == {"checkpoint", "logging", "launch", "max_steps", "max_epochs", "init_from"}
+    assert set(CFG.run_key()) == set(fields) - operational
+    # every field of an operational section may change without changing the run
+    changed = {"checkpoint.every": 7, "checkpoint.keep_last": 9, "checkpoint.async_save": False,
+               "logging.every": 3, "logging.eval_every": 0, "logging.eval_batches": 9, "logging.peak_flops_per_rank": 1e12,
+               "launch.hostfile": "hosts", "launch.num_nodes": 1, "launch.master_addr": "10.0.0.1",
+               "launch.master_port": 29999, "launch.launcher": "slurm", "launch.threads_per_rank": 4,
+               "launch.prefetch": 0, "launch.timeout_s": 5.0, "max_epochs": 1.0, "init_from": "champion"}
+    assert set(changed) >= {f"{s}.{n}" for s in ("checkpoint", "logging", "launch") for n in
+                            type(getattr(CFG, s)).model_fields if n not in ("include", "exclude")}
+    assert with_(CFG, **changed).run_key() == CFG.run_key()
+    # every field of every other section is in the key
+    for name, f in fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, Section) and name not in operational:
+            assert set(CFG.run_key()[name]) == set(f.annotation.model_fields), name
+    for change in ({"optimizer.weight_decay": 0.0}, {"optimizer.betas": (0.9, 0.99)}, {"optimizer.grad_clip": 0.5},
+                   {"batch.grad_accum": 2}, {"engine.zero_stage": 3}, {"guard.spike_factor": None}, {"seed": 1},
+                   {"model.n_layer": 3}):
+        assert with_(CFG, **change).run_key() != CFG.run_key(), change
 
 
 def test_ds_config_follows_train_config():
-    c = ds_config(CFG.model_copy(update={"grad_accum": 3, "zero_stage": 3, "precision": "bf16"}))
+    c = ds_config(with_(CFG, **{"batch.grad_accum": 3, "engine.zero_stage": 3, "engine.precision": "bf16"}))
     assert c["train_batch_size"] == 8 * 3 * 2 and c["gradient_accumulation_steps"] == 3
     assert c["zero_optimization"]["stage"] == 3 and c["bf16"]["enabled"] and "fp16" not in c
 
@@ -128,7 +179,7 @@ def test_model_size_auto_sizes_from_train_tokens_and_warns_on_repeats():
     from lifecycle.tasks.train.sizing import non_embedding_params
     from lifecycle.tasks.train.launch import RepeatedDataWarning, resolve_model
 
-    cfg = TrainConfig(model_size="auto", max_steps=100, micro_batch_size=8, num_ranks=2,
+    cfg = TrainConfig(model_size="auto", max_steps=100, batch={"micro_batch_size": 8, "num_ranks": 2},
                       model=ModelConfig(seq_len=128, norm="layernorm"))
     sized, info = resolve_model(cfg, vocab_size=4096, train_tokens=200_000_000)  # 200M tokens -> N = 10M
     assert abs(non_embedding_params(sized.model) / 1e7 - 1) < 0.1 and info["model_params"] == non_embedding_params(sized.model)
@@ -153,18 +204,18 @@ def test_hostfile_is_validated_and_selects_the_ranks(tmp_path):
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=2  # first\n\n# a comment\nnode2 slots=2\n")
-    multi = CFG.model_copy(update={"hostfile": str(hostfile), "num_ranks": 4, "master_addr": "10.0.0.1"})
+    multi = with_(CFG, **{"launch.hostfile": str(hostfile), "batch.num_ranks": 4, "launch.master_addr": "10.0.0.1"})
     args = launch_args(multi, 29500, tmp_path, threads=3)
     assert args == ["--hostfile", str(hostfile), "--master_port", "29500", "--launcher", "pdsh", "--master_addr", "10.0.0.1"]
     assert (tmp_path / ".deepspeed_env").read_text() == "DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=3\n"  # for the remote ranks
-    one = launch_args(multi.model_copy(update={"num_nodes": 1, "num_ranks": 2}), 29500, tmp_path, 1)
+    one = launch_args(with_(multi, **{"launch.num_nodes": 1, "batch.num_ranks": 2}), 29500, tmp_path, 1)
     assert one[-5:] == ["--master_addr", "10.0.0.1", "--no_ssh_check", "--num_nodes", "1"]
-    assert "--include" in launch_args(multi.model_copy(update={"include": "node2:0", "num_ranks": 1}), 1, tmp_path, 1)
-    launch_args(multi.model_copy(update={"exclude": "node1@node2:1", "num_ranks": 1}), 1, tmp_path, 1)
-    with pytest.raises(ValueError, match="gives 4 ranks .*num_ranks=2"):
-        launch_args(multi.model_copy(update={"num_ranks": 2}), 1, tmp_path, 1)
+    assert "--include" in launch_args(with_(multi, **{"launch.include": "node2:0", "batch.num_ranks": 1}), 1, tmp_path, 1)
+    launch_args(with_(multi, **{"launch.exclude": "node1@node2:1", "batch.num_ranks": 1}), 1, tmp_path, 1)
+    with pytest.raises(ValueError, match="gives 4 ranks .*train.batch.num_ranks=2"):
+        launch_args(with_(multi, **{"batch.num_ranks": 2}), 1, tmp_path, 1)
     with pytest.raises(ValueError, match="'node3' of 'node3' is not in hostfile"):
-        launch_args(multi.model_copy(update={"include": "node3"}), 1, tmp_path, 1)
+        launch_args(with_(multi, **{"launch.include": "node3"}), 1, tmp_path, 1)
     for bad, line in (("node1 slots=2\nnode2 slot=2\n", 2), ("node1 slots=2\nnode1 slots=1\n", 2),
                       ("# only\nnode1\n", 2), ("node1 slots=0\n", 1), ("node1 slots=2 node2\n", 1)):
         hostfile.write_text(bad)
@@ -174,11 +225,11 @@ def test_hostfile_is_validated_and_selects_the_ranks(tmp_path):
     with pytest.raises(ValueError, match="no '<host> slots=<ranks>' line"):
         launch_args(multi, 1, tmp_path, 1)
     with pytest.raises(ValueError, match="cannot read"):
-        launch_args(multi.model_copy(update={"hostfile": str(tmp_path / "missing")}), 1, tmp_path, 1)
-    with pytest.raises(ValueError, match="set train.hostfile"):
-        TrainConfig(num_nodes=2)
+        launch_args(with_(multi, **{"launch.hostfile": str(tmp_path / "missing")}), 1, tmp_path, 1)
+    with pytest.raises(ValueError, match="set train.launch.hostfile"):
+        TrainConfig(launch={"num_nodes": 2})
     with pytest.raises(ValueError, match="mutually exclusive"):
-        TrainConfig(hostfile="h", include="a", exclude="b")
+        TrainConfig(launch={"hostfile": "h", "include": "a", "exclude": "b"})
     assert launch_args(CFG, 29500, tmp_path, 1) == ["--num_gpus", "2", "--master_port", "29500"]
 
 
@@ -233,7 +284,7 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
 
     # a longer run in the same directory resumes from the committed step
     seen.clear()
-    longer = CFG.model_copy(update={"max_steps": 40})
+    longer = with_(CFG, max_steps=40)
     r2 = run_train(tokens, longer, workdir, on_metrics=seen.append)
     assert r2.launched and r2.resumed_from == 30 and r2.steps == 40 and r2.run_dir == r1.run_dir
     assert [(r["kind"], r["step"]) for r in seen] == [("train", 31), ("train", 35), ("train", 40), ("eval", 40)]
@@ -298,8 +349,9 @@ def test_deepspeed_zero3_through_a_hostfile_with_activation_checkpointing_resume
     a damaged final checkpoint falls back to the previous commit and the rerun reproduces it bit for bit."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# one host, two ranks\nlocalhost slots=2\n")
-    cfg = CFG.model_copy(update={"zero_stage": 3, "activation_checkpointing": True, "hostfile": str(hostfile),
-                                 "max_steps": 6, "checkpoint_every": 3, "log_every": 1, "eval_every": 0})
+    cfg = with_(CFG, max_steps=6, **{"engine.zero_stage": 3, "engine.activation_checkpointing": True,
+                                     "launch.hostfile": str(hostfile), "checkpoint.every": 3, "logging.every": 1,
+                                     "logging.eval_every": 0})
     r1 = run_train(tokens, cfg, str(tmp_path / "w"))
     assert r1.launched and r1.steps == 6
     launch = _launch_log(r1.log_path)
@@ -326,8 +378,8 @@ def test_deepspeed_zero3_through_a_hostfile_with_activation_checkpointing_resume
 
 
 def test_deepspeed_bf16_zero2_trains(tokens, tmp_path):
-    cfg = CFG.model_copy(update={"precision": "bf16", "grad_accum": 2, "max_steps": 12, "checkpoint_every": 12,
-                                 "log_every": 1, "eval_every": 0})
+    cfg = with_(CFG, max_steps=12, **{"engine.precision": "bf16", "batch.grad_accum": 2, "checkpoint.every": 12,
+                                      "logging.every": 1, "logging.eval_every": 0})
     r = run_train(tokens, cfg, str(tmp_path))
     losses = [r["loss"] for r in _records(r.metrics_path, "train")]
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
@@ -337,18 +389,18 @@ def test_deepspeed_bf16_zero2_trains(tokens, tmp_path):
 
 
 def test_accelerator_picks_device_and_backend(monkeypatch):
-    """`train.accelerator`: cpu -> gloo on the CPU; cuda -> this rank's GPU (LOCAL_RANK) and NCCL, or a clear
+    """`train.engine.accelerator`: cpu -> gloo on the CPU; cuda -> this rank's GPU (LOCAL_RANK) and NCCL, or a clear
     error naming the field on a host where torch sees no GPU. The launcher's environment follows the field."""
     from lifecycle.tasks.train import trainer as train_loop
     from lifecycle.tasks.train.launch import launch_args
 
     assert train_loop.select_device(CFG) == (torch.device("cpu"), "gloo")
-    cuda = CFG.model_copy(update={"accelerator": "cuda"})
+    cuda = with_(CFG, **{"engine.accelerator": "cuda"})
     if torch.cuda.is_available():
         monkeypatch.setenv("LOCAL_RANK", "0")
         assert train_loop.select_device(cuda) == (torch.device("cuda", 0), "nccl")
     else:
-        with pytest.raises(RuntimeError, match="train.accelerator=cuda, but torch sees no CUDA device"):
+        with pytest.raises(RuntimeError, match="train.engine.accelerator=cuda, but torch sees no CUDA device"):
             train_loop.select_device(cuda)
-    train_loop.select_device(CFG)
-    assert launch_args(cuda, 29500, Path("/tmp"), 1) == ["--num_gpus", str(CFG.num_ranks), "--master_port", "29500"]
+    assert not hasattr(train_loop, "DEVICE")  # the device is the Trainer's attribute, not module state
+    assert launch_args(cuda, 29500, Path("/tmp"), 1) == ["--num_gpus", str(CFG.batch.num_ranks), "--master_port", "29500"]

@@ -1,0 +1,146 @@
+"""The sync and async checkpointers are interchangeable: on one tiny DeepSpeed engine (a single CPU rank in this
+process) they write the same files (the consolidated weights byte for byte, DeepSpeed's state files with the same
+contents) and the same commit markers, prune alike, and each restores the other's checkpoints."""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from lifecycle.core.dataset import sha256_file
+from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train.checkpointer import AsyncCheckpointer, SyncCheckpointer, make_checkpointer
+from lifecycle.tasks.train.config import CheckpointConfig, ModelConfig, TrainConfig
+from lifecycle.tasks.train.model import GPT
+
+TINY = ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, seq_len=16)
+CFG = TrainConfig(model=TINY, batch={"micro_batch_size": 2, "num_ranks": 1}, engine={"zero_stage": 2})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A ZeRO-2 engine over one gloo rank, trained a few steps so that its optimizer state is not empty."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from lifecycle.tasks.train.trainer import ds_config, stub_muon
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    stub_muon()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=ds_config(CFG))
+    for _ in range(2):
+        step(engine)
+    yield engine
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def step(engine) -> None:
+    x = torch.randint(0, 64, (2, 16))
+    _, loss = engine(x, x)
+    engine.backward(loss)
+    engine.step()
+
+
+def save_three(checkpointer, root: Path) -> dict[int, dict]:
+    """Commits at steps 1, 2, 3 (keep_last=2), the same state each time; returns the markers left."""
+    for s in (1, 2, 3):
+        checkpointer.save(s, {"step": s, "sampler": {"next_step": s}}, TINY, {"loss": 0.5, "fingerprint": "f"},
+                          wait=s == 3)
+        checkpointer.poll()
+    checkpointer.close()
+    return {s: ckpt.read_marker(p) for s, p in ckpt.list_committed(root)}
+
+
+def files(tag_dir: Path) -> dict[str, str]:
+    return {p.relative_to(tag_dir).as_posix(): sha256_file(p) for p in sorted(tag_dir.rglob("*")) if p.is_file()}
+
+
+def assert_same_state(x, y, path: str = "") -> None:
+    """Equal values, tensor by tensor (dtype, shape, elements); objects without an __eq__ by their attributes."""
+    assert type(x) is type(y), path
+    if isinstance(x, torch.Tensor):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), path
+    elif isinstance(x, dict):
+        assert list(x) == list(y), path
+        for k in x:
+            assert_same_state(x[k], y[k], f"{path}/{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), path
+        for i, (u, v) in enumerate(zip(x, y)):
+            assert_same_state(u, v, f"{path}[{i}]")
+    elif type(x).__eq__ is object.__eq__ and hasattr(x, "__dict__"):
+        assert_same_state(vars(x), vars(y), path)
+    else:
+        assert x == y, path
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_sync_and_async_write_the_same_checkpoints_and_restore_each_other(engine, tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt.time, "strftime", lambda *a: "2026-01-01T00:00:00Z")  # the marker's only clock field
+    sync_root, async_root = tmp_path / "sync", tmp_path / "async"
+    sync = make_checkpointer(CheckpointConfig(async_save=False, keep_last=2), engine, sync_root, log=lambda m: None)
+    assert type(sync) is SyncCheckpointer
+    sync_markers = save_three(sync, sync_root)  # first: the async one swaps the engine's checkpoint engine
+    base_engine = engine.checkpoint_engine
+    asyn = make_checkpointer(CheckpointConfig(async_save=True, keep_last=2), engine, async_root, log=lambda m: None)
+    assert type(asyn) is AsyncCheckpointer and engine.checkpoint_engine is not base_engine
+    async_markers = save_three(asyn, async_root)
+    assert engine.checkpoint_engine is base_engine  # close() gives the engine its own checkpoint engine back
+
+    assert sorted(sync_markers) == sorted(async_markers) == [2, 3]  # both pruned step 1
+    for s in (2, 3):
+        a, b = sync_root / ckpt.tag_name(s), async_root / ckpt.tag_name(s)
+        assert ckpt.verify(a) is None and ckpt.verify(b) is None
+        fa, fb = files(a), files(b)
+        assert sorted(fa) == sorted(fb)  # the same files
+        for name in (ckpt.WEIGHTS, ckpt.MODEL_CONFIG):  # what evaluate and export read: byte for byte
+            assert fa[name] == fb[name]
+        # DeepSpeed's pickles: torch.save through the persist process's writer names the zip archive `archive/`
+        # and gives each tensor its own storage, so their bytes differ; what they load as does not
+        for name in fa:
+            if name.endswith(".pt"):
+                assert_same_state(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False))
+        ma, mb = (sync_markers[s], async_markers[s])
+        assert [f["path"] for f in ma["files"]] == [f["path"] for f in mb["files"]]
+        assert {k: v for k, v in ma.items() if k != "files"} == {k: v for k, v in mb.items() if k != "files"}
+        same = {f["path"] for f in ma["files"]} - {n for n in fa if n.endswith(".pt")}
+        assert [f for f in ma["files"] if f["path"] in same] == [f for f in mb["files"] if f["path"] in same]
+    names = {f["path"] for f in sync_markers[3]["files"]}
+    assert {"model.safetensors", "model_config.json", "mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt"} <= names
+    assert sync_markers[3]["loss"] == 0.5 and sync_markers[3]["fingerprint"] == "f"
+
+    # each restores what the other wrote: the weights saved at step 3, and the client_state
+    saved = weights(engine)
+    for root, kind in ((async_root, SyncCheckpointer), (sync_root, AsyncCheckpointer)):
+        step(engine)  # move away from the saved weights
+        assert any(not torch.equal(saved[k], v) for k, v in weights(engine).items())
+        reader = kind(engine, root, keep_last=2, log=lambda m: None)
+        try:
+            tag_dir, state = reader.restore(max_step=10)
+            assert tag_dir == root / ckpt.tag_name(3) and state["step"] == 3 and state["sampler"] == {"next_step": 3}
+            assert all(torch.equal(saved[k], v) for k, v in weights(engine).items())
+            assert reader.restore(max_step=2)[1]["step"] == 2  # max_step: the newest commit at or below it
+        finally:
+            reader.close()
+    empty = SyncCheckpointer(engine, tmp_path / "none", keep_last=2)
+    assert empty.restore() is None
