@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lifecycle.core.procs import free_port
+
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of process `pid` so far (its /proc stat; the process is alive, not a waited child)."""
@@ -35,16 +37,12 @@ def _cpu_seconds(pid: int) -> float:
 
 def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15, batch: int = 2,
          accelerator: str = "cpu", precision: str = "fp32") -> dict:
-    import socket
-
+    
     os.environ["DS_ACCELERATOR"] = accelerator  # before deepspeed is imported
 
     load_before = os.getloadavg()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0"})
     import deepspeed
     import torch

@@ -11,19 +11,17 @@ so load from other users of the machine hits them alike. Goal: ZeRO-0 >= 0.9x th
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
+
+from lifecycle.core.procs import free_port
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def main(steps: int = 20, rounds: int = 3) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0"})
     import deepspeed
     import torch
