@@ -9,7 +9,7 @@ from prefect.client.schemas.schedules import CronSchedule
 
 from lifecycle.flows.pipeline import lifecycle_flow
 from lifecycle.config import STAGES, load_config, validate_config
-from lifecycle.core.paths import is_url
+from lifecycle.core.fs import is_remote
 from tests.conftest import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -25,7 +25,7 @@ def test_shipped_config_validates_and_its_inputs_exist(path):
     cfg = load_config(path)  # raises ConfigError naming the file and the field if any value is invalid
     assert cfg.filter.rules, f"{path.name}: no filter rule listed"
     for pattern in cfg.collect.inputs:  # each config runs as shipped, from the repository root
-        assert is_url(pattern) or list(ROOT.glob(pattern)), f"{path.name}: collect.inputs {pattern!r} matches nothing"
+        assert is_remote(pattern) or list(ROOT.glob(pattern)), f"{path.name}: collect.inputs {pattern!r} matches nothing"
 
 
 def test_compose_services_postgres_for_both_and_loopback_ports():

@@ -92,7 +92,7 @@ def test_an_edit_rebuilds_its_stage_and_the_ones_after_it_only(source_copy, inpu
     assert run_data_stages(inputs, wd) == {s: (p, True) for s, (p, _) in first.items()}  # nothing changed
 
     # a helper module of the filter stage (not its stage.py): the folder is the unit
-    append_comment(source_copy, "tasks/data/filter/quality_rules.py", 1)
+    append_comment(source_copy, "tasks/data/filter/gopher_quality.py", 1)
     second = run_data_stages(inputs, wd)
     assert second["collect"] == (first["collect"][0], True)
     for s in ("filter", "dedup", "scrub", "tokenize"):
