@@ -6,7 +6,6 @@ Each stage returns a small reference (a `DatasetRef`, or the train stage's `Trai
 Every stage is logged to its own nested MLflow run under one parent run per flow run (`lineage.tracking`).
 """
 
-from __future__ import annotations
 
 import json
 import tempfile
@@ -28,6 +27,8 @@ from lifecycle.tasks.eval.evaluate.stage import check_contamination, examples_of
 from lifecycle.tasks.stages import CHECKPOINT, COLLECT, DEDUP, EVALUATE, FILTER, SCRUB, TOKENIZE, TRAIN
 
 
+# No `from __future__ import annotations` in this module: Prefect builds the flow's parameter model from the
+# annotations, and a served deployment cannot resolve `PipelineConfig` from a string.
 @flow(name="lifecycle", log_prints=True)
 def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
     cfg = config
