@@ -86,7 +86,7 @@ def child(parent, sigs, wd: str, limit: str, mode: str) -> dict:
 
 
 def main(sizes: list[int], limit: str = "96MB") -> list[dict]:
-    from lifecycle.core.dataset import run_plan
+    from lifecycle.core.shards import run_plan
     from lifecycle.tasks.data.collect.stage import CollectConfig, run_collect
     from lifecycle.tasks.data.dedup.stage import DedupConfig, plan_signatures
 

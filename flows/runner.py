@@ -21,8 +21,10 @@ from prefect.utilities.annotations import unmapped
 from pydantic import BaseModel
 
 from lifecycle.config import ConfigError, OrchestrationConfig
-from lifecycle.core.dataset import (SHARD_MARKER, AccountingError, DatasetDamaged, StagePlan, StageStats, commit_plan,
-                                    run_shard)
+from lifecycle.core.dataset import (
+    AccountingError, DatasetDamaged, StageStats,
+)
+from lifecycle.core.shards import SHARD_MARKER, StagePlan, commit_plan, run_shard
 from lifecycle.tasks.data.collect.stage import InputError
 from lifecycle.tasks.eval.evaluate.stage import ContaminationError
 
@@ -67,7 +69,7 @@ def stage_task(
 
 
 def shard_task(stage: str, orchestration: OrchestrationConfig, retries: int):
-    """One shard of a sharded stage (`lifecycle.core.dataset.run_shard`). Not cached by Prefect: the shard's
+    """One shard of a sharded stage (`lifecycle.core.shards.run_shard`). Not cached by Prefect: the shard's
     published directory is its result, so a retry or a rerun after a crash skips finished shards."""
     return task(
         run_shard,

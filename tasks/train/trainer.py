@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.core.fs import atomic_write_json
-from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train.checkpointer import make_checkpointer
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT

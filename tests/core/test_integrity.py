@@ -12,8 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lifecycle.core.dataset import (DAMAGED_DIR, MANIFEST, DatasetDamaged, DatasetRef, StageStats, materialize,
-                                    read_parquet, run_plan, verify_dataset)
+from lifecycle.core.dataset import (
+
+    DAMAGED_DIR, MANIFEST, DatasetDamaged, DatasetRef, StageStats, materialize, read_parquet, verify_dataset,
+
+)
+
+from lifecycle.core.shards import run_plan
 from lifecycle.tasks.data.collect.stage import CollectConfig, plan_collect, resolve_inputs
 from lifecycle.tasks.data.scrub.stage import ScrubConfig, plan_scrub
 from tests.core.test_shards import write_inputs

@@ -19,7 +19,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from lifecycle.core.dataset import SHARD_MARKER, StageStats, commit_plan, plan_stage, run_plan, run_shard
+from lifecycle.core.dataset import StageStats
+
+from lifecycle.core.shards import SHARD_MARKER, commit_plan, plan_stage, run_plan, run_shard
 from lifecycle.tasks.data.collect.stage import CollectConfig, plan_collect, resolve_inputs, shard_inputs
 from lifecycle.tasks.data.filter.stage import FilterConfig, plan_filter
 from tests.conftest import ROOT, corpus_records, last_json, lifecycle, make_collect

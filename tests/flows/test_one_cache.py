@@ -20,7 +20,7 @@ import pytest
 
 from lifecycle.config import load_config
 from lifecycle.core import code
-from lifecycle.core.dataset import run_plan
+from lifecycle.core.shards import run_plan
 from lifecycle.tasks.data.collect.stage import resolve_inputs
 from lifecycle.tasks.stages import BY_NAME, DATA_STAGES
 from tests.conftest import ROOT, corpus_records

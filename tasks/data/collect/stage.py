@@ -45,8 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DOC_SCHEMA, DatasetRef, RawFile, StagePlan, StageStats, plan_stage, rejected_table, run_plan,
+    DOC_SCHEMA, DatasetRef, RawFile, StageStats, rejected_table,
 )
+from lifecycle.core.shards import StagePlan, plan_stage, run_plan
 from lifecycle.core.fs import atomic_write_bytes
 from lifecycle.core.fs import is_remote
 from lifecycle.core.paths import confine_matches

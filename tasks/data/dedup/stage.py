@@ -59,8 +59,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DatasetRef, DatasetWriter, StagePlan, StageStats, materialize, plan_per_file, read_parquet, rejected_table, run_plan, sha256_json,
+    DatasetRef, DatasetWriter, StageStats, materialize, read_parquet, rejected_table, sha256_json,
 )
+from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.tasks.data.dedup import minhash as minhash_module
 

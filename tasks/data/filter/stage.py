@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DatasetRef, StageStats, StagePlan, map_tables, plan_per_file, rejected_table, run_plan,
+    DatasetRef, StageStats, rejected_table,
 )
+from lifecycle.core.shards import StagePlan, map_tables, plan_per_file, run_plan
 from lifecycle.tasks.data.filter.c4 import C4Config
 from lifecycle.tasks.data.filter.fineweb import FineWebConfig
 from lifecycle.tasks.data.filter.gopher_quality import GopherQualityConfig

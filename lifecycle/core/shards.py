@@ -1,0 +1,170 @@
+"""Sharded stages: plan -> `run_shard` for each shard (in parallel, on any worker that shares the work dir)
+-> `commit_plan`. Built on the dataset store (`lifecycle.core.dataset`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+
+from lifecycle.core.dataset import DatasetRef, DatasetWriter, RawFile, StageStats, _FileWriter, dataset_dir, find_committed, fingerprint, read_parquet
+from lifecycle.core.fs import atomic_write_json, fsync_path
+
+
+
+SHARD_MARKER = "_shard.json"
+
+
+class StagePlan(BaseModel):
+    """A sharded stage, planned and not yet committed. The flow maps `run_shard(plan, i)` over the shards
+    (on Dask workers, which may be other processes or machines sharing the work dir), then `commit_plan`.
+
+    Shards are built in `.building-<fp>/shard-NNNNN/`, each published by an atomic rename after its
+    `_shard.json` (entries with sha256, stats) is fsynced. A killed run leaves finished shards behind; the
+    rerun plans the same fingerprint and builds only the shards that have no marker. Shard outputs are a
+    pure function of (config, code, shard inputs), so the committed dataset is byte-identical either way.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    stage: str
+    workdir: str
+    fingerprint: str
+    code: str
+    config: Any
+    shard_fn: str  # "module:function", called as fn(config, items, writer: ShardWriter) -> StageStats
+    shards: list[list[str]]
+    parents: list[DatasetRef] = []
+    inputs: list[RawFile] = []
+
+    @property
+    def building(self) -> Path:
+        d = dataset_dir(self.workdir, self.stage, self.fingerprint)
+        return d.with_name(f".building-{d.name}")
+
+    def shard_dir(self, index: int) -> Path:
+        return self.building / f"shard-{index:05d}"
+
+    def done_shards(self) -> list[int]:
+        return [i for i in range(len(self.shards)) if (self.shard_dir(i) / SHARD_MARKER).exists()]
+
+
+class ShardWriter(_FileWriter):
+    """Writes one shard into a private directory; `finish` publishes it with one rename."""
+
+    def __init__(self, plan: StagePlan, index: int):
+        super().__init__()
+        self.index = index
+        self.final = plan.shard_dir(index)
+        self.tmp = plan.building / f".tmp-{self.final.name}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir(parents=True)
+
+    def finish(self, stats: StageStats) -> None:
+        atomic_write_json(self.tmp / SHARD_MARKER, {"index": self.index, "entries": self._entries,
+                                                    "stats": stats.to_dict()})
+        fsync_path(self.tmp)
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError:  # a twin attempt (a retry after a timeout) published it first
+            if not (self.final / SHARD_MARKER).exists():
+                raise
+            shutil.rmtree(self.tmp)
+        fsync_path(self.final.parent)
+
+
+def plan_stage(
+    workdir: str | Path,
+    stage: str,
+    config: Any,
+    code: str,
+    shard_fn: Callable,
+    shards: list[list[str]],
+    parents: Iterable[DatasetRef] = (),
+    inputs: Iterable[RawFile] = (),
+) -> StagePlan | DatasetRef:
+    """The committed dataset if there is one, else the plan to build it (leftover temporary shard
+    directories of a killed run are removed; finished shards are kept)."""
+    parents, inputs = list(parents), list(inputs)
+    fp = fingerprint(stage, config, code, parents, inputs)
+    done = find_committed(workdir, stage, fp)
+    if done is not None:
+        return done
+    plan = StagePlan(stage=stage, workdir=str(workdir), fingerprint=fp, code=code, config=config,
+                     shard_fn=f"{shard_fn.__module__}:{shard_fn.__qualname__}", shards=shards,
+                     parents=parents, inputs=inputs)
+    plan.building.mkdir(parents=True, exist_ok=True)
+    for stale in plan.building.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return plan
+
+
+def run_shard(plan: StagePlan, index: int) -> dict:
+    """Build shard `index` of `plan` unless a finished copy exists. Idempotent; safe to retry."""
+    if (plan.shard_dir(index) / SHARD_MARKER).exists():
+        return {"index": index, "reused": True}
+    module, _, name = plan.shard_fn.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    writer = ShardWriter(plan, index)
+    try:
+        stats = fn(plan.config, plan.shards[index], writer)
+        writer.finish(stats)
+    except BaseException:
+        writer.abort()
+        raise
+    return {"index": index, "reused": False, "rows_in": stats.rows_in, "rows_kept": stats.rows_kept}
+
+
+def commit_plan(plan: StagePlan) -> DatasetRef:
+    """Merge every shard's entries and stats (in shard order) into one manifest and commit the dataset."""
+    done = find_committed(plan.workdir, plan.stage, plan.fingerprint)
+    if done is not None:
+        return done
+    missing = sorted(set(range(len(plan.shards))) - set(plan.done_shards()))
+    if missing:
+        raise RuntimeError(f"{plan.stage}: cannot commit, shards {missing} of {len(plan.shards)} are not "
+                           f"finished in {plan.building}")
+    writer = DatasetWriter(plan.workdir, plan.stage, plan.fingerprint, tmp=plan.building)
+    stats = StageStats()
+    for i in range(len(plan.shards)):
+        marker = json.loads((plan.shard_dir(i) / SHARD_MARKER).read_text())
+        for kind, entries in marker["entries"].items():
+            writer._entries[kind] += [{**e, "path": f"{plan.shard_dir(i).name}/{e['path']}"} for e in entries]
+        stats = stats + StageStats.from_dict(marker["stats"])
+    return writer.commit(config=plan.config, code=plan.code, parents=plan.parents, inputs=plan.inputs,
+                         stats=stats, extra={"shards": len(plan.shards)})
+
+
+def run_plan(plan: StagePlan | DatasetRef) -> DatasetRef:
+    """Build every shard here, one after another, and commit (library use and tests; the flow maps the
+    shards over its task runner instead)."""
+    if isinstance(plan, DatasetRef):
+        return plan
+    for i in range(len(plan.shards)):
+        run_shard(plan, i)
+    return commit_plan(plan)
+
+
+def plan_per_file(workdir: str | Path, stage: str, config: Any, code: str, parent: DatasetRef,
+                  shard_fn: Callable) -> StagePlan | DatasetRef:
+    """A stage whose shard is one kept file of `parent`."""
+    return plan_stage(workdir, stage, config, code, shard_fn, [[str(p)] for p in parent.files()], parents=[parent])
+
+
+def map_tables(paths: list[str], writer: _FileWriter,
+               fn: Callable[[pa.Table], tuple[pa.Table, pa.Table, StageStats]]) -> StageStats:
+    """`fn(table) -> (kept, rejected, stats)` over each file, one file in memory at a time; one kept file out
+    per file in, rejected rows beside it."""
+    stats = StageStats()
+    for path in paths:
+        kept, rejected, part = fn(read_parquet(path))
+        writer.write_table(kept)
+        if rejected.num_rows:
+            writer.write_table(rejected, kind="rejected")
+        stats = stats + part
+    return stats
