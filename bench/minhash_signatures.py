@@ -55,7 +55,7 @@ def timed(fn, shingle_sets, cfg) -> tuple[float, list]:
 
 def cold_compile_seconds() -> tuple[float, float]:
     """(serial, parallel) seconds of the first call in a fresh process with an empty numba cache: JIT compile."""
-    code = ("import time; from tasks import minhash; t = [time.perf_counter()]\n"
+    code = ("import time; from lifecycle.tasks.data.dedup import minhash; t = [time.perf_counter()]\n"
             "for p in (False, True):\n    minhash.signatures(['a b c'], 5, 112, 1, parallel=p); t.append(time.perf_counter())\n"
             "print(t[1] - t[0], t[2] - t[1])")
     with tempfile.TemporaryDirectory() as cache:
