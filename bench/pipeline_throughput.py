@@ -55,8 +55,9 @@ from lifecycle.core.dataset import DatasetRef
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/test_dedup_quality.py imports its conftest as a top-level module
-from tests.test_dedup_quality import RATES, edit, jaccard  # noqa: E402
-from tests.test_scrub_eval import GENERATORS  # noqa: E402
+from tests.conftest import jaccard  # noqa: E402
+from tests.data.test_dedup_quality import RATES, edit  # noqa: E402
+from tests.data.test_scrub_eval import GENERATORS  # noqa: E402
 
 PAIRS_PER_RATE = 80
 PII_PER_KIND = 60
