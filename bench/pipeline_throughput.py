@@ -192,10 +192,12 @@ def run_ours(corpus: Path, wd: Path, workers: int) -> tuple[float, dict, dict]:
     if ours_has_workers_key():
         cmd += ["--set", f"orchestration.dask_workers={workers}"]
     proc, info = timed_run(cmd, "lifecycle run", cwd=ROOT)
-    lines = (proc.stdout + proc.stderr).splitlines()
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Prefect's timestamped lines are in the run's log file (the console shows one line per stage)
+    lines = Path(summary["log"]).read_text(errors="replace").splitlines() if summary.get("log") else []
+    lines += (proc.stdout + proc.stderr).splitlines()
     data_s = _log_time(lines, "[scrub] computed") - _log_time(lines, "Task run 'resolve-inputs")
     data_s += 86400 if data_s < 0 else 0
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
 
     def texts(stage: str) -> dict[str, str]:
         t = DatasetRef.from_dir(Path(summary["datasets"][stage]).parent).read(["source_id", "text"])
