@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import logging
 import os
 import sys
 import threading
@@ -57,12 +58,19 @@ class Capture:
         os.dup2(fd, 2)
         os.close(fd)
         self._closed = False
+        # the project's own warnings (a damaged dataset moved aside and rebuilt, a damaged checkpoint skipped)
+        # are for the user: they go to the terminal's stderr as well as the log
+        self._warnings = logging.StreamHandler(self.err)
+        self._warnings.setLevel(logging.WARNING)
+        self._warnings.setFormatter(logging.Formatter("lifecycle: warning: %(message)s"))
+        logging.getLogger("lifecycle").addHandler(self._warnings)
         atexit.register(self.close)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        logging.getLogger("lifecycle").removeHandler(self._warnings)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
