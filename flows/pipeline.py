@@ -79,8 +79,8 @@ def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
     return summary.model_dump()
 
 
-def funnel_metrics(ref: DatasetRef) -> dict[str, float]:
-    stats = ref.manifest().get("stats") or {}
+def funnel_metrics(stats: dict) -> dict[str, float]:
+    """MLflow metrics of a dataset's manifest `stats`."""
     out = {k: stats[k] for k in ("rows_in", "rows_kept", "rows_rejected", "bytes_in", "bytes_out") if k in stats}
     out.update({f"rejected.{k}": v for k, v in stats.get("rejected_by_reason", {}).items()})
     out.update({f"count.{k}": v for k, v in stats.get("counters", {}).items()})
@@ -98,13 +98,14 @@ class _Logger:
         getattr(self, f"_{stage.group}")(stage, value, outcome, extra, section)
 
     def _data(self, stage, ref: DatasetRef, outcome: str, extra: dict, section) -> None:
+        manifest = ref.manifest()
+        stats = manifest.get("stats") or None
         parents = [self.parents[p] for p in stage.parents if p in self.parents]
-        raw = [RawFile(**r) for r in ref.manifest()["inputs"]] if not stage.parents else []
+        raw = [RawFile(**r) for r in manifest["inputs"]] if not stage.parents else []
         self.tracker.log_stage(stage.name, section, outcome, inputs=parents, outputs=[ref], raw_inputs=raw,
-                               metrics={**funnel_metrics(ref), **extra})
+                               metrics={**funnel_metrics(stats or {}), **extra})
         self.parents[stage.name] = ref
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
-        stats = ref.manifest().get("stats") or None
         reporter().stage_done(stage.name, outcome, stats, "" if stats else f"{ref.num_rows:,} rows")
 
     def _train(self, stage, result, outcome: str, extra: dict, section) -> None:

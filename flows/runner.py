@@ -205,14 +205,13 @@ class StageRunner:
     **kw): a sharded stage is planned, its missing shards mapped over the shard runner (a Dask cluster) and
     committed; a single-task stage is one task. It returns the stage's output (a `DatasetRef`, or the train
     stage's `TrainResult`), or None once a stage at or after `until` has run, so the flow reads top to bottom.
-    Each stage's outcome and manifest go into `summary`; `on_done(stage, output, outcome, extra)` is called after
-    each stage (the flow logs it to MLflow there).
+    Each stage's outcome and manifest go into `summary`; `on_done(stage, output, outcome, extra, section)` is
+    called after each stage (the flow logs it to MLflow there).
     """
 
     def __init__(self, cfg, summary: RunSummary, until: str | None, on_done: Callable):
         self.cfg, self.summary, self.on_done = cfg, summary, on_done
         self.until = until
-        self.stopped = False
         self.shards = ShardRunner(cfg.orchestration)
         self.reporter = reporter()
 
@@ -220,11 +219,10 @@ class StageRunner:
         """Whether `stage` will run (it is not past `until`)."""
         from lifecycle.tasks.stages import NAMES
 
-        return not self.stopped and (self.until is None or NAMES.index(stage.name) <= NAMES.index(self.until))
+        return self.until is None or NAMES.index(stage.name) <= NAMES.index(self.until)
 
     def __call__(self, stage, *parents, config: Any = None, **kw) -> Any:
         if not self.wants(stage):
-            self.stopped = True
             return None
         if stage.group != "data":
             self.shards.close()  # the Dask cluster is not needed past the data stages
@@ -252,7 +250,6 @@ class StageRunner:
             self.summary.datasets[stage.name] = str(value.manifest_path)
         self.on_done(stage, value, outcome, extra, section)
         if self.until == stage.name:
-            self.stopped = True
             self.shards.close()
         return value
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import sys
 
-from lifecycle.config import DEFAULT_CONFIG, STAGES, ConfigError, load_config
+from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
+from lifecycle.tasks.stages import NAMES as STAGES
 
 
 def register(sub) -> None:

@@ -179,7 +179,6 @@ def _share_ephemeral_server() -> None:
     os.environ["PREFECT_API_URL"] = server.api_url
 
 
-
 def register(sub) -> None:
     from lifecycle.config import DEFAULT_CONFIG
 

@@ -25,7 +25,6 @@ from lifecycle.tasks.data.filter.stage import FilterConfig
 from lifecycle.tasks.data.scrub.stage import ScrubConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig
 from lifecycle.tasks.train.config import TrainConfig
-from lifecycle.tasks.stages import NAMES as STAGES  # noqa: F401  (the CLI's --until choices)
 
 DEFAULT_CONFIG = "deploy/configs/demo.yaml"
 
