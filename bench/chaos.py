@@ -1,0 +1,466 @@
+"""Chaos rounds: random faults during short `lifecycle run`s, each judged against an undisturbed run.
+
+`python -m bench.chaos [ROUNDS] [--seed S] [--faults a,b,...] [--keep DIR]` (default 50 rounds, all faults).
+
+First two undisturbed runs of the chaos config (the demo config, shortened by `OVERRIDES`) give the reference
+outputs and show which outputs are deterministic at all: a stage's dataset sha256 and row counts, the final
+checkpoint's `model.safetensors` sha256, and every summary metric the two runs agree on (a metric they disagree on,
+such as a throughput, is left out and listed). Then each round starts a fresh `lifecycle run --json` in its own
+work dir and injects one fault at a uniformly random moment of it:
+
+- `flow_sigkill`: SIGKILL of `lifecycle run` itself.        - `flow_sigterm`: SIGTERM of it (must end in 30 s).
+- `rank_sigkill`: SIGKILL of one training rank.             - `rank_sigstop`: SIGSTOP of one training rank.
+- `disk_full`: the work dir's file system (a tmpfs of its own; needs root) is filled to the last byte.
+- `byte_flip`: one byte flipped in a committed file (a dataset part or a checkpoint file, chosen at random).
+- `tracking_dead`: the run logs to an `mlflow server`, which is SIGKILLed.
+
+A round passes when it ends within its bound in one of two ways: the run completes with outputs identical to the
+reference, or it fails with a clear message (a final `lifecycle:` line, no traceback; a SIGKILLed flow has none
+to give) and a rerun with the fault removed (disk space freed, tracking server restarted) completes with
+identical outputs. After a byte flip the work dir is rerun and `lifecycle verify`ed even when the run completed,
+since the flip may have hit a file the run had already read. No process of the round may outlive it (checked
+10 s after its end: any process whose working directory is inside the round's directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "deploy" / "configs" / "demo.yaml"
+OVERRIDES = [f'collect.inputs=["{ROOT}/corpus/python-docs/*.jsonl.gz"]', "train.max_steps=30", "train.checkpoint.every=10", "train.optimizer.warmup_steps=5",
+             "evaluate.max_batches=10"]
+FAULTS = ("flow_sigkill", "flow_sigterm", "rank_sigkill", "rank_sigstop", "disk_full", "byte_flip", "tracking_dead")
+TMPFS_SIZE = "2g"
+PACKAGE_CONTENT = ("model.safetensors", "model_config.json", "tokenizer.json")
+
+
+def lifecycle_bin() -> str:
+    return str(Path(sys.executable).with_name("lifecycle"))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+class Run:
+    """One `lifecycle run --json` in `workdir`, started with its cwd in the round directory."""
+
+    def __init__(self, round_dir: Path, workdir: Path, extra: list[str]):
+        self.round_dir, self.workdir = round_dir, workdir
+        argv = [lifecycle_bin(), "run", str(CONFIG), "--json", "--set", f"workdir={workdir}"]
+        for kv in OVERRIDES + extra:
+            argv += ["--set", kv]
+        self.out = open(round_dir / f"run-{time.monotonic_ns()}.out", "w+")
+        self.err = open(Path(self.out.name).with_suffix(".err"), "w+")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(argv, cwd=round_dir, stdout=self.out, stderr=self.err,
+                                     stdin=subprocess.DEVNULL, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+    def wait(self, bound: float) -> tuple[int | None, float]:
+        """(exit code or None if it outlived `bound`, seconds it took)."""
+        try:
+            rc = self.proc.wait(timeout=max(0.0, bound - (time.monotonic() - self.t0)))
+        except subprocess.TimeoutExpired:
+            rc = None
+        return rc, time.monotonic() - self.t0
+
+    def summary(self) -> dict | None:
+        self.out.seek(0)
+        lines = [line for line in self.out.read().splitlines() if line.startswith("{")]
+        return json.loads(lines[-1]) if lines else None
+
+    def last_error_line(self) -> str:
+        """The run's own last `lifecycle:` line on stderr ('' if it printed none)."""
+        self.err.seek(0)
+        lines = [line.strip() for line in self.err.read().splitlines() if line.startswith("lifecycle:")]
+        return lines[-1] if lines else ""
+
+    def traceback(self) -> bool:
+        self.err.seek(0)
+        return "Traceback (most recent call last)" in self.err.read()
+
+
+def outputs(summary: dict | None) -> dict:
+    """What a completed run produced that an identical run must reproduce."""
+    if not summary or summary.get("status") != "completed":
+        return {}
+    out = {}
+    for stage, manifest in sorted(summary.get("datasets", {}).items()):
+        m = json.loads(Path(manifest).read_text())
+        if stage == "checkpoint":  # the packaged model: its lineage records work-dir paths and times; the content
+            out["dataset:checkpoint"] = [sha256(Path(manifest).parent / name) for name in PACKAGE_CONTENT]
+        else:
+            out[f"dataset:{stage}"] = (m["sha256"], m["num_rows"], m.get("num_rejected"))
+    if summary.get("checkpoint"):
+        out["weights"] = sha256(Path(summary["checkpoint"]) / "model.safetensors")
+    for k, v in sorted(summary.get("metrics", {}).items()):
+        out[f"metric:{k}"] = v
+    return json.loads(json.dumps(out))  # as reference.json holds them (tuples become lists)
+
+
+def compare(got: dict, ref: dict) -> list[str]:
+    return [k for k in ref if got.get(k) != ref[k]]
+
+
+# ------------------------------------------------------------------------------------------- processes
+
+def procs_under(directory: Path) -> list[int]:
+    """Live processes whose working directory lies inside `directory`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(d / "cwd")
+        except OSError:
+            continue
+        if cwd == str(directory) or cwd.startswith(f"{directory}/"):
+            found.append(int(d.name))
+    return found
+
+
+def ranks_of(workdir: Path) -> list[int]:
+    """Training ranks of a run in `workdir` (their cwd is the train run directory)."""
+    out = []
+    for pid in procs_under(workdir / "train"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"lifecycle.tasks.train.trainer" in cmd and b"deepspeed.launcher" not in cmd and b"bin/deepspeed" not in cmd:
+            out.append(pid)
+    return out
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+# ------------------------------------------------------------------------------------------- faults
+
+def committed_files(workdir: Path) -> list[Path]:
+    files = []
+    for manifest in workdir.glob("datasets/*/*/_manifest.json"):
+        try:
+            m = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        files += [manifest.parent / f["path"] for f in m.get("files", []) + m.get("rejected", [])
+                  if isinstance(f, dict) and "path" in f]
+    for marker in workdir.glob("train/*/checkpoints/step_*/COMMITTED.json"):
+        try:
+            m = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        files += [marker.parent / name for name in m.get("files", {})]
+    return [f for f in files if f.is_file() and f.stat().st_size > 0]
+
+
+def flip_byte(path: Path, rng: random.Random) -> str:
+    st = path.stat()
+    offset = rng.randrange(st.st_size)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # bit rot keeps the mtime
+    return f"{path.relative_to(path.parents[2])}@{offset}"
+
+
+def fill_disk(workdir: Path) -> Path:
+    filler = workdir.parent / "filler"
+    free = os.statvfs(workdir).f_bavail * os.statvfs(workdir).f_frsize
+    with open(filler, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, free)
+        except OSError:
+            pass
+        chunk = b"\0" * (1 << 20)
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:
+            pass
+    return filler
+
+
+class TrackingServer:
+    def __init__(self, round_dir: Path, port: int):
+        self.round_dir, self.port, self.proc = round_dir, port, None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        store = self.round_dir / "tracking"
+        store.mkdir(exist_ok=True)
+        argv = [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri",
+                f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination", str(store / "artifacts"),
+                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        self.proc = subprocess.Popen(argv, cwd=store, stdout=open(store / "server.log", "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        import urllib.request
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"mlflow server on {self.uri} did not start; see {store / 'server.log'}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------------------------------- rounds
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def inject(fault: str, run: Run, rng: random.Random, t_ref: float, train_window: tuple[float, float],
+           server: TrackingServer | None) -> str:
+    """Wait for the fault's moment and inject it; returns what was done ('' if the run ended first)."""
+    if fault in ("rank_sigkill", "rank_sigstop"):
+        lo, hi = train_window
+        at = rng.uniform(lo, hi)
+    elif fault == "byte_flip":
+        at = rng.uniform(0.1 * t_ref, t_ref)
+    else:
+        at = rng.uniform(0.05 * t_ref, 0.95 * t_ref)
+    while time.monotonic() - run.t0 < at:
+        if run.proc.poll() is not None:
+            return ""
+        time.sleep(0.05)
+    when = f"at {time.monotonic() - run.t0:.1f}s"
+    if fault == "flow_sigkill":
+        os.kill(run.proc.pid, signal.SIGKILL)
+        return f"SIGKILL flow {when}"
+    if fault == "flow_sigterm":
+        os.kill(run.proc.pid, signal.SIGTERM)
+        return f"SIGTERM flow {when}"
+    if fault in ("rank_sigkill", "rank_sigstop"):
+        while run.proc.poll() is None:  # the moment may fall between launches: wait for a rank
+            ranks = ranks_of(run.workdir)
+            if ranks:
+                pid = rng.choice(ranks)
+                os.kill(pid, signal.SIGKILL if fault == "rank_sigkill" else signal.SIGSTOP)
+                return f"{'SIGKILL' if fault == 'rank_sigkill' else 'SIGSTOP'} rank pid {pid} {when}"
+            time.sleep(0.05)
+        return ""
+    if fault == "disk_full":
+        filler = fill_disk(run.workdir)
+        return f"disk filled {when} ({filler.stat().st_size >> 20} MiB)"
+    if fault == "byte_flip":  # the moment may come before the first commit: flip the first committed file
+        files = committed_files(run.workdir)
+        while not files and run.proc.poll() is None:
+            time.sleep(0.05)
+            files = committed_files(run.workdir)
+        files = files or committed_files(run.workdir)
+        return f"flipped {flip_byte(rng.choice(files), rng)} {when}" if files else ""
+    if fault == "tracking_dead":
+        server.kill()
+        return f"tracking server killed {when}"
+    raise ValueError(fault)
+
+
+def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_ref: float,
+              train_window: tuple[float, float], bound: float) -> dict:
+    round_dir = base / f"round{i:03d}"
+    round_dir.mkdir()
+    mounted = False
+    if fault == "disk_full":
+        (round_dir / "fs").mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(round_dir / "fs")], check=True)
+        mounted = True
+        workdir = round_dir / "fs" / "work"
+    else:
+        workdir = round_dir / "work"
+    server, extra = None, []
+    if fault == "tracking_dead":
+        server = TrackingServer(round_dir, free_port())
+        server.start()
+        extra = [f"tracking.tracking_uri={server.uri}"]
+    rec = {"round": i, "fault": fault, "outcome": "FAIL", "problems": []}
+    try:
+        run = Run(round_dir, workdir, extra)
+        rec["injected"] = inject(fault, run, rng, t_ref, train_window, server)
+        rc, secs = run.wait(bound)
+        rec.update(rc=rc, seconds=round(secs, 1))
+        if rc is None:
+            rec["problems"].append(f"run still going after {bound:.0f}s (hang)")
+            signal_all([run.proc.pid] + procs_under(round_dir), signal.SIGKILL)
+            run.proc.wait()
+        if fault == "flow_sigterm" and rec["injected"] and rc is not None:
+            t_signal = float(rec["injected"].rsplit("at ", 1)[1].rstrip("s"))
+            if secs - t_signal > 30:
+                rec["problems"].append(f"SIGTERM took {secs - t_signal:.0f}s to end the run (bound 30s)")
+        rec["leftover"] = leftovers(round_dir, workdir)
+        if rec["leftover"]:
+            rec["problems"].append(f"processes outlived the run: {rec['leftover']}")
+        if rc == 0:
+            diff = compare(outputs(run.summary()), ref)
+            if diff:
+                rec["problems"].append(f"completed with different outputs: {diff}")
+            rec["ended"] = "completed"
+        elif rc is not None:
+            rec["ended"] = "failed"
+            rec["message"] = run.last_error_line()
+            if fault != "flow_sigkill" and (run.traceback() or not rec["message"].startswith("lifecycle")):
+                rec["problems"].append(f"unclear failure message: {rec['message']!r}")
+        # the fault is over: free the disk, restart the server, rerun where needed
+        (workdir.parent / "filler").unlink(missing_ok=True)
+        if server:
+            server.start()
+        if rc != 0 or fault == "byte_flip":
+            rerun = Run(round_dir, workdir, extra)
+            rrc, rsecs = rerun.wait(bound)
+            rec.update(rerun_rc=rrc, rerun_seconds=round(rsecs, 1))
+            if rrc != 0:
+                rec["problems"].append(f"rerun exit {rrc}: {rerun.last_error_line()!r}")
+                signal_all([rerun.proc.pid] + procs_under(round_dir), signal.SIGKILL)
+            else:
+                diff = compare(outputs(rerun.summary()), ref)
+                if diff:
+                    rec["problems"].append(f"rerun completed with different outputs: {diff}")
+            if fault == "byte_flip" and rrc == 0:
+                v = subprocess.run([lifecycle_bin(), "verify", "--workdir", str(workdir)], capture_output=True,
+                                   text=True, cwd=round_dir, timeout=bound)
+                if v.returncode != 0:
+                    rec["problems"].append(f"lifecycle verify after the rerun: exit {v.returncode}")
+        rec["outcome"] = "pass" if not rec["problems"] else "FAIL"
+    finally:
+        if server:
+            server.kill()
+        if mounted:
+            signal_all(procs_under(round_dir), signal.SIGKILL)
+            time.sleep(0.5)
+            subprocess.run(["umount", "-l", str(round_dir / "fs")], check=False)
+    return rec
+
+
+def leftovers(round_dir: Path, workdir: Path) -> list[str]:
+    """Processes still inside the round 10 s after its run ended (stopped ranks are resumed so they can die)."""
+    time.sleep(10)
+    pids = procs_under(round_dir)
+    names = []
+    for pid in pids:
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            names.append(f"{pid}:{argv0[-40:]}")
+        except OSError:
+            pass
+    signal_all(pids, signal.SIGCONT)
+    signal_all(pids, signal.SIGKILL)
+    return names
+
+
+def reference(base: Path) -> tuple[dict, float, tuple[float, float], list[str]]:
+    """Two undisturbed runs: the reference outputs, the run time, the training window, and the unstable keys."""
+    results = []
+    for name in ("ref1", "ref2"):
+        d = base / name
+        d.mkdir()
+        run = Run(d, d / "work", [])
+        first_rank = last_rank = None
+        while run.proc.poll() is None:
+            if ranks_of(d / "work"):
+                last_rank = time.monotonic() - run.t0
+                first_rank = first_rank if first_rank is not None else last_rank
+            time.sleep(0.1)
+        secs = time.monotonic() - run.t0
+        s = run.summary()
+        if run.proc.returncode != 0 or not s or first_rank is None:
+            raise RuntimeError(f"undisturbed run failed: {run.last_error_line()} (see {run.err.name})")
+        results.append((outputs(s), secs, (first_rank, last_rank)))
+    (a, t1, w1), (b, t2, _) = results
+    unstable = sorted(k for k in a if a[k] != b.get(k))
+    if any(not k.startswith("metric:") for k in unstable):
+        raise RuntimeError(f"two undisturbed runs disagree on {unstable}: outputs are not deterministic")
+    ref = {k: v for k, v in a.items() if k not in unstable}
+    return ref, max(t1, t2), w1, unstable
+
+
+def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep: str | None = None) -> dict:
+    rng = random.Random(seed)
+    if "disk_full" in faults and os.geteuid() != 0:
+        print("disk_full needs root (a tmpfs per round); left out")
+        faults = tuple(f for f in faults if f != "disk_full")
+    base = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="chaos-"))
+    base.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    saved = base / "reference.json"  # a kept directory's reference runs are reused by the next invocation
+    if saved.exists():
+        ref, t_ref, window, unstable = json.loads(saved.read_text())
+    else:
+        ref, t_ref, window, unstable = reference(base)
+        saved.write_text(json.dumps([ref, t_ref, window, unstable]))
+    bound = max(3 * t_ref, t_ref + 180)
+    print(f"reference: {t_ref:.0f}s per run, training {window[0]:.0f}-{window[1]:.0f}s, {len(ref)} outputs compared"
+          f"{'; left out as unstable between undisturbed runs: ' + ', '.join(unstable) if unstable else ''}; "
+          f"bound per run {bound:.0f}s", flush=True)
+    mix = [faults[i % len(faults)] for i in range(rounds)]
+    rng.shuffle(mix)
+    records = []
+    for i, fault in enumerate(mix, start=1):
+        rec = one_round(i, fault, base, rng, ref, t_ref, window, bound)
+        records.append(rec)
+        print(f"round {i:2d} {fault:<13} {rec['outcome']:<4} {rec.get('injected') or 'run ended before the fault'}; "
+              f"{rec.get('ended', 'hung')} in {rec.get('seconds')}s"
+              + (f", rerun {rec.get('rerun_rc')} in {rec.get('rerun_seconds')}s" if "rerun_rc" in rec else "")
+              + (f"; message: {rec['message']}" if rec.get("message") else "")
+              + (f"; PROBLEMS: {rec['problems']}" if rec["problems"] else ""), flush=True)
+        with open(base / "rounds.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    passed = sum(r["outcome"] == "pass" for r in records)
+    by_fault = {f: f"{sum(r['outcome'] == 'pass' for r in records if r['fault'] == f)}/{mix.count(f)}" for f in faults}
+    longest = max((r.get("seconds") or 0) + (r.get("rerun_seconds") or 0) for r in records) if records else 0
+    print(f"{passed}/{rounds} rounds passed ({', '.join(f'{k} {v}' for k, v in by_fault.items())}); "
+          f"longest round {longest:.0f}s (bound {bound:.0f}s per run); {time.monotonic() - t_start:.0f}s in all; "
+          f"records: {base / 'rounds.jsonl'}")
+    if not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return {"rounds": rounds, "passed": passed, "by_fault": by_fault}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    ap.add_argument("rounds", type=int, nargs="?", default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {','.join(FAULTS)}")
+    ap.add_argument("--keep", help="keep every round's work dir and logs here")
+    a = ap.parse_args()
+    bad = set(a.faults.split(",")) - set(FAULTS)
+    if bad:
+        ap.error(f"unknown fault(s) {sorted(bad)}; choose from {','.join(FAULTS)}")
+    sys.exit(0 if main(a.rounds, a.seed, tuple(a.faults.split(",")), a.keep)["passed"] == a.rounds else 1)
