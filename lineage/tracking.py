@@ -153,7 +153,7 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
-_HTTP_ENV_SET: set[str] = set()  # the MLFLOW_HTTP_* variables this process set itself (the user's are kept)
+_HTTP_ENV_SET: dict[str, str] = {}  # MLFLOW_HTTP_* variable -> the value this process set (the user's are kept)
 
 
 def bound_http_requests(cfg: TrackingConfig) -> None:
@@ -161,9 +161,8 @@ def bound_http_requests(cfg: TrackingConfig) -> None:
     for var, value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", cfg.http_timeout_s),
                        ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", cfg.http_retries),
                        ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", 1)):  # MLflow parses it as an int; sleeps 0, 2, 4 s
-        if var not in os.environ or var in _HTTP_ENV_SET:
-            os.environ[var] = str(value)
-            _HTTP_ENV_SET.add(var)
+        if var not in os.environ or os.environ[var] == _HTTP_ENV_SET.get(var):
+            os.environ[var] = _HTTP_ENV_SET[var] = str(value)
 
 
 def open_server(uri: str) -> None:

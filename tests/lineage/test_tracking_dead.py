@@ -68,7 +68,8 @@ def own_env(monkeypatch):
 
 @pytest.mark.parametrize("fault,cfg,bound_s", [
     ("SIGKILL", TrackingConfig(model_name="m"), 30),  # the defaults: connection refused, ~3 s
-    ("SIGSTOP", TrackingConfig(model_name="m", http_timeout_s=2, http_retries=1), 20),  # hung: (1 + 1) x 2 s + backoff
+    pytest.param("SIGSTOP", TrackingConfig(model_name="m", http_timeout_s=2, http_retries=1), 20,  # hung: 2 x 2 s + 2 s
+                 marks=pytest.mark.slow),
 ])
 def test_server_dying_mid_run_fails_within_seconds_naming_the_uri(server, tmp_path, fault, cfg, bound_s):
     proc, url = server
@@ -83,6 +84,7 @@ def test_server_dying_mid_run_fails_within_seconds_naming_the_uri(server, tmp_pa
     with pytest.raises(TrackingStoreError) as e:
         t.log_metrics("filter", {"rows_in": 10})
     took = time.monotonic() - t0
+    print(f"{fault}: failed after {took:.1f} s")
     assert took < bound_s, took
     msg = str(e.value)
     assert f"MLflow tracking server {url} stopped answering during the run" in msg and "\n" not in msg
@@ -123,5 +125,6 @@ def test_lifecycle_run_fails_within_seconds_when_its_tracking_server_dies(server
     os.killpg(proc.pid, signal.SIGKILL)
     t0 = time.monotonic()
     out, err = run.communicate(timeout=120)
+    print(f"lifecycle run failed {time.monotonic() - t0:.1f} s after the kill")
     assert run.returncode == 1 and time.monotonic() - t0 < 60, err[-3000:]
     assert f"MLflow tracking server {url} stopped answering" in err and "Traceback" not in err, err[-3000:]
