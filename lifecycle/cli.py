@@ -49,7 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
     except WorkdirBusy as e:
-        print(f"lifecycle: {e}", file=err)
+        print(f"lifecycle run: error: {e}", file=err)
         if args.json:
             print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}), file=out)
         return 3
@@ -57,8 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("lifecycle: interrupted" + (f"; log: {log}" if log else ""), file=err)
         return 130
     except Exception as e:  # the flow has logged the traceback; report and fail
-        print(f"lifecycle: run failed: {type(e).__name__}: {e}" + (f"\n  traceback and library logs: {log}" if log else ""),
-              file=err)
+        print(f"lifecycle run: run failed: {type(e).__name__}: {one_line(str(e))}"  # one line, as every error
+              + (f" (traceback and library logs: {log})" if log else ""), file=err)
         if args.json:
             print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}), file=out)
         return 1

@@ -295,6 +295,8 @@ def read_only_query(sql: str) -> None:
     refused before anything runs (and the connection itself can read only the catalog's files)."""
     import duckdb
 
+    if not duckdb.extract_statements(sql):
+        raise ValueError("no SQL statement given")
     for st in duckdb.extract_statements(sql):
         if st.type.name not in SQL_STATEMENTS:
             raise PermissionError(f"only SELECT queries are allowed, not {st.type.name}: {st.query.strip()[:80]!r}")

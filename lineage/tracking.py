@@ -166,8 +166,11 @@ def bound_http_requests(cfg: TrackingConfig) -> None:
 
 
 def open_server(uri: str) -> None:
-    """Before an audit command reads from a tracking server: bounded HTTP retries, and a server that does not
-    answer is one error naming it, within seconds. A no-op for other stores."""
+    """Before an audit command reads a tracking store: a SQLite file must exist (reading creates nothing); a
+    server gets bounded HTTP retries, and one that does not answer is one error naming it, within seconds."""
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        raise TrackingStoreError(f"--tracking-uri {uri}: no MLflow store at {db}")
     if uri.startswith(("http://", "https://")):
         bound_http_requests(TrackingConfig())
         check_store(uri, ".")

@@ -34,15 +34,19 @@ _guard = threading.Lock()
 
 
 def check_workdir(workdir: str | Path) -> None:
-    """A work dir must be a writable directory (or not exist yet, under a writable parent)."""
+    """A work dir must be a writable directory; one that does not exist yet is created."""
     wd = Path(workdir)
     if wd.exists() and not wd.is_dir():
         raise UsageError(f"work dir {wd} exists and is not a directory")
     existing = next(p for p in (wd, *wd.parents) if p.exists())
     if not existing.is_dir():
         raise UsageError(f"work dir {wd}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"work dir {wd}: {existing} is not writable")
+    try:
+        wd.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"work dir {wd}: cannot create it: {(e.strerror or str(e)).lower()}") from e
+    if not os.access(wd, os.W_OK | os.X_OK):
+        raise UsageError(f"work dir {wd} is not writable")
 
 
 @contextlib.contextmanager

@@ -126,6 +126,9 @@ def describe(plan: Plan, m: ModelConfig) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     tokens = args.tokens
+    for name in ("flops", "tokens"):
+        if getattr(args, name) is not None and not math.isfinite(getattr(args, name)):
+            raise UsageError(f"--{name} must be a finite number, got {getattr(args, name)}")
     try:
         if args.dataset:
             tokens = train_tokens_of(args.dataset)
