@@ -114,9 +114,9 @@ def up(workdir: str | Path, prefect_port: int = 4200, mlflow_port: int = 5000, t
     for name, entry in state.items():
         while not _healthy(entry["health"]):
             if not _alive(entry):
-                raise RuntimeError(f"{name} server exited during start-up; see {entry['log']}")
+                raise UsageError(f"{name} server exited during start-up; see {entry['log']}")
             if time.time() > deadline:
-                raise RuntimeError(f"{name} server not healthy after {timeout:.0f} s; see {entry['log']}")
+                raise UsageError(f"{name} server not healthy after {timeout:.0f} s; see {entry['log']}")
             time.sleep(0.5)
     return status(workdir)
 

@@ -130,9 +130,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lifecycle.core.dataset import committed_datasets, verify_dataset
-    from lifecycle.tasks.train import checkpoint as ckpt
-
     from lifecycle.core.errors import UsageError
+    from lifecycle.tasks.train import checkpoint as ckpt
 
     wd = Path(args.workdir)
     if not wd.is_dir():

@@ -9,9 +9,10 @@ path as source. Registering the model and the promotion policy live in `lineage.
 The store is checked before anything is logged (`check_store`): a local SQLite store must pass
 `PRAGMA quick_check` (a damaged one is refused, naming the file and the newest backup to restore), and a remote
 tracking server must answer `GET <uri>/health` within seconds. A server that dies mid-run fails the run within
-seconds too, naming its URI: MLflow's HTTP retries are bounded (`TrackingConfig.http_timeout_s`, `http_retries`)
-and the client's calls raise one `TrackingStoreError` on a connection failure (`GuardedClient`). Each completed run then keeps an online copy of a
-SQLite store (`backup_store`, SQLite's backup API) in `<workdir>/backups/mlflow-<time>.db`, the newest 3 kept.
+seconds too, naming its URI: MLflow's HTTP retries are bounded (`TrackingConfig.http_timeout_s`, `http_retries`),
+and a connection failure in any client call is one `TrackingStoreError` (`GuardedClient`). Each completed run then
+keeps an online copy of a SQLite store (`backup_store`, SQLite's backup API) in `<workdir>/backups/mlflow-<time>.db`,
+the newest 3 kept.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 class TrackingStoreError(UsageError, RuntimeError):
-    """The MLflow store is damaged or the tracking server does not answer: nothing is run."""
+    """The MLflow store is damaged, or the tracking server does not answer (before the run: nothing is run)."""
 
 
 def sqlite_path(uri: str) -> Path | None:
