@@ -16,6 +16,7 @@ from prefect.context import get_run_context
 
 from lifecycle.config import PipelineConfig
 from lifecycle.core.dataset import DatasetRef, RawFile
+from lifecycle.core.locking import workdir_lock
 from lifecycle.flows.runner import RunSummary, StageRunner, plain_task, reporter
 from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
@@ -31,9 +32,15 @@ from lifecycle.tasks.stages import CHECKPOINT, COLLECT, DEDUP, EVALUATE, FILTER,
 # annotations, and a served deployment cannot resolve `PipelineConfig` from a string.
 @flow(name="lifecycle", log_prints=True)
 def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
-    cfg = config
-    Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     flow_run = get_run_context().flow_run
+    # one run per work dir: a run `lifecycle serve` starts on its schedule refuses while a manual `lifecycle run`
+    # holds the work dir, and the other way round (`lifecycle run` holds it already in this process)
+    with workdir_lock(config.workdir, holder=f"flow run {flow_run.name} ({flow_run.id})", reentrant=True):
+        return _pipeline(config, until, flow_run)
+
+
+def _pipeline(cfg: PipelineConfig, until: str | None, flow_run) -> dict:
+    Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
     summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri, prefect_flow_run_id=str(flow_run.id))
     summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={

@@ -18,9 +18,9 @@ that duplicate anything kept before.
 from __future__ import annotations
 
 import os
-import sys
 
-from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
+from lifecycle.config import DEFAULT_CONFIG, load_config
+from lifecycle.core.errors import UsageError
 from lifecycle.tasks.stages import NAMES as STAGES
 
 
@@ -39,12 +39,8 @@ def register(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    try:
-        # scheduled runs are incremental unless --full (a later --set may still override it)
-        cfg = load_config(args.config, ([] if args.full else ["collect.incremental=true"]) + (args.set or []))
-    except ConfigError as e:
-        print(f"lifecycle: {e}", file=sys.stderr)
-        return 2
+    # scheduled runs are incremental unless --full (a later --set may still override it); a bad config is one line
+    cfg = load_config(args.config, ([] if args.full else ["collect.incremental=true"]) + (args.set or []))
     from lifecycle.flows import servers
 
     live = servers.active(cfg.workdir)
@@ -52,9 +48,8 @@ def cmd_serve(args) -> int:
         os.environ["PREFECT_API_URL"] = live["prefect_api"]
         os.environ["MLFLOW_TRACKING_URI"] = live["mlflow"]
     elif not os.environ.get("PREFECT_API_URL"):
-        print("lifecycle: serve needs a real Prefect server (the ephemeral one runs no scheduler): "
-              "start one with `lifecycle up`, or set PREFECT_API_URL", file=sys.stderr)
-        return 2
+        raise UsageError("serve needs a real Prefect server (the ephemeral one runs no scheduler): start one with "
+                         "`lifecycle up`, or set PREFECT_API_URL")
     os.environ.setdefault("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "30")
     ensure_zombie_automation()
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy

@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from lifecycle.core.errors import UsageError
 from lifecycle.core.procs import stop_group
 
 HOST = "127.0.0.1"
@@ -65,7 +66,10 @@ def commands(workdir: Path, prefect_port: int, mlflow_port: int) -> dict[str, tu
 
 def _read(workdir: Path) -> dict:
     f = state_dir(workdir) / "servers.json"
-    return json.loads(f.read_text()) if f.exists() else {}
+    try:
+        return json.loads(f.read_text()) if f.exists() else {}
+    except ValueError as e:  # damaged by hand or a full disk: say which file, and how to start over
+        raise UsageError(f"{f} is not valid JSON ({e}); stop the servers it named by hand and remove it") from e
 
 
 def _alive(entry: dict) -> bool:
@@ -98,7 +102,7 @@ def up(workdir: str | Path, prefect_port: int = 4200, mlflow_port: int = 5000, t
             continue  # already running for this work dir
         port = int(argv[argv.index("--port") + 1])
         if _port_in_use(port):
-            raise RuntimeError(f"{name}: port {port} on {HOST} is already in use; choose another with --{name}-port")
+            raise UsageError(f"{name}: port {port} on {HOST} is already in use; choose another with --{name}-port")
         log = open(sdir / f"{name}.log", "ab")
         proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=workdir)
@@ -110,9 +114,9 @@ def up(workdir: str | Path, prefect_port: int = 4200, mlflow_port: int = 5000, t
     for name, entry in state.items():
         while not _healthy(entry["health"]):
             if not _alive(entry):
-                raise RuntimeError(f"{name} server exited during start-up; see {entry['log']}")
+                raise UsageError(f"{name} server exited during start-up; see {entry['log']}")
             if time.time() > deadline:
-                raise RuntimeError(f"{name} server not healthy after {timeout:.0f} s; see {entry['log']}")
+                raise UsageError(f"{name} server not healthy after {timeout:.0f} s; see {entry['log']}")
             time.sleep(0.5)
     return status(workdir)
 

@@ -19,19 +19,15 @@ from lifecycle.tasks.stages import NAMES as STAGES
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config, args.set or [])
-    except ConfigError as e:
-        print(f"lifecycle: {e}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"status": "invalid_config", "error": str(e)}))
-        return 2
-    from lifecycle.core.locking import WorkdirBusy, workdir_lock
+    cfg = load_config(args.config, args.set or [])  # a ConfigError is one line and exit 2 (`main`)
+    from lifecycle.core.locking import WorkdirBusy, check_workdir, workdir_lock
+
+    check_workdir(cfg.workdir)
 
     t0 = time.time()
     out, err, log = sys.stdout, sys.stderr, None
     try:
-        with workdir_lock(cfg.workdir, wait=args.wait):
+        with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle run"):
             if not args.verbose:  # the libraries' chatter goes to the log file, before any of them is imported
                 from lifecycle.console import Capture, log_path_for
 
@@ -53,7 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
     except WorkdirBusy as e:
-        print(f"lifecycle: {e}", file=err)
+        print(f"lifecycle run: error: {e}", file=err)
         if args.json:
             print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}), file=out)
         return 3
@@ -61,8 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("lifecycle: interrupted" + (f"; log: {log}" if log else ""), file=err)
         return 130
     except Exception as e:  # the flow has logged the traceback; report and fail
-        print(f"lifecycle: run failed: {type(e).__name__}: {e}" + (f"\n  traceback and library logs: {log}" if log else ""),
-              file=err)
+        print(f"lifecycle run: run failed: {type(e).__name__}: {one_line(str(e))}"  # one line, as every error
+              + (f" (traceback and library logs: {log})" if log else ""), file=err)
         if args.json:
             print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}), file=out)
         return 1
@@ -134,12 +130,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lifecycle.core.dataset import committed_datasets, verify_dataset
+    from lifecycle.core.errors import UsageError
     from lifecycle.tasks.train import checkpoint as ckpt
 
     wd = Path(args.workdir)
     if not wd.is_dir():
-        print(f"lifecycle verify: --workdir {wd}: no such directory", file=sys.stderr)
-        return 2
+        raise UsageError(f"--workdir {wd}: no such directory")
     datasets, checkpoints = committed_datasets(wd), sorted(wd.glob("train/*/checkpoints"))
     damaged = [{"kind": "dataset", "path": str(d), "problems": p} for d in datasets if (p := verify_dataset(d))]
     n_ckpt = 0
@@ -167,17 +163,118 @@ def register_verify(sub) -> None:
     p.set_defaults(func=cmd_verify)
 
 
-def main(argv: list[str] | None = None) -> int:
+# --------------------------------------------------------------------------------------------------
+# errors: what a user can get wrong is one line and exit 2; anything else is a bug (exit 1, traceback with -v)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """A missing, unreadable or malformed file or argument (the library raising it names the file or field)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from lifecycle.core.errors import UsageError
+    from lifecycle.core.paths import PathEscape
+
+    return (UsageError, ConfigError, PathEscape, OSError, UnicodeError, json.JSONDecodeError, yaml.YAMLError,
+            ValidationError)
+
+
+def one_line(text: str) -> str:
+    """A multi-line message (a config with several invalid fields, a DuckDB error) as one line."""
+    lines = [" ".join(ln.split()) for ln in str(text).splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    head, rest = lines[0], lines[1:]
+    return head + (" " if head.endswith(":") else "; ") + "; ".join(rest) if rest else head
+
+
+def describe_error(e: BaseException) -> str:
+    """What went wrong, in one line, naming the file where the exception knows it."""
+    from lifecycle.core.errors import UsageError
+    from lifecycle.core.paths import PathEscape
+
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        what = f"{e.strerror.lower()} ({e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") + ")"
+    elif isinstance(e, UnicodeDecodeError):
+        what = f"not UTF-8 text: byte {e.object[e.start:e.start + 1].hex()} at offset {e.start}"
+    elif isinstance(e, (UsageError, ConfigError, PathEscape)):
+        what = str(e)
+    else:
+        what = f"{type(e).__name__}: {e}"
+    return one_line(what)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (`lifecycle run: error: ... (see lifecycle run --help)`), exit 2."""
+
+    def error(self, message: str):
+        line = f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)"
+        print(line, file=sys.stderr)
+        if self.json_errors:
+            print(json.dumps({"status": "usage_error", "error": line}))
+        sys.exit(2)
+
+    json_errors = False  # `--json` on the command line: an error is also a JSON line on stdout
+
+
+def _leaves(parser: argparse.ArgumentParser):
+    """The parser of each (sub)command that runs something."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield parser
+    for action in subs:
+        for child in dict.fromkeys(action.choices.values()):
+            yield from _leaves(child)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return _command_parser(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__.strip().splitlines()[0])
+    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="lifecycle", description=__doc__.strip().splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     register_run(sub)
     register_verify(sub)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    for leaf in _leaves(parser):
+        if "-v" not in leaf._option_string_actions:
+            leaf.add_argument("-v", "--verbose", action="store_true", help="on an error, show its traceback")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand that does not take them, not by `lifecycle`
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("lifecycle: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        expected = isinstance(e, user_errors())
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        prog = _command_parser(parser, args).prog
+        line = (f"{prog}: error: {describe_error(e)}" if expected else
+                f"{prog}: internal error: {describe_error(e)}" + ("" if args.verbose else
+                                                                  f" (a bug: `{prog} ... -v` shows the traceback)"))
+        print(line, file=sys.stderr)
+        if getattr(args, "json", False):
+            status = "invalid_config" if isinstance(e, ConfigError) else "error" if expected else "internal_error"
+            print(json.dumps({"status": status, "error": line}))
+        return 2 if expected else 1
 
 
 if __name__ == "__main__":

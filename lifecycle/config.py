@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import is_remote
 from lifecycle.core.paths import PathEscape, pattern_root, resolve_within
 from lifecycle.lineage.tracking import TrackingConfig
@@ -130,7 +131,7 @@ def _strings(obj, path: str = ""):
         yield path, obj
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A config that cannot be loaded or does not validate; the message names the field."""
 
 
@@ -145,6 +146,13 @@ def set_dotted(data: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """'line 2, column 5: expected ',' or ']', but got ':'' (PyYAML's own message spans several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else " ".join(problem.split())
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
@@ -152,7 +160,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     try:
         return key.strip(), yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: value is not valid YAML: {e}") from e
+        raise ConfigError(f"--set {key}: value is not valid YAML: {yaml_problem(e)}") from e
 
 
 def format_validation_error(err: ValidationError, origin: str) -> str:
@@ -174,8 +182,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"config file {path}: cannot read it: {(e.strerror or str(e)).lower()}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.object[e.start:e.start + 1].hex()} at "
+                          f"offset {e.start})") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     for item in overrides:

@@ -80,6 +80,9 @@ def model_rows(tracking_uri: str | None) -> list[dict]:
         return []
     from mlflow import MlflowClient
 
+    from lifecycle.lineage.tracking import open_server
+
+    open_server(tracking_uri)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     rows = []
     for rm in client.search_registered_models():

@@ -15,13 +15,14 @@ catalog's own files.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from lifecycle.core.errors import UsageError
 from lifecycle.core.paths import PathEscape
 from lifecycle.lineage import catalog as cat
+from lifecycle.lineage.tracking import open_server
 from lifecycle.tasks.stages import NAMES
 
 STAGE_ORDER = NAMES
@@ -46,6 +47,7 @@ def _client(args):
     uri = _uri(args)
     if uri is None:
         raise LookupError(f"{args.workdir} has no mlflow.db; pass --tracking-uri")
+    open_server(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -251,10 +253,8 @@ def _emit(args, obj: Any, printer) -> int:
 
 
 def _fail(args, e: Exception) -> int:
-    print(f"lifecycle {args.command}: {e}", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"status": "failed", "error": str(e)}))
-    return 1
+    """A refused or unanswerable request: `lifecycle` prints it as one line (and a JSON line under --json), exit 2."""
+    raise UsageError(str(e)) from e
 
 
 def cmd_model(args) -> int:
@@ -295,6 +295,8 @@ def read_only_query(sql: str) -> None:
     refused before anything runs (and the connection itself can read only the catalog's files)."""
     import duckdb
 
+    if not duckdb.extract_statements(sql):
+        raise ValueError("no SQL statement given")
     for st in duckdb.extract_statements(sql):
         if st.type.name not in SQL_STATEMENTS:
             raise PermissionError(f"only SELECT queries are allowed, not {st.type.name}: {st.query.strip()[:80]!r}")

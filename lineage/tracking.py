@@ -8,8 +8,11 @@ path as source. Registering the model and the promotion policy live in `lineage.
 
 The store is checked before anything is logged (`check_store`): a local SQLite store must pass
 `PRAGMA quick_check` (a damaged one is refused, naming the file and the newest backup to restore), and a remote
-tracking server must answer `GET <uri>/health` within seconds. Each completed run then keeps an online copy of a
-SQLite store (`backup_store`, SQLite's backup API) in `<workdir>/backups/mlflow-<time>.db`, the newest 3 kept.
+tracking server must answer `GET <uri>/health` within seconds. A server that dies mid-run fails the run within
+seconds too, naming its URI: MLflow's HTTP retries are bounded (`TrackingConfig.http_timeout_s`, `http_retries`),
+and a connection failure in any client call is one `TrackingStoreError` (`GuardedClient`). Each completed run then
+keeps an online copy of a SQLite store (`backup_store`, SQLite's backup API) in `<workdir>/backups/mlflow-<time>.db`,
+the newest 3 kept.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
+from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import fsync_path
 
 MAX_PARAM_LEN = 6000
@@ -38,8 +42,8 @@ KEEP_BACKUPS = 3
 HEALTH_TIMEOUT_S = 5.0
 
 
-class TrackingStoreError(RuntimeError):
-    """The MLflow store is damaged or the tracking server does not answer: nothing is run."""
+class TrackingStoreError(UsageError, RuntimeError):
+    """The MLflow store is damaged, or the tracking server does not answer (before the run: nothing is run)."""
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -119,6 +123,14 @@ class TrackingConfig(BaseModel):
     )
     experiment: str | None = Field(None, description="MLflow experiment. Default: the pipeline name.")
     model_name: str = Field("lifecycle-gpt", description="Registered model name in the MLflow model registry.")
+    http_timeout_s: int = Field(
+        8, ge=1, description="With a tracking server: seconds one HTTP request to it may take (MLflow's "
+        "MLFLOW_HTTP_REQUEST_TIMEOUT, 120 by default), unless that variable is set.")
+    http_retries: int = Field(
+        2, ge=0, description="With a tracking server: retries of a failed request (MLFLOW_HTTP_REQUEST_MAX_RETRIES, "
+        "7 with a 2 s backoff factor by default: minutes of urllib3 `Retrying` warnings before a dead server is "
+        "reported), unless that variable is set. A server that stops answering then fails the run within about "
+        "(retries + 1) x timeout + 3 s, naming its URI.")
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:
@@ -142,6 +154,76 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
+_HTTP_ENV_SET: dict[str, str] = {}  # MLFLOW_HTTP_* variable -> the value this process set (the user's are kept)
+
+
+def bound_http_requests(cfg: TrackingConfig) -> None:
+    """MLflow's HTTP client retries a dead server for minutes by default; bound it unless the user set it."""
+    for var, value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", cfg.http_timeout_s),
+                       ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", cfg.http_retries),
+                       ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", 1)):  # MLflow parses it as an int; sleeps 0, 2, 4 s
+        if var not in os.environ or os.environ[var] == _HTTP_ENV_SET.get(var):
+            os.environ[var] = _HTTP_ENV_SET[var] = str(value)
+
+
+def open_server(uri: str) -> None:
+    """Before an audit command reads a tracking store: a SQLite file must exist (reading creates nothing); a
+    server gets bounded HTTP retries, and one that does not answer is one error naming it, within seconds."""
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        raise TrackingStoreError(f"--tracking-uri {uri}: no MLflow store at {db}")
+    if uri.startswith(("http://", "https://")):
+        bound_http_requests(TrackingConfig())
+        check_store(uri, ".")
+
+
+def unreachable(e: BaseException) -> BaseException | None:
+    """The connection error, timeout or exhausted retry behind an MLflow call's exception, else None."""
+    import requests
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                          requests.exceptions.RetryError, ConnectionError, TimeoutError)):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class GuardedClient:
+    """An `MlflowClient` whose calls, when the tracking server stops answering mid-run, raise one
+    `TrackingStoreError` naming the URI (instead of MLflow's `API request to ... failed` or a later
+    `ObjectNotFound`); once the server is known down, every further call fails at once."""
+
+    def __init__(self, client, uri: str):
+        self._client, self._uri = client, uri
+        self.down: str | None = None
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if self.down:
+                raise TrackingStoreError(self.down)
+            try:
+                return attr(*args, **kwargs)
+            except Exception as e:
+                cause = unreachable(e)
+                if cause is None:
+                    raise
+                self.down = (f"MLflow tracking server {self._uri} stopped answering during the run ({name}: "
+                             f"{type(cause).__name__}; MLFLOW_HTTP_REQUEST_TIMEOUT="
+                             f"{os.environ.get('MLFLOW_HTTP_REQUEST_TIMEOUT')} s, MAX_RETRIES="
+                             f"{os.environ.get('MLFLOW_HTTP_REQUEST_MAX_RETRIES')}); restart it (`lifecycle up`) "
+                             "and rerun: the run resumes from what was committed")
+                raise TrackingStoreError(self.down) from None
+
+        return call
+
+
 class Tracker:
     """Logs one lifecycle run. Runtime object: passed around, never part of the config."""
 
@@ -154,8 +236,10 @@ class Tracker:
         self.uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.workdir / 'mlflow.db'}"
         self.cfg = cfg
         check_store(self.uri, self.workdir)
+        if self.uri.startswith(("http://", "https://")):
+            bound_http_requests(cfg)
         mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        self.client = GuardedClient(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri), self.uri)
         name = cfg.experiment or default_experiment
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
@@ -202,6 +286,8 @@ class Tracker:
 
     def end(self, status: str = "FINISHED") -> None:
         """Terminate the stage runs and the parent run; after a FINISHED run, back up a SQLite store."""
+        if self.client.down:  # the server is gone: nothing can be marked; the run's error already names it
+            return
         for rid in self.stage_runs.values():
             if self.client.get_run(rid).info.status == "RUNNING":
                 self.client.set_terminated(rid, status)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from lifecycle.core.dataset import DatasetRef
 
+from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import atomic_write_json, sha256_file
 from lifecycle.core.paths import PathEscape, resolve_within
 from lifecycle.tasks.train import checkpoint as ckpt
@@ -186,15 +187,10 @@ def confined_args(args) -> tuple[Path, Path, Path | None]:
 
 
 def cmd_export_hf(args) -> int:
-    import sys
-
     try:
         report = export_hf(*confined_args(args))
-    except (ExportError, FileNotFoundError, PathEscape) as e:
-        print(f"lifecycle export hf: {e}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"status": "failed", "error": str(e)}))
-        return 1
+    except ExportError as e:  # one line and exit 2 (lifecycle/cli.py), as a missing file or a refused path
+        raise UsageError(str(e)) from e
     if args.json:
         print(json.dumps({"status": "ok", **report}))
     else:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
 
 TOKENS_PER_PARAM = 20.0
@@ -125,13 +126,17 @@ def describe(plan: Plan, m: ModelConfig) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     tokens = args.tokens
-    if args.dataset:
-        tokens = train_tokens_of(args.dataset)
+    for name in ("flops", "tokens"):
+        if getattr(args, name) is not None and not math.isfinite(getattr(args, name)):
+            raise UsageError(f"--{name} must be a finite number, got {getattr(args, name)}")
     try:
+        if args.dataset:
+            tokens = train_tokens_of(args.dataset)
         plan = compute_optimal(flops=args.flops, tokens=tokens, tokens_per_param=args.tokens_per_param)
-    except ValueError as e:
-        print(f"lifecycle plan: {e}", flush=True)
-        return 2
+    except KeyError as e:
+        raise UsageError(f"--dataset {args.dataset}: its manifest has no {e} field") from e
+    except ValueError as e:  # not a tokenize manifest, damaged JSON, a non-positive budget
+        raise UsageError(f"--dataset {args.dataset}: {e}" if args.dataset else str(e)) from e
     base = ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len)
     m = model_for_params(plan.n_params, base)
     if args.json:

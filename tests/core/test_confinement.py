@@ -118,11 +118,11 @@ def test_sql_queries_the_catalog_but_cannot_read_other_files(workdir, capsys, tm
                   f"SELECT * FROM read_text('{wd}/link.csv')", "SELECT * FROM glob('/etc/*')",
                   f"SELECT * FROM read_parquet('{wd}/datasets/*/*/*.parquet')"]:
         rc, err = cli(capsys, "sql", query, "--workdir", str(wd))
-        assert rc == 1 and "Permission Error" in err["error"], (query, err)
+        assert rc == 2 and "Permission Error" in err["error"], (query, err)
     for query in ["ATTACH '/tmp/x.db'", f"COPY (SELECT 1) TO '{wd}/out.csv'", "SET enable_external_access = true",
                   "INSTALL httpfs", "SELECT 1; COPY kept TO '/tmp/kept.csv'"]:
         rc, err = cli(capsys, "sql", query, "--workdir", str(wd))
-        assert rc == 1 and "only SELECT" in err["error"], (query, err)
+        assert rc == 2 and "only SELECT" in err["error"], (query, err)
     assert not (wd / "out.csv").exists()
 
 
@@ -147,7 +147,7 @@ def test_a_manifest_naming_a_file_outside_is_refused(workdir, capsys):
     m["rejected"] = [{"path": "../../../../../../../../etc/passwd"}]
     ref.manifest_path.write_text(json.dumps(m))
     rc, err = cli(capsys, "lineage", "doc", "s1", "--workdir", str(wd))
-    assert rc == 1 and "/etc/passwd" in err["error"] and "not inside the work dir" in err["error"]
+    assert rc == 2 and "/etc/passwd" in err["error"] and "not inside the work dir" in err["error"]
 
 
 def test_a_symlinked_dataset_out_of_the_workdir_is_refused(workdir, tmp_path, capsys):
@@ -156,16 +156,16 @@ def test_a_symlinked_dataset_out_of_the_workdir_is_refused(workdir, tmp_path, ca
     os.rename(ref.dir, elsewhere)
     ref.dir.symlink_to(elsewhere, target_is_directory=True)
     rc, err = cli(capsys, "sql", "SELECT count(*) FROM kept", "--workdir", str(wd))
-    assert rc == 1 and str(elsewhere) in err["error"] and OUTSIDE in err["error"]
+    assert rc == 2 and str(elsewhere) in err["error"] and OUTSIDE in err["error"]
 
 
 def test_tracking_uri_must_name_a_store_in_the_workdir(workdir, capsys):
     wd, _ = workdir
     for uri in ["sqlite:////etc/passwd", "file:///etc", "/etc/passwd"]:
         rc, err = cli(capsys, "lineage", "doc", "s1", "--workdir", str(wd), "--tracking-uri", uri)
-        assert rc == 1 and "--tracking-uri" in err["error"] and OUTSIDE in err["error"], uri
+        assert rc == 2 and "--tracking-uri" in err["error"] and OUTSIDE in err["error"], uri
         rc, err = cli(capsys, "lineage", "model", "m", "--workdir", str(wd), "--tracking-uri", uri)
-        assert rc == 1 and OUTSIDE in err["error"], uri
+        assert rc == 2 and OUTSIDE in err["error"], uri
 
 
 def test_forget_does_not_write_through_a_symlinked_audit_dir(workdir, tmp_path, capsys):
@@ -174,7 +174,7 @@ def test_forget_does_not_write_through_a_symlinked_audit_dir(workdir, tmp_path, 
     elsewhere.mkdir()
     (wd / "audit").symlink_to(elsewhere, target_is_directory=True)
     rc, err = cli(capsys, "lineage", "forget", "s1", "--workdir", str(wd))
-    assert rc == 1 and OUTSIDE in err["error"] and list(elsewhere.iterdir()) == []
+    assert rc == 2 and OUTSIDE in err["error"] and list(elsewhere.iterdir()) == []
     (wd / "audit").unlink()
     rc, rep = cli(capsys, "lineage", "forget", "s1", "--workdir", str(wd))
     assert rc == 0 and Path(rep["report"]).parent == wd / "audit"
@@ -193,7 +193,7 @@ def test_lineage_model_does_not_follow_a_registry_tag_out_of_the_workdir(workdir
     client.create_registered_model("m")
     client.create_model_version("m", source=str(pkg), tags={"lifecycle.model_package_manifest": str(pkg / MANIFEST)})
     rc, err = cli(capsys, "lineage", "model", "m", "--workdir", str(wd))
-    assert rc == 1 and str(pkg / "lineage.json") in err["error"] and "not inside the work dir" in err["error"]
+    assert rc == 2 and str(pkg / "lineage.json") in err["error"] and "not inside the work dir" in err["error"]
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -209,5 +209,5 @@ def test_export_hf_arguments_are_confined(tmp_path, capsys, which):
     args[key] = str(wd / "link") if which.startswith("symlinked") else str(outside / "x")
     rc, err = cli(capsys, "export", "hf", args["checkpoint"], args["out_dir"], "--tokenizer", args["tokenizer"],
                   "--workdir", str(wd))
-    assert rc == 1 and OUTSIDE in err["error"] and str(outside) in err["error"]
+    assert rc == 2 and OUTSIDE in err["error"] and str(outside) in err["error"]
     assert not (wd / "hf").exists() and list(outside.iterdir()) == []

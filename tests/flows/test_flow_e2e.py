@@ -232,7 +232,7 @@ def test_audit_cli(first_run, capsys):
                   "--workdir", str(wd))
     assert rc == 0 and {"stage": "collect", "reason": "invalid_json", "n": 1} in q
     rc, err = audit(capsys, "sql", "SELECT nope FROM datasets", "--workdir", str(wd))
-    assert rc == 1 and "nope" in err["error"]
+    assert rc == 2 and "nope" in err["error"]
 
 
 def test_next_run_starts_from_the_champion(first_run, tiny_inputs, tmp_path):
