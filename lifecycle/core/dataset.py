@@ -82,6 +82,9 @@ class DatasetDamaged(RuntimeError):
         self.path, self.problem = Path(path), problem
         super().__init__(f"{path}: {problem}")
 
+    def __reduce__(self):  # crosses process boundaries (a shard's watched process) as itself, notes included
+        return type(self), (self.path, self.problem), self.__dict__
+
 
 # --------------------------------------------------------------------------------------------------
 # hashing and atomic file writes

@@ -183,6 +183,7 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
     a retry or rerun builds it again (finished shards are kept). `timeout_s=None`: run here, unwatched."""
     if timeout_s is None or (plan.shard_dir(index) / SHARD_MARKER).exists():
         return run_shard(plan, index)
+    importlib.import_module(plan.shard_fn.partition(":")[0])  # here, once: not again in every shard's process
     beats = mmap.mmap(-1, 8)
     counter = ctypes.c_uint64.from_buffer(beats)
     r, w = os.pipe()
