@@ -67,7 +67,7 @@ _ROW_OVERHEAD = 400  # a buffered row beyond its strings: its dict (7 keys) and 
 
 def part_bytes(cfg: "CollectConfig") -> int:
     """Bytes of strings a shard buffers before it writes a part (`max_memory_bytes`' description)."""
-    return (cfg.max_memory_bytes - BASE_MEMORY - 4 * cfg.max_line_bytes) // 4
+    return (cfg.max_memory_bytes - BASE_MEMORY - 4 * cfg.max_line_bytes) // 8
 
 
 class CollectConfig(BaseModel):
@@ -95,9 +95,9 @@ class CollectConfig(BaseModel):
     max_memory_bytes: int = Field(
         2 << 30, gt=0, description="Bound on the peak memory of one collect shard (2 GiB), whatever its files "
         "decompress to (a `.jsonl.gz` of 1 MiB lines compresses 1000:1): kept and rejected rows are written out "
-        "as soon as the strings they hold reach about (max_memory_bytes - 192 MiB - 4 x max_line_bytes) / 4 bytes "
-        "(a part is held as Python strings, as Arrow arrays and as Parquet pages at once; a line being read, up to "
-        "4 times). Must be at least 192 MiB + 8 x max_line_bytes.")
+        "as soon as the strings they hold reach (max_memory_bytes - 192 MiB - 4 x max_line_bytes) / 8 bytes "
+        "(a part is held as Python strings, Arrow arrays and Parquet pages at once, plus the allocator's slack; a "
+        "line being read, up to 4 times). Must be at least 192 MiB + 12 x max_line_bytes.")
     incremental: bool = Field(
         False, description="Skip input files (same path and sha256) that a completed earlier run in this work dir "
         "already collected (ledger `<workdir>/collected.parquet`).")
@@ -113,9 +113,9 @@ class CollectConfig(BaseModel):
     def _sizes(self) -> "CollectConfig":
         if self.max_line_bytes < self.max_doc_bytes:
             raise ValueError(f"max_line_bytes ({self.max_line_bytes}) must be >= max_doc_bytes ({self.max_doc_bytes})")
-        if self.max_memory_bytes < BASE_MEMORY + 8 * self.max_line_bytes:
-            raise ValueError(f"max_memory_bytes ({self.max_memory_bytes}) must be >= 192 MiB + 8 x max_line_bytes "
-                             f"({BASE_MEMORY + 8 * self.max_line_bytes}): a line is held up to 4 times while it is "
+        if self.max_memory_bytes < BASE_MEMORY + 12 * self.max_line_bytes:
+            raise ValueError(f"max_memory_bytes ({self.max_memory_bytes}) must be >= 192 MiB + 12 x max_line_bytes "
+                             f"({BASE_MEMORY + 12 * self.max_line_bytes}): a line is held up to 4 times while it is "
                              "read and parsed, and a part must hold at least one")
         return self
 
