@@ -183,7 +183,10 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
     a retry or rerun builds it again (finished shards are kept). `timeout_s=None`: run here, unwatched."""
     if timeout_s is None or (plan.shard_dir(index) / SHARD_MARKER).exists():
         return run_shard(plan, index)
-    importlib.import_module(plan.shard_fn.partition(":")[0])  # here, once: not again in every shard's process
+    # imports done here once, not again in every shard's process: the stage's module, and pandas, which pyarrow
+    # imports lazily when it builds its first table (0.5-1 s)
+    importlib.import_module(plan.shard_fn.partition(":")[0])
+    pa.table({"warm": [0]})
     beats = mmap.mmap(-1, 8)
     counter = ctypes.c_uint64.from_buffer(beats)
     r, w = os.pipe()
@@ -194,13 +197,14 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
         os.close(r)
         _child(plan, index, beats, w)
     os.close(w)
-    chunks, seen, last = [], -1, time.monotonic()
+    chunks, seen, last, ended = [], -1, time.monotonic(), False
     try:
         while True:
             ready, _, _ = select.select([r], [], [], min(1.0, timeout_s / 4))
             if ready:
                 chunk = os.read(r, 1 << 16)
                 if not chunk:
+                    ended = True
                     break
                 chunks.append(chunk)
                 last = time.monotonic()
@@ -221,6 +225,8 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
         os.close(r)
         del counter
         if pid:
+            if not ended:  # this thread was interrupted: the shard's process does not outlive it
+                os.kill(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
     if not chunks:
         raise RuntimeError(f"{plan.stage}: the process of shard {index} of {len(plan.shards)} died "
