@@ -94,6 +94,19 @@ def test_file_names_that_are_not_utf8_or_hold_a_newline_are_collected(tmp_path):
     assert os.path.exists(raw_name(raw["path"], raw["path_bytes"]))
 
 
+def test_a_split_file_whose_name_is_not_utf8_is_collected_whole(tmp_path):
+    d = os.fsencode(tmp_path)
+    with open(os.path.join(d, b"gro\xdf.jsonl"), "wb") as f:
+        for i in range(20):
+            f.write(json.dumps({"text": f"document {i}"}).encode() + b"\n")
+    cfg = CollectConfig(inputs=[str(tmp_path / "*.jsonl")], split_bytes=100)  # about 4 lines a shard
+    ref = run_collect(cfg, str(tmp_path / "w"))
+    assert ref.manifest()["shards"] > 1
+    rows = ref.read().to_pylist()
+    assert [r["text"] for r in rows] == [f"document {i}" for i in range(20)]
+    assert [r["source_id"] for r in rows] == [f"{tmp_path}/gro\\xdf.jsonl:{i + 1}" for i in range(20)]
+
+
 def test_symlink_loops_under_a_double_star_collect_each_file_once(tmp_path):
     d = tmp_path / "in"
     (d / "sub").mkdir(parents=True)

@@ -409,7 +409,7 @@ class FilePart(BaseModel):
     first_line: int
 
     def item(self) -> str:  # json.dumps: a path that is not UTF-8 (surrogates) round-trips as \udcNN escapes
-        return _PART + json.dumps(self.model_dump())
+        return _PART + json.dumps(self.model_dump(), separators=(",", ":"))
 
 
 def parse_item(item: str) -> tuple[str, FilePart | None]:
