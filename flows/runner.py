@@ -24,7 +24,7 @@ from lifecycle.config import ConfigError, OrchestrationConfig
 from lifecycle.core.dataset import (
     AccountingError, DatasetDamaged, StageStats,
 )
-from lifecycle.core.shards import SHARD_MARKER, StagePlan, commit_plan, run_shard
+from lifecycle.core.shards import SHARD_MARKER, StagePlan, commit_plan, run_shard_watched
 from lifecycle.tasks.data.collect.stage import InputError
 from lifecycle.tasks.eval.evaluate.stage import ContaminationError
 
@@ -69,10 +69,11 @@ def stage_task(
 
 
 def shard_task(stage: str, orchestration: OrchestrationConfig, retries: int):
-    """One shard of a sharded stage (`lifecycle.core.shards.run_shard`). Not cached by Prefect: the shard's
-    published directory is its result, so a retry or a rerun after a crash skips finished shards."""
+    """One shard of a sharded stage (`lifecycle.core.shards.run_shard_watched`: in a forked process killed after
+    `orchestration.shard_timeout_s` without progress). Not cached by Prefect: the shard's published directory is
+    its result, so a retry or a rerun after a crash skips finished shards."""
     return task(
-        run_shard,
+        run_shard_watched,
         name=f"{stage}-shard",
         task_run_name=f"{stage}-shard-{{index}}",
         cache_policy=NO_CACHE,
@@ -109,10 +110,11 @@ class ShardRunner:
             "host": "127.0.0.1", "dashboard_address": None, "silence_logs": logging.WARNING})
 
     def map(self, task_, plan, n: int, on_progress: Callable[[], None] | None = None) -> list:
-        """Run `task_(plan, i)` for every shard; `on_progress()` after each shard in turn has finished."""
+        """Run `task_(plan, i, timeout_s)` for every shard; `on_progress()` after each shard in turn has finished."""
         if self._runner is None:
             self._runner = self._stack.enter_context(self._make())
-        futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n))})
+        futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n)),
+                                           "timeout_s": unmapped(self.orch.shard_timeout_s)})
         if on_progress is not None:
             for future in futures:
                 future.wait()

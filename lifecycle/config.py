@@ -41,6 +41,11 @@ class OrchestrationConfig(BaseModel):
     stage_timeout_s: float | None = Field(
         3600, gt=0, description="Timeout of each stage attempt except train (a Prefect timeout cannot stop the "
         "DeepSpeed ranks: the train supervisor enforces `train.launch.timeout_s` itself). null = none.")
+    shard_timeout_s: float | None = Field(
+        600, gt=0, description="Watchdog of each shard of collect, filter, dedup and scrub: a shard runs in a forked "
+        "process that is killed when it makes no progress (no record read, no file written) for this long; the "
+        "shard then fails naming the stage and shard, and its retry (`data_retries`) or a rerun builds it again, "
+        "finished shards kept. Costs one fork per shard (a few ms). null = shards run unwatched in the worker.")
     dask_workers: int = Field(
         default_factory=lambda: min(os.cpu_count() or 1, 4), ge=0,
         description="Worker processes of the Dask LocalCluster that runs the shards of collect, filter and "

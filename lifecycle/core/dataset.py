@@ -82,6 +82,9 @@ class DatasetDamaged(RuntimeError):
         self.path, self.problem = Path(path), problem
         super().__init__(f"{path}: {problem}")
 
+    def __reduce__(self):  # crosses process boundaries (a shard's watched process) as itself, notes included
+        return type(self), (self.path, self.problem), self.__dict__
+
 
 # --------------------------------------------------------------------------------------------------
 # hashing and atomic file writes
@@ -150,8 +153,11 @@ class RawFile(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     path: str
+    """The file's name as text (`tasks/data/collect/inputs.py` `shown`: bytes that are not UTF-8 as `\\xNN`)."""
     sha256: str
     bytes: int
+    path_bytes: str | None = None
+    """Hex of the name's raw bytes, only when they are not UTF-8 (`path` is then an escaped form)."""
 
 
 class DatasetRef(BaseModel):
@@ -215,7 +221,7 @@ def fingerprint(stage: str, config: Any, code: str, parents: Iterable[DatasetRef
             "config": config.model_dump(mode="json") if isinstance(config, BaseModel) else config,
             # a parent counts by its fingerprint (which code and config made it) and its content
             "parents": [(p.fingerprint, p.sha256) for p in parents],
-            "inputs": [(r.path, r.sha256) for r in inputs],
+            "inputs": [(r.path, r.sha256) + ((r.path_bytes,) if r.path_bytes else ()) for r in inputs],
         }
     )
 
@@ -507,7 +513,7 @@ class DatasetWriter(_FileWriter):
                 {"stage": p.stage, "fingerprint": p.fingerprint, "sha256": p.sha256, "manifest": str(p.manifest_path)}
                 for p in parents
             ],
-            "inputs": [r.model_dump() for r in inputs],
+            "inputs": [r.model_dump(exclude_none=True) for r in inputs],
             "config": config.model_dump(mode="json") if isinstance(config, BaseModel) else config,
             "code_version": code,
             "stats": stats.to_dict() if stats is not None else None,

@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
+import mmap
 import os
+import pickle
+import select
 import shutil
+import signal
+import sys
+import time
+import traceback
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -65,6 +74,10 @@ class ShardWriter(_FileWriter):
         self.tmp = plan.building / f".tmp-{self.final.name}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir(parents=True)
 
+    def write_table(self, table: pa.Table, kind: str = "files", name: str | None = None) -> None:
+        super().write_table(table, kind, name)
+        heartbeat()
+
     def finish(self, stats: StageStats) -> None:
         atomic_write_json(self.tmp / SHARD_MARKER, {"index": self.index, "entries": self._entries,
                                                     "stats": stats.to_dict()})
@@ -120,6 +133,116 @@ def run_shard(plan: StagePlan, index: int) -> dict:
     return {"index": index, "reused": False, "rows_in": stats.rows_in, "rows_kept": stats.rows_kept}
 
 
+# --------------------------------------------------------------------------------------------------
+# the per-shard watchdog: a shard runs in a forked child that the caller kills when it stops making progress
+
+
+class ShardTimeout(RuntimeError):
+    """A shard made no progress for `orchestration.shard_timeout_s`; its process was killed (a retry resumes)."""
+
+
+_beats: ctypes.c_uint64 | None = None  # the progress counter shared with the supervising parent (in a child)
+
+
+def heartbeat() -> None:
+    """Say that the shard running in this process made progress (a record read, a file written). Cheap: one
+    increment in shared memory; a no-op outside a watched shard."""
+    if _beats is not None:
+        _beats.value += 1
+
+
+def _child(plan: StagePlan, index: int, beats: mmap.mmap, out: int) -> None:
+    """Body of the forked shard process: run the shard, send ("ok", result) or ("error", exception), exit."""
+    global _beats
+    _beats = ctypes.c_uint64.from_buffer(beats)
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the supervisor
+    except (OSError, AttributeError):
+        pass
+    try:
+        msg = ("ok", run_shard(plan, index))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which raises it
+        e.add_note(f"in shard process {os.getpid()}:\n{traceback.format_exc()}")
+        try:
+            pickle.loads(pickle.dumps(e))
+            msg = ("error", e)
+        except Exception:  # an exception that does not survive pickling: send its text
+            msg = ("error", RuntimeError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    data = pickle.dumps(msg)
+    with os.fdopen(out, "wb") as f:
+        f.write(data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = None) -> dict:
+    """`run_shard` in a forked child process that is killed when it makes no progress (no `heartbeat`, no file
+    written) for `timeout_s` seconds: then ShardTimeout names the stage and shard. A blocking read, a hung
+    library or a stopped process is killed, as no thread timeout can; the shard's partial output is removed, and
+    a retry or rerun builds it again (finished shards are kept). `timeout_s=None`: run here, unwatched."""
+    if timeout_s is None or (plan.shard_dir(index) / SHARD_MARKER).exists():
+        return run_shard(plan, index)
+    # imports done here once, not again in every shard's process: the stage's module, and pandas, which pyarrow
+    # imports lazily when it builds its first table (0.5-1 s)
+    importlib.import_module(plan.shard_fn.partition(":")[0])
+    pa.table({"warm": [0]})
+    beats = mmap.mmap(-1, 8)
+    counter = ctypes.c_uint64.from_buffer(beats)
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12 warns on fork in a threaded process; the child runs no thread's code
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _child(plan, index, beats, w)
+    os.close(w)
+    chunks, seen, last, ended = [], -1, time.monotonic(), False
+    try:
+        while True:
+            ready, _, _ = select.select([r], [], [], min(1.0, timeout_s / 4))
+            if ready:
+                chunk = os.read(r, 1 << 16)
+                if not chunk:
+                    ended = True
+                    break
+                chunks.append(chunk)
+                last = time.monotonic()
+                continue
+            if counter.value != seen:
+                seen, last = counter.value, time.monotonic()
+            elif time.monotonic() - last > timeout_s:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pid = 0
+                for tmp in plan.building.glob(f".tmp-{plan.shard_dir(index).name}-*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise ShardTimeout(
+                    f"{plan.stage}: shard {index} of {len(plan.shards)} made no progress for {timeout_s:g} s "
+                    f"(orchestration.shard_timeout_s), so its process was killed; a retry or a rerun builds it again "
+                    f"(finished shards are kept). Its inputs: {', '.join(plan.shards[index])[:300]}")
+    finally:
+        os.close(r)
+        del counter
+        if pid:
+            if not ended:  # this thread was interrupted: the shard's process does not outlive it
+                os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+    if not chunks:
+        raise RuntimeError(f"{plan.stage}: the process of shard {index} of {len(plan.shards)} died "
+                           f"({_exit_text(status)}) before it reported; a retry or a rerun builds it again")
+    kind, value = pickle.loads(b"".join(chunks))
+    if kind == "error":
+        raise value
+    return value
+
+
+def _exit_text(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
 def commit_plan(plan: StagePlan) -> DatasetRef:
     """Merge every shard's entries and stats (in shard order) into one manifest and commit the dataset."""
     done = find_committed(plan.workdir, plan.stage, plan.fingerprint)
@@ -162,6 +285,7 @@ def map_tables(paths: list[str], writer: _FileWriter,
     per file in, rejected rows beside it."""
     stats = StageStats()
     for path in paths:
+        heartbeat()
         kept, rejected, part = fn(read_parquet(path))
         writer.write_table(kept)
         if rejected.num_rows:

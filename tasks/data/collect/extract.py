@@ -24,6 +24,7 @@ from warcio.archiveiterator import ArchiveIterator
 from warcio.exceptions import ArchiveLoadFailed
 
 from lifecycle.core import fs
+from lifecycle.tasks.data.collect.inputs import shown
 
 META_KEYS = ("title", "author", "date", "hostname", "sitename")
 
@@ -48,14 +49,14 @@ def html_to_record(html: str | bytes, source_id: str, source: str, url: str | No
 
 
 def read_html(path: str, max_doc_bytes: int) -> Iterator[tuple]:
-    size = fs.size(path)
+    size, name = fs.size(path), shown(path)
     if size == 0:
-        yield ("bad", f"{path}:0", "empty_file", "file is empty")
+        yield ("bad", f"{name}:0", "empty_file", "file is empty")
         return
     if size > max_doc_bytes:  # never read it: the rule is decided on the file size
-        yield ("bad", path, "too_large", f"{size} bytes > max_doc_bytes={max_doc_bytes}")
+        yield ("bad", name, "too_large", f"{size} bytes > max_doc_bytes={max_doc_bytes}")
         return
-    yield html_to_record(fs.read_bytes(path), path, path, None, {})
+    yield html_to_record(fs.read_bytes(path), name, name, None, {})
 
 
 def _read_capped(stream, cap: int) -> bytes | None:
@@ -66,9 +67,9 @@ def _read_capped(stream, cap: int) -> bytes | None:
 
 def read_warc(path: str, max_doc_bytes: int) -> Iterator[tuple]:
     """Each `response` record is one document (other record types are not documents and are not rows)."""
-    size = fs.size(path)
+    size, name = fs.size(path), shown(path)
     if size == 0:
-        yield ("bad", f"{path}:0", "empty_file", "file is empty")
+        yield ("bad", f"{name}:0", "empty_file", "file is empty")
         return
     offset = end = 0
     with fs.open_bytes(path) as f:
@@ -80,7 +81,7 @@ def read_warc(path: str, max_doc_bytes: int) -> Iterator[tuple]:
                     end = offset + it.get_record_length()
                     continue
                 h = rec.rec_headers
-                sid = h.get_header("WARC-Record-ID") or f"{path}@{offset}"
+                sid = h.get_header("WARC-Record-ID") or f"{name}@{offset}"
                 url = h.get_header("WARC-Target-URI")
                 ctype = (rec.http_headers.get_header("Content-Type") if rec.http_headers else None) or ""
                 payload = _read_capped(rec.content_stream(), max_doc_bytes)
@@ -98,7 +99,7 @@ def read_warc(path: str, max_doc_bytes: int) -> Iterator[tuple]:
                 extra = {"warc_date": h.get_header("WARC-Date"), "content_type": ctype, "warc_offset": offset}
                 mime = ctype.split(";")[0].strip().lower()
                 if mime in ("text/html", "application/xhtml+xml", ""):
-                    item = html_to_record(payload, sid, path, url, extra)
+                    item = html_to_record(payload, sid, name, url, extra)
                     yield item if item[0] == "ok" else (*item[:3], f"{where}: {item[3]}")
                 elif mime == "text/plain":
                     try:
@@ -107,14 +108,14 @@ def read_warc(path: str, max_doc_bytes: int) -> Iterator[tuple]:
                         yield ("bad", sid, "invalid_utf8", f"{where}: byte {e.start}: {e.reason}")
                         continue
                     meta = json.dumps(extra, sort_keys=True)
-                    yield ("ok", {"source_id": sid, "text": text, "source": path, "url": url, "meta": meta})
+                    yield ("ok", {"source_id": sid, "text": text, "source": name, "url": url, "meta": meta})
                 else:
                     yield ("bad", sid, "unsupported_content_type", f"{where}: {mime}")
         except (ArchiveLoadFailed, EOFError, OSError, ValueError) as e:
-            yield ("bad", f"{path}@{offset}", "truncated_warc", f"archive breaks after offset {offset}: {str(e)[:200]}")
+            yield ("bad", f"{name}@{offset}", "truncated_warc", f"archive breaks after offset {offset}: {str(e)[:200]}")
             return
         # a .warc.gz cut between or inside gzip members ends the iteration silently: compare with the file size
         f.seek(end)
         if f.read(64).strip():
-            yield ("bad", f"{path}@{end}", "truncated_warc",
+            yield ("bad", f"{name}@{end}", "truncated_warc",
                    f"archive breaks at offset {end}: {size - end} bytes after the last complete record are unreadable")

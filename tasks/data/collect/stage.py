@@ -34,6 +34,8 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import sys
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -47,15 +49,25 @@ from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
     DOC_SCHEMA, DatasetRef, RawFile, StageStats, rejected_table,
 )
-from lifecycle.core.shards import StagePlan, plan_stage, run_plan
+from lifecycle.core.shards import StagePlan, heartbeat, plan_stage, run_plan
 from lifecycle.core.fs import atomic_write_bytes
-from lifecycle.core.fs import is_remote
+from lifecycle.core.fs import is_remote, is_url
 from lifecycle.core.paths import confine_matches
 from lifecycle.core import fs
 from lifecycle.tasks.data.collect import extract
+from lifecycle.tasks.data.collect.inputs import path_bytes, raw_name, shown, walk_glob
 
 STAGE = "collect"
 KNOWN_FIELDS = ("id", "text", "source", "url")
+
+
+BASE_MEMORY = 192 << 20  # a collect process before its rows: the interpreter, pyarrow, trafilatura, warcio (~125 MiB)
+_ROW_OVERHEAD = 400  # a buffered row beyond its strings: its dict (7 keys) and list slot
+
+
+def part_bytes(cfg: "CollectConfig") -> int:
+    """Bytes of strings a shard buffers before it writes a part (`max_memory_bytes`' description)."""
+    return (cfg.max_memory_bytes - BASE_MEMORY - 4 * cfg.max_line_bytes) // 8
 
 
 class CollectConfig(BaseModel):
@@ -78,7 +90,14 @@ class CollectConfig(BaseModel):
     max_json_depth: int = Field(
         64, gt=0, description="A JSONL record nested deeper than this (objects/arrays) is rejected as `json_too_deep`."
     )
-    rows_per_shard: int = Field(20_000, gt=0, description="Kept rows per output Parquet file.")
+    rows_per_shard: int = Field(20_000, gt=0, description="Kept rows per output Parquet file (at most; a file is "
+                                "cut earlier when its rows hold more than `max_memory_bytes` allows).")
+    max_memory_bytes: int = Field(
+        2 << 30, gt=0, description="Bound on the peak memory of one collect shard (2 GiB), whatever its files "
+        "decompress to (a `.jsonl.gz` of 1 MiB lines compresses 1000:1): kept and rejected rows are written out "
+        "as soon as the strings they hold reach (max_memory_bytes - 192 MiB - 4 x max_line_bytes) / 8 bytes "
+        "(a part is held as Python strings, Arrow arrays and Parquet pages at once, plus the allocator's slack; a "
+        "line being read, up to 4 times). Must be at least 192 MiB + 12 x max_line_bytes.")
     incremental: bool = Field(
         False, description="Skip input files (same path and sha256) that a completed earlier run in this work dir "
         "already collected (ledger `<workdir>/collected.parquet`).")
@@ -94,6 +113,10 @@ class CollectConfig(BaseModel):
     def _sizes(self) -> "CollectConfig":
         if self.max_line_bytes < self.max_doc_bytes:
             raise ValueError(f"max_line_bytes ({self.max_line_bytes}) must be >= max_doc_bytes ({self.max_doc_bytes})")
+        if self.max_memory_bytes < BASE_MEMORY + 12 * self.max_line_bytes:
+            raise ValueError(f"max_memory_bytes ({self.max_memory_bytes}) must be >= 192 MiB + 12 x max_line_bytes "
+                             f"({BASE_MEMORY + 12 * self.max_line_bytes}): a line is held up to 4 times while it is "
+                             "read and parsed, and a part must hold at least one")
         return self
 
     @field_validator("inputs")
@@ -124,18 +147,30 @@ def file_kind(path: str) -> str:
 
 
 def resolve_inputs(patterns: list[str]) -> list[RawFile]:
-    """Expand the globs (sorted, de-duplicated) and fingerprint every file by its full sha256."""
+    """Expand the globs (sorted) and fingerprint every file by its full sha256. A local file is taken once,
+    under the first spelling found, however many paths (symlinks, loops, overlapping patterns) lead to it."""
     paths: list[str] = []
+    seen: set = set()
     for pattern in patterns:
-        matched = fs.glob_files(pattern)
+        local = not is_url(pattern)
+        matched = walk_glob(pattern) if local and "**" in pattern else fs.glob_files(pattern)
         if not matched:
-            raise InputError(f"collect.inputs: pattern {pattern!r} matches no file")
+            raise InputError(f"collect.inputs: pattern {shown(pattern)!r} matches no file")
         if not is_remote(pattern):  # local (file:// too): no symlink or `..` leads out of the pattern's dir
             confine_matches(pattern, matched, error=InputError)
-        paths.extend(m for m in matched if m not in paths)
+        for m in matched:
+            if local:
+                st = os.stat(m)
+                key = (st.st_dev, st.st_ino)
+            else:
+                key = m
+            if key not in seen:
+                seen.add(key)
+                paths.append(m)
     for p in paths:
         file_kind(p)  # fail on an unknown type before any work starts
-    return [RawFile(path=p, sha256=fs.sha256_file(p), bytes=fs.size(p)) for p in paths]
+    return [RawFile(path=shown(p), path_bytes=path_bytes(p), sha256=fs.sha256_file(p), bytes=fs.size(p))
+            for p in paths]
 
 
 def make_doc_id(source_id: str, text: str) -> str:
@@ -244,6 +279,7 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
     records = 0
     left = part.end - part.start if part else None
     truncated = "truncated_zstd" if path.lower().endswith(".zst") else "truncated_gzip"
+    name = shown(path)
     try:
         with _open(path) as f:
             if part:
@@ -254,7 +290,7 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
                         break
                     left -= size
                 lineno += 1
-                sid = f"{path}:{lineno}"
+                sid = f"{name}:{lineno}"
                 if raw is None:
                     records += 1
                     yield ("bad", sid, "too_large", f"line {lineno}: {size} bytes > max_line_bytes={cfg.max_line_bytes}")
@@ -287,60 +323,61 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
                 if problem:
                     yield ("bad", str(obj.get("id", sid)), problem[0], f"line {lineno}: {problem[1]}")
                     continue
-                yield ("ok", _record(obj, sid, path))
+                yield ("ok", _record(obj, sid, name))
     except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, OSError) as e:
         records += 1
-        yield ("bad", f"{path}:{lineno + 1}", truncated, f"stream broke after line {lineno}: {e}")
+        yield ("bad", f"{name}:{lineno + 1}", truncated, f"stream broke after line {lineno}: {e}")
     if not records and part is None:
-        yield ("bad", f"{path}:0", "empty_file", "no records (empty file or only blank lines)")
+        yield ("bad", f"{name}:0", "empty_file", "no records (empty file or only blank lines)")
 
 
 def read_parquet(path: str, cfg: CollectConfig) -> Iterator[tuple]:
+    name = shown(path)
     try:
         pf = pq.ParquetFile(fs.open_bytes(path))
     except Exception as e:  # pyarrow raises several types for a damaged footer
-        yield ("bad", path, "unreadable_parquet", str(e)[:200])
+        yield ("bad", name, "unreadable_parquet", str(e)[:200])
         return
     if "text" not in pf.schema_arrow.names:
-        yield ("bad", path, "missing_text_column", f"columns: {pf.schema_arrow.names}")
+        yield ("bad", name, "missing_text_column", f"columns: {pf.schema_arrow.names}")
         return
     if pf.metadata.num_rows == 0:
-        yield ("bad", f"{path}:0", "empty_file", "Parquet file has no rows")
+        yield ("bad", f"{name}:0", "empty_file", "Parquet file has no rows")
         return
     row = 0
     try:
         for batch in pf.iter_batches(batch_size=4096):
             for obj in batch.to_pylist():
                 row += 1
-                sid = f"{path}:{row}"
+                sid = f"{name}:{row}"
                 problem = _check_text(obj)
                 if problem:
                     yield ("bad", str(obj.get("id") or sid), *problem)
                     continue
-                yield ("ok", _record(obj, sid, path))
+                yield ("ok", _record(obj, sid, name))
     except Exception as e:
-        yield ("bad", f"{path}:{row + 1}", "unreadable_parquet", f"failed after row {row}: {str(e)[:200]}")
+        yield ("bad", f"{name}:{row + 1}", "unreadable_parquet", f"failed after row {row}: {str(e)[:200]}")
 
 
 def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
-    size = fs.size(path)
+    size, name = fs.size(path), shown(path)
     if size == 0:
-        yield ("bad", f"{path}:0", "empty_file", "file is empty")
+        yield ("bad", f"{name}:0", "empty_file", "file is empty")
         return
     if size > cfg.max_doc_bytes:  # decided on the file size, never read
-        yield ("bad", path, "too_large", f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+        yield ("bad", name, "too_large", f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
         return
     data = fs.read_bytes(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        yield ("bad", path, "invalid_utf8", f"byte {e.start}: {e.reason}")
+        yield ("bad", name, "invalid_utf8", f"byte {e.start}: {e.reason}")
         return
     problem = _check_text({"text": text})
     if problem:
-        yield ("bad", path, *problem)
+        yield ("bad", name, *problem)
         return
-    yield ("ok", _record({"text": text}, path, path))
+    yield ("ok", _record({"text": text}, name, name))
 
 
 READERS = {
@@ -371,14 +408,14 @@ class FilePart(BaseModel):
     end: int
     first_line: int
 
-    def item(self) -> str:
-        return _PART + self.model_dump_json()
+    def item(self) -> str:  # json.dumps: a path that is not UTF-8 (surrogates) round-trips as \udcNN escapes
+        return _PART + json.dumps(self.model_dump(), separators=(",", ":"))
 
 
 def parse_item(item: str) -> tuple[str, FilePart | None]:
     """(path, part) of a shard item: a plain path, or a byte range written by `FilePart.item`."""
     if item.startswith(_PART):
-        part = FilePart.model_validate_json(item[len(_PART):])
+        part = FilePart(**json.loads(item[len(_PART):]))
         return part.path, part
     return item, None
 
@@ -411,47 +448,62 @@ def split_file(path: str, split_bytes: int, chunk: int = 4 << 20) -> list[FilePa
 
 
 def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
-    """Read the shard's input files in order; kept rows in files of `rows_per_shard`, rejected rows beside."""
+    """Read the shard's input files in order; kept rows in files of at most `rows_per_shard` rows and about
+    `part_bytes(cfg)` bytes of held text, rejected rows beside (in files of the same byte bound), so a shard's
+    memory is bounded by `max_memory_bytes` whatever its files decompress to."""
     stats = StageStats()
     kept: list[dict] = []
     rejected: list[dict] = []
+    budget = part_bytes(cfg)
+    held = held_rejected = 0  # bytes of the strings buffered in `kept` / `rejected`
 
     def flush(final: bool = False) -> None:
-        if kept and (final or len(kept) >= cfg.rows_per_shard):
+        nonlocal held, held_rejected
+        if kept and (final or len(kept) >= cfg.rows_per_shard or held >= budget):
             writer.write_table(pa.Table.from_pylist(kept, schema=DOC_SCHEMA))
             kept.clear()
+            held = 0
+        if rejected and (final or held_rejected >= budget):
+            writer.write_table(rejected_table(rejected, STAGE), kind="rejected")
+            rejected.clear()
+            held_rejected = 0
+
+    def reject(doc_id: str, sid: str, reason: str, detail: str) -> None:
+        nonlocal held_rejected
+        rejected.append({"doc_id": doc_id, "source_id": sid, "reason": reason, "detail": detail})
+        stats.rejected[reason] += 1
+        held_rejected += _ROW_OVERHEAD + sys.getsizeof(sid) + sys.getsizeof(detail)
+        if held_rejected >= budget:
+            flush()
 
     for entry in paths:
         path, part = parse_item(entry)
+        name = shown(path)
         for item in (read_jsonl(path, cfg, part) if part else READERS[file_kind(path)](path, cfg)):
             stats.rows_in += 1
+            heartbeat()
             if item[0] == "bad":
                 _, sid, reason, detail = item
-                rejected.append({"doc_id": make_doc_id(sid, ""), "source_id": sid, "reason": reason,
-                                 "detail": f"{path}: {detail}"})
-                stats.rejected[reason] += 1
+                reject(make_doc_id(sid, ""), sid, reason, f"{name}: {detail}")
                 continue
             rec = item[1]
             nbytes = len(rec["text"].encode("utf-8", "surrogatepass"))
             stats.bytes_in += nbytes
             reason = detail = None
             if "\x00" in rec["text"]:
-                reason, detail = "nul_bytes", f"{path}: text holds NUL bytes"
+                reason, detail = "nul_bytes", f"{name}: text holds NUL bytes"
             elif nbytes > cfg.max_doc_bytes:
-                reason, detail = "too_large", f"{path}: {nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}"
+                reason, detail = "too_large", f"{name}: {nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}"
             if reason:
-                rejected.append({"doc_id": make_doc_id(rec["source_id"], rec["text"]), "source_id": rec["source_id"],
-                                 "reason": reason, "detail": detail})
-                stats.rejected[reason] += 1
+                reject(make_doc_id(rec["source_id"], rec["text"]), rec["source_id"], reason, detail)
                 continue
             rec["doc_id"] = make_doc_id(rec["source_id"], rec["text"])
             kept.append(rec)
+            held += _ROW_OVERHEAD + sum(sys.getsizeof(v) for v in rec.values() if v is not None)
             stats.rows_kept += 1
             stats.bytes_out += nbytes
             flush()
     flush(final=True)
-    if rejected:
-        writer.write_table(rejected_table(rejected, STAGE), kind="rejected")
     return stats
 
 
@@ -462,14 +514,15 @@ def shard_inputs(inputs: list[RawFile], shard_bytes: int, split_bytes: int = 0) 
     shards: list[list[str]] = []
     size = shard_bytes
     for raw in inputs:
+        path = raw_name(raw.path, raw.path_bytes)  # the name to open
         if split_bytes and splittable(raw, split_bytes):
-            shards += [[part.item()] for part in split_file(raw.path, split_bytes)]
+            shards += [[part.item()] for part in split_file(path, split_bytes)]
             size = shard_bytes
             continue
         if size >= shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(raw.path)
+        shards[-1].append(path)
         size += raw.bytes
     return shards
 

@@ -1,0 +1,59 @@
+"""The shard watchdog under Prefect, on both shard runners (in the flow process, and a Dask LocalCluster of worker
+processes; the first shard process there imports pandas, via pyarrow, for a few seconds): a shard blocked in a call no thread timeout can interrupt is killed after `shard_timeout_s` without
+progress, its task fails naming the stage and shard, Prefect's retry builds it again and the stage completes; with
+no retry left, the flow fails with that message."""
+
+import os
+import time
+
+import pytest
+from prefect import flow
+from prefect.testing.utilities import prefect_test_harness
+
+from lifecycle.config import OrchestrationConfig
+from lifecycle.core.shards import ShardTimeout, commit_plan
+from lifecycle.flows.runner import ShardRunner, shard_task
+from tests.core.test_watchdog import _plan
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server(tmp_path_factory):
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp_path_factory.mktemp("results"))
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_blocked_shard_is_killed_and_retried(tmp_path, workers):
+    orch = OrchestrationConfig(dask_workers=workers, shard_timeout_s=3, retry_backoff_s=0.01, retry_jitter=0)
+    plan = _plan(tmp_path, [["a"], ["block"]])
+
+    @flow
+    def f():
+        runner = ShardRunner(orch)
+        try:
+            return runner.map(shard_task("hangs", orch, retries=1), plan, len(plan.shards))
+        finally:
+            runner.close()
+
+    t = time.monotonic()
+    results = f()
+    assert [r["reused"] for r in results] == [False, False]
+    assert time.monotonic() - t < 60
+    assert commit_plan(plan).read().column("item").to_pylist() == ["a", "block"]
+
+
+def test_blocked_shard_without_retries_fails_the_flow_clearly(tmp_path):
+    orch = OrchestrationConfig(dask_workers=0, shard_timeout_s=3)
+    plan = _plan(tmp_path, [["block"]])
+
+    @flow
+    def f():
+        runner = ShardRunner(orch)
+        try:
+            return runner.map(shard_task("hangs", orch, retries=0), plan, 1)
+        finally:
+            runner.close()
+
+    with pytest.raises(ShardTimeout, match="hangs: shard 0 of 1 made no progress for 3 s"):
+        f()
