@@ -171,6 +171,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         prebuild_shm_op(cfg.engine.accelerator, env)  # no rank waits on a stale build lock, nor races a build
         owner = Ownership(port)
         owner.claim()  # and release the buffers of supervisors that died before they could
+        beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
         with open(log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {' '.join(cmd)}\n".encode())
             log.flush()
@@ -179,7 +180,6 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=die_with_parent)
             start = time.monotonic()
-            beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)
             try:
                 while proc.poll() is None:
                     tail.poll()

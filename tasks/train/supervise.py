@@ -62,7 +62,8 @@ def _building_in(build_dir: Path) -> bool:
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            if os.readlink(proc / "cwd").startswith(target) or target.encode() in (proc / "cmdline").read_bytes():
+            cwd = os.readlink(proc / "cwd")
+            if cwd == target or cwd.startswith(target + "/") or target.encode() in (proc / "cmdline").read_bytes():
                 return True
         except OSError:
             continue
