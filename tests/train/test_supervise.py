@@ -219,6 +219,7 @@ def test_ranks_die_with_a_sigkilled_supervisor_and_the_next_run_releases_its_buf
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # two launches, 1-2 min on 2 cores
 def test_a_stopped_rank_fails_the_launch_naming_it_then_the_rerun_completes(tokens, tmp_path, extensions):  # noqa: F811
     # synchronous saves: a nice-19 persist process starved by a loaded machine would be a stall of its own
     cfg = with_(SHORT, max_steps=60, **{"checkpoint.every": 5, "checkpoint.async_save": False, "launch.stall_s": 20})
