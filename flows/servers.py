@@ -12,6 +12,7 @@ signal, that the process with that pid is still the server it started (same comm
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 from lifecycle.core.errors import UsageError
-from lifecycle.core.procs import stop_group
+from lifecycle.core.procs import own_session_dying_with_parent, stop_group
 
 HOST = "127.0.0.1"
 SERVERS = ("prefect", "mlflow")
@@ -178,7 +179,20 @@ def _share_ephemeral_server() -> None:
     It is the same singleton Prefect's client would start, and Prefect stops it when this process exits."""
     from prefect.server.api.server import SubprocessASGIServer
 
-    server = SubprocessASGIServer()
+    class OwnSessionServer(SubprocessASGIServer):
+        """Its own session: a ^C or a group SIGTERM (`timeout`) reaches only this process, which then still has a
+        server to report the interrupted run to instead of retrying a dead one for minutes. It is sent SIGTERM
+        when this process dies, however it dies."""
+
+        def _run_uvicorn_command(self):
+            popen = subprocess.Popen  # Prefect's method calls subprocess.Popen; nothing else starts one meanwhile
+            subprocess.Popen = functools.partial(popen, preexec_fn=own_session_dying_with_parent)
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = popen
+
+    server = OwnSessionServer()
     server.start()
     os.environ["PREFECT_API_URL"] = server.api_url
 

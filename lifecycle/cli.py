@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
 from lifecycle.tasks.stages import NAMES as STAGES
+
+
+class Terminated(BaseException):
+    """SIGTERM (from `timeout`, systemd, Kubernetes) ends a run the way ^C does: the exception unwinds the flow, the
+    train supervisor stops the ranks, nothing half-written is committed, and the command exits 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum, _frame) -> None:
+    raise Terminated(signum)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -26,6 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     out, err, log = sys.stdout, sys.stderr, None
+    signal.signal(signal.SIGTERM, _terminate)  # Prefect swaps in its own during the flow, then re-sends it here
     try:
         with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle run"):
             if not args.verbose:  # the libraries' chatter goes to the log file, before any of them is imported
@@ -53,9 +68,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}), file=out)
         return 3
-    except KeyboardInterrupt:
-        print("lifecycle: interrupted" + (f"; log: {log}" if log else ""), file=err)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        print(f"lifecycle: interrupted by {signal.Signals(signum).name}; the ranks are stopped and the last "
+              "committed checkpoint stands (rerun to resume)" + (f"; log: {log}" if log else ""), file=err)
+        if args.json:
+            print(json.dumps({"status": "interrupted", "signal": signal.Signals(signum).name}), file=out)
+        return 128 + signum
     except Exception as e:  # the flow has logged the traceback; report and fail
         print(f"lifecycle run: run failed: {type(e).__name__}: {one_line(str(e))}"  # one line, as every error
               + (f" (traceback and library logs: {log})" if log else ""), file=err)

@@ -156,9 +156,6 @@ def kill_and_resume(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ra
             mid += t["mid_run"] and same
             print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
                   f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
-    from lifecycle.tasks.train.launch import release_shm
-
-    release_shm()  # the last kill took the supervisor down before it could unlink DeepSpeed's buffers
     print(f"{accelerator}, {ranks} rank(s), {precision}: "
           f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
           f"({mid} of them killed before the final commit, i.e. really resumed)")

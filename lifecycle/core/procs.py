@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,10 +34,11 @@ def _reap(pid: int) -> None:
 
 def stop_group(pgid: int, term_timeout: float = 15, kill_timeout: float = 10) -> None:
     """SIGTERM the process group `pgid` (its leader and everything it forked), wait up to `term_timeout`,
-    then SIGKILL what is left and wait up to `kill_timeout` for it to go."""
+    then SIGKILL what is left and wait up to `kill_timeout` for it to go. Stopped members are resumed."""
     for sig, timeout in ((signal.SIGTERM, term_timeout), (signal.SIGKILL, kill_timeout)):
         try:
             os.killpg(pgid, sig)
+            os.killpg(pgid, signal.SIGCONT)  # a stopped process (SIGSTOP, a debugger) acts on SIGTERM only once resumed
         except ProcessLookupError:
             return
         deadline = time.time() + timeout
@@ -46,3 +48,75 @@ def stop_group(pgid: int, term_timeout: float = 15, kill_timeout: float = 10) ->
         _reap(pgid)
         if not group_alive(pgid):
             return
+
+
+# ---------------------------------------------------------------------------------------------- dying together
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _prctl():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # libc's, already loaded: nothing to look up after a fork
+    except (OSError, AttributeError):
+        return None  # not Linux
+
+
+_PRCTL = _prctl()
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `sig` to this process when the thread that started it exits (PR_SET_PDEATHSIG; a no-op
+    off Linux). Survives exec, not fork: each generation must ask for itself. Safe as a `preexec_fn`."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def own_session_dying_with_parent() -> None:
+    """`preexec_fn` for a helper process: its own session (a terminal's ^C or a SIGTERM to our process group does
+    not reach it, so it outlives our clean-up), but SIGTERM when we die, however we die."""
+    os.setsid()
+    die_with_parent(signal.SIGTERM)
+
+
+def start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None if it is gone: with the
+    pid it names one process, never a later one that reuses the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def same_process(pid: int, started: int | None) -> bool:
+    """Whether the process `pid` that started at `started` (a `start_time`) still runs (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0] != "Z" and (started is None or int(fields[19]) == started)
+
+
+def watch_parent_run(interval: float = 1.0) -> None:
+    """In a training rank: a daemon thread that kills this rank's whole process group (the launcher and its ranks)
+    once the supervising run (LIFECYCLE_SUPERVISOR_PID, started at LIFECYCLE_SUPERVISOR_START) is gone, e.g.
+    SIGKILLed. Its own session kept the launcher out of reach of group signals; this keeps the ranks from going
+    on alone. Stdlib only, so a rank starts it before its slow imports."""
+    import threading
+
+    pid = int(os.environ.get("LIFECYCLE_SUPERVISOR_PID", "0"))
+    started = int(os.environ["LIFECYCLE_SUPERVISOR_START"]) if os.environ.get("LIFECYCLE_SUPERVISOR_START") else None
+    if not pid:
+        return
+
+    def watch() -> None:
+        while same_process(pid, started):
+            time.sleep(interval)
+        print(f"supervisor {pid} is gone; stopping the ranks (the last commit stands)", flush=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="lifecycle-supervisor-watch", daemon=True).start()

@@ -215,6 +215,13 @@ class LaunchConfig(Section):
     """Micro-batches a background thread of each rank prepares ahead of the training step (0 = load in the step)."""
     timeout_s: float | None = Field(None, gt=0)
     """Kill the ranks and fail after this many seconds (null = no limit)."""
+    stall_s: float = Field(60, gt=0)
+    """Heartbeat watchdog: a rank that makes no step for max(stall_s, 10 x the median step time) gets the ranks
+    killed and the attempt failed, naming it and its last step (the train stage's retry resumes from the last
+    commit). Covers a step with its eval and its checkpoint save."""
+    startup_s: float = Field(900, gt=0)
+    """The same watchdog before a rank's first heartbeat: imports, DeepSpeed's engine set-up, a JIT build of its
+    CPU comm op by a rank, the restore of a checkpoint. Much longer than a step, so it has its own bound."""
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchConfig":

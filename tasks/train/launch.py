@@ -34,10 +34,11 @@ from pydantic import BaseModel, ConfigDict
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 from lifecycle.core.code import code_version
-from lifecycle.core.procs import free_port, stop_group
+from lifecycle.core.procs import die_with_parent, free_port, start_time, stop_group
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
+from lifecycle.tasks.train.supervise import Heartbeats, Ownership, prebuild_shm_op
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
@@ -163,21 +164,29 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.batch.num_ranks)
         cmd = [launcher, *launch_args(cfg, port, run_dir, threads), "--module", "--no_local_rank",
                "lifecycle.tasks.train.trainer", "--config", str(config_path)]
+        # the ranks watch this process (pid + start time) and die with it: see lifecycle.core.procs.watch_parent_run
         env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-               "LIFECYCLE_SUPERVISOR_PID": str(os.getpid())}
+               "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()), "LIFECYCLE_SUPERVISOR_START": str(start_time(os.getpid()))}
         tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
-        release_shm()  # buffers leaked by earlier launches whose supervisor was killed
+        prebuild_shm_op(cfg.engine.accelerator, env)  # no rank waits on a stale build lock, nor races a build
+        owner = Ownership(port)
+        owner.claim()  # and release the buffers of supervisors that died before they could
+        beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
         with open(log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {' '.join(cmd)}\n".encode())
             log.flush()
+            # its own session: a ^C or a SIGTERM to our group reaches only us, and we stop the ranks (below);
+            # SIGKILL when we die, however we die
             proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=die_with_parent)
             start = time.monotonic()
             try:
                 while proc.poll() is None:
                     tail.poll()
                     if cfg.launch.timeout_s is not None and time.monotonic() - start > cfg.launch.timeout_s:
                         raise TimeoutError(f"training exceeded train.launch.timeout_s={cfg.launch.timeout_s}; ranks killed")
+                    if (stall := beats.check()) is not None:
+                        raise TimeoutError(f"{stall}; ranks killed")
                     time.sleep(0.5)
             except BaseException as e:
                 stop_group(proc.pid)
@@ -185,7 +194,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                     raise RuntimeError(f"{e}. Last lines of {log_path}:\n{_tail(log_path)}") from e
                 raise
             finally:
-                release_shm()
+                owner.release()
         tail.poll()
         if proc.returncode != 0:
             raise RuntimeError(f"deepspeed exited with code {proc.returncode}. Last lines of {log_path}:\n{_tail(log_path)}")
@@ -265,33 +274,6 @@ def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> lis
             args += [flag, str(value)]
     (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.engine.accelerator}\nOMP_NUM_THREADS={threads}\n")
     return args
-
-
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "deepspeed_allreduce_buffer"  # deepspeed/ops/csrc/cpu/comm/shm.cpp
-
-
-def release_shm() -> list[str]:
-    """Unlink DeepSpeed's CPU all-reduce buffers that no live process maps.
-
-    DeepSpeed 0.19's CPU comm op creates two POSIX shared-memory buffers per launch (66 MiB each here) and
-    never unlinks them, not even on a clean exit; killed ranks leak them too. Left alone they fill
-    /dev/shm (RAM) launch after launch. A buffer still mapped by a running rank is left in place.
-    """
-    if not SHM_DIR.is_dir():
-        return []
-    candidates = {p.name for p in SHM_DIR.glob(f"{SHM_PREFIX}_*")}
-    if not candidates:
-        return []
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text(errors="replace")
-        except OSError:
-            continue
-        candidates -= {name for name in candidates if name in text}
-    for name in candidates:
-        (SHM_DIR / name).unlink(missing_ok=True)
-    return sorted(candidates)
 
 
 def _tail(path: Path, n: int = 60) -> str:

@@ -22,6 +22,12 @@ from pathlib import Path
 
 T_START = time.time()
 
+if __name__ == "__main__":  # a rank: die with its launcher and with the run, from before the slow imports below
+    from lifecycle.core.procs import die_with_parent, watch_parent_run
+
+    die_with_parent()
+    watch_parent_run()
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -32,6 +38,7 @@ from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
+from lifecycle.tasks.train.supervise import write_heartbeat
 
 
 def ds_config(cfg: TrainConfig) -> dict:
@@ -231,10 +238,14 @@ class Trainer:
         self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.first = self.step  # the first step of this launch is always logged
         self.window_start, self.window_steps = time.perf_counter(), 0  # the steps the next train record averages
-        self.supervisor = int(os.environ.get("LIFECYCLE_SUPERVISOR_PID", "0"))
         self.loader = self.batches()
         self.recent: list[float] = []  # healthy losses for the spike test
         self.rollbacks = 0
+        self.beat()
+
+    def beat(self, step_time: float | None = None) -> None:
+        """This rank's heartbeat for the supervisor's stall watchdog (lifecycle.tasks.train.supervise.Heartbeats)."""
+        write_heartbeat(self.run_dir, self.rank, self.step, step_time)
 
     def say(self, message: str) -> None:
         """A line in train.log, from rank 0 only."""
@@ -295,14 +306,13 @@ class Trainer:
     def train_step(self) -> None:
         """One optimizer step, then what is due after it: a train record, an eval, a checkpoint. A non-finite or
         spiking loss rolls back to the last commit instead."""
-        if self.supervisor and not pid_alive(self.supervisor):  # orphaned: a rerun may already own the run dir
-            raise SystemExit(f"supervisor {self.supervisor} is gone; stopping at step {self.step} (last commit stands)")
         t0 = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
         dstep = data_step(self.step, self.skipped)
         loss = self.forward_backward(dstep)
         if self.is_bad(loss):
             self.rollback(loss, dstep)
+            self.beat()
             return
         self.recent = (self.recent + [loss])[-self.cfg.guard.spike_window:]
         self.step += 1
@@ -317,6 +327,7 @@ class Trainer:
             self.eval()
         if commit:
             self.save(loss, last)
+        self.beat(time.perf_counter() - t0)
 
     def forward_backward(self, dstep: int) -> float:
         """grad_accum micro-batches through the engine (it steps the optimizer on the last); returns the
@@ -440,16 +451,6 @@ def main(argv: list[str] | None = None) -> None:
     while trainer.step < trainer.cfg.max_steps:
         trainer.train_step()
     trainer.close()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":

@@ -1,0 +1,263 @@
+"""What `launch.run_train` does around a launch so that no wait is unbounded: the JIT build lock of DeepSpeed's CPU
+shm op, the shared-memory buffers a launch leaves behind, and the ranks' heartbeats.
+
+- **Build lock.** DeepSpeed JIT-builds its CPU comm op under torch's `FileBaton`: a plain `lock` file in the build
+  directory, created with O_EXCL and deleted after the build. A process killed during the build leaves it, and
+  every later rank waits on it forever. `clear_stale_build_locks` removes such a lock when nothing is building,
+  under an flock of ours (which the OS drops when its holder dies), and `prebuild_shm_op` builds the op once, under
+  that flock, before the ranks start, so ranks never race each other through a build.
+- **Shared memory.** DeepSpeed names its buffers `deepspeed_allreduce_buffer_<uid>_<master addr>_<master port>_<rank>`
+  and never unlinks them. A launch releases exactly its own port's buffers when it ends, and records which port it
+  owns (`Ownership`), so a later launch releases the leftovers of a supervisor that died, never a live one's.
+- **Heartbeats.** Each rank writes `<run_dir>/heartbeat/rank<N>` after every step; `Heartbeats.check` fails the
+  launch when a rank makes no step for `stall_bound` (see `LaunchConfig.stall_s`, `startup_s`).
+
+No torch here: the supervisor never imports it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from lifecycle.core import fs
+from lifecycle.core.procs import same_process, start_time
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------ the JIT build lock
+
+SHM_OP = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py ShmCommBuilder.NAME
+
+
+def extensions_root() -> Path:
+    """Where torch builds JIT extensions: TORCH_EXTENSIONS_DIR, else torch's per-user cache (appdirs: XDG_CACHE_HOME or
+    ~/.cache) /torch_extensions. Below it, one `<py tag>_<accelerator>` folder per interpreter and torch build."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+
+
+def build_dirs(root: Path | None = None) -> list[Path]:
+    """The shm op's build directories under `root` (`root/<name>` with TORCH_EXTENSIONS_DIR, `root/<tag>/<name>`
+    without: torch adds the tag only to its default root)."""
+    root = root or extensions_root()
+    return [d for d in (root / SHM_OP, *root.glob(f"*/{SHM_OP}")) if d.is_dir()]
+
+
+def _building_in(build_dir: Path) -> bool:
+    """Whether a live process works in `build_dir`: ninja and the compilers run with it as their working directory
+    or name it on their command line."""
+    target = str(build_dir.resolve())
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(proc / "cwd")
+            if cwd == target or cwd.startswith(target + "/") or target.encode() in (proc / "cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@contextmanager
+def build_flock(root: Path | None = None):
+    """Our own exclusive lock around checking and building the op: an flock, so the OS drops it if we die."""
+    root = root or extensions_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lifecycle-build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def clear_stale_build_locks(root: Path | None = None, settle_s: float = 2.0) -> list[Path]:
+    """Remove torch's `lock` in the shm op's build directories when no process builds there (checked twice,
+    `settle_s` apart: a live builder creates the lock a moment before it starts ninja). Returns what it removed,
+    each with a warning naming the path. Call it under `build_flock`."""
+    locks = [d / "lock" for d in build_dirs(root) if (d / "lock").exists()]
+    stale = []
+    for lock in locks:
+        if _building_in(lock.parent):
+            continue
+        time.sleep(settle_s)
+        if lock.exists() and not _building_in(lock.parent):
+            lock.unlink(missing_ok=True)
+            log.warning("removed a stale JIT build lock %s (left by a build that was killed; nothing builds there "
+                        "now); without this every rank would wait on it forever", lock)
+            stale.append(lock)
+    return stale
+
+
+def prebuild_shm_op(accelerator: str, env: dict, timeout_s: float = 900) -> None:
+    """Make sure the shm op is built before the ranks start: under `build_flock`, remove a stale lock, then, if no
+    built op is there yet, build it once in a child process (which dies with us). The ranks then only load it."""
+    if accelerator != "cpu":
+        return  # the op is DeepSpeed's CPU accelerator's comm backend
+    with build_flock():
+        clear_stale_build_locks()
+        if any((d / f"{SHM_OP}.so").exists() for d in build_dirs()):
+            return
+        from lifecycle.core.procs import die_with_parent
+
+        code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # what each rank does
+        t0 = time.monotonic()
+        log.info("building DeepSpeed's CPU shm op once before the ranks start (%s)", extensions_root())
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=timeout_s, preexec_fn=die_with_parent)
+        if done.returncode != 0:
+            raise RuntimeError(f"building DeepSpeed's CPU shm op failed (exit {done.returncode}) under "
+                               f"{extensions_root()}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        log.info("DeepSpeed's CPU shm op built in %.0f s", time.monotonic() - t0)
+
+
+# ------------------------------------------------------------------------------------------ shared memory
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer"  # deepspeed/ops/csrc/cpu/comm/shm.cpp: <prefix>_<uid>_<addr>_<port>_<rank>
+
+
+def shm_buffers(port: int) -> list[Path]:
+    """This user's DeepSpeed all-reduce buffers of the launch on `port`."""
+    pattern = re.compile(rf"{SHM_PREFIX}_{os.getuid()}_.+_{port}_\d+")
+    return sorted(p for p in SHM_DIR.glob(f"{SHM_PREFIX}_*") if pattern.fullmatch(p.name)) if SHM_DIR.is_dir() else []
+
+
+def release_shm(port: int) -> list[str]:
+    """Unlink the DeepSpeed all-reduce buffers of the launch on `port` (two of 66 MiB per launch here; DeepSpeed
+    unlinks none, not even on a clean exit). Call it only once that launch's ranks are gone."""
+    released = []
+    for p in shm_buffers(port):
+        p.unlink(missing_ok=True)
+        released.append(p.name)
+    return released
+
+
+def state_dir() -> Path:
+    """Per-user state of live supervisors: $XDG_RUNTIME_DIR/lifecycle, else /tmp/lifecycle-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "lifecycle" if base else Path(f"/tmp/lifecycle-{os.getuid()}")
+
+
+class Ownership:
+    """The record `<state_dir>/supervisors/<pid>.json` that this process (pid + start time) owns the launch on
+    `port` while it runs. `claim` first releases the buffers of every recorded supervisor that is dead (killed
+    before it could release them), unless a live one owns the same port now."""
+
+    def __init__(self, port: int, directory: Path | None = None):
+        self.port, self.dir = port, (directory or state_dir()) / "supervisors"
+        self.path = self.dir / f"{os.getpid()}.json"
+
+    def claim(self) -> list[str]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / ".flock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one claim at a time: a dead record is handled once
+            records = [(p, self._read(p)) for p in self.dir.glob("*.json")]
+            live = {r["port"] for _, r in records if r and same_process(r["pid"], r["start"])}
+            released = []
+            for path, rec in records:
+                if rec and same_process(rec["pid"], rec["start"]):
+                    continue
+                if rec and rec["port"] not in live:
+                    released += release_shm(rec["port"])
+                path.unlink(missing_ok=True)
+            if released:
+                log.warning("released %d shared-memory buffer(s) left by dead supervisors: %s", len(released),
+                            ", ".join(released))
+            fs.atomic_write_json(self.path, {"pid": os.getpid(), "start": start_time(os.getpid()), "port": self.port})
+        return released
+
+    def release(self) -> list[str]:
+        """Release this launch's buffers and drop the record (its ranks are gone)."""
+        released = release_shm(self.port)
+        self.path.unlink(missing_ok=True)
+        return released
+
+    @staticmethod
+    def _read(path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # torn by a kill mid-write: nothing to release
+
+
+# ------------------------------------------------------------------------------------------ heartbeats
+
+
+def heartbeat_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "heartbeat"
+
+
+def write_heartbeat(run_dir: Path, rank: int, step: int, step_time: float | None, pid: int | None = None) -> None:
+    """A rank's `heartbeat/rank<N>`: its last completed step, when, its pid (this process's unless given), and how
+    long that step took."""
+    path = heartbeat_dir(run_dir) / f"rank{rank}"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "time": time.time(), "pid": pid or os.getpid(), "step_time": step_time}))
+    os.replace(tmp, path)
+
+
+def _state(pid: int) -> str:
+    """`stopped`, `gone`, ... of a local pid, from /proc (empty where it cannot be read, e.g. a remote rank)."""
+    try:
+        code = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "D": "in uninterruptible I/O"}.get(code, "running")
+
+
+class Heartbeats:
+    """The supervisor's view of the ranks' heartbeats. A rank that made no step for `stall_bound()` seconds (or that
+    sent none `startup_s` after the launch) stalls the launch; `check()` then returns a message naming it."""
+
+    def __init__(self, run_dir: Path, ranks: int, stall_s: float, startup_s: float):
+        self.dir, self.ranks, self.stall_s, self.startup_s = heartbeat_dir(run_dir), ranks, stall_s, startup_s
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.iterdir():  # a previous launch's
+            old.unlink(missing_ok=True)
+        self.started = time.time()
+        self.step_times: dict[tuple[int, int], float] = {}
+
+    def read(self) -> dict[int, dict]:
+        beats = {}
+        for r in range(self.ranks):
+            try:
+                beats[r] = json.loads((self.dir / f"rank{r}").read_text())
+            except (OSError, ValueError):
+                continue
+            if beats[r].get("step_time") is not None:
+                self.step_times[(r, beats[r]["step"])] = beats[r]["step_time"]
+        return beats
+
+    def stall_bound(self) -> float:
+        """max(stall_s, 10 x the median step time seen so far)."""
+        median = statistics.median(self.step_times.values()) if self.step_times else 0.0
+        return max(self.stall_s, 10 * median)
+
+    def check(self, now: float | None = None) -> str | None:
+        now = now or time.time()
+        beats = self.read()
+        if len(beats) < self.ranks:  # still starting: imports, the op build, restore, the first step
+            if now - self.started <= self.startup_s:
+                return None
+            missing = [r for r in range(self.ranks) if r not in beats]
+            return (f"rank(s) {', '.join(map(str, missing))} sent no heartbeat {now - self.started:.0f} s after the "
+                    f"launch (train.launch.startup_s={self.startup_s:g})")
+        bound = self.stall_bound()
+        if max(now - b["time"] for b in beats.values()) <= bound:
+            return None
+        # every rank waits in a collective for the one that stopped; name the one whose process is not running
+        # (stopped, gone), else the one with the oldest heartbeat
+        order = sorted(beats, key=lambda r: (_state(beats[r]["pid"]) == "running", beats[r]["time"]))
+        parts = [f"rank {r} (pid {beats[r]['pid']}, {_state(beats[r]['pid'])}) last step {beats[r]['step']} "
+                 f"{now - beats[r]['time']:.0f} s ago" for r in order]
+        return f"training stalled: no step for more than {bound:.0f} s: " + "; ".join(parts)
