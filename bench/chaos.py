@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,7 @@ OVERRIDES = [f'collect.inputs=["{ROOT}/corpus/python-docs/*.jsonl.gz"]', "train.
              "evaluate.max_batches=10"]
 FAULTS = ("flow_sigkill", "flow_sigterm", "rank_sigkill", "rank_sigstop", "disk_full", "byte_flip", "tracking_dead")
 TMPFS_SIZE = "2g"
+MESSAGE = re.compile(r"lifecycle( run)?: ")  # the run's own error line, e.g. `lifecycle run: run failed: ...`
 PACKAGE_CONTENT = ("model.safetensors", "model_config.json", "tokenizer.json")
 
 
@@ -90,7 +92,7 @@ class Run:
     def last_error_line(self) -> str:
         """The run's own last `lifecycle:` line on stderr ('' if it printed none)."""
         self.err.seek(0)
-        lines = [line.strip() for line in self.err.read().splitlines() if line.startswith("lifecycle:")]
+        lines = [line.strip() for line in self.err.read().splitlines() if MESSAGE.match(line)]
         return lines[-1] if lines else ""
 
     def traceback(self) -> bool:
@@ -251,9 +253,12 @@ def free_port() -> int:
 def inject(fault: str, run: Run, rng: random.Random, t_ref: float, train_window: tuple[float, float],
            server: TrackingServer | None) -> str:
     """Wait for the fault's moment and inject it; returns what was done ('' if the run ended first)."""
-    if fault in ("rank_sigkill", "rank_sigstop"):
-        lo, hi = train_window
-        at = rng.uniform(lo, hi)
+    if fault in ("rank_sigkill", "rank_sigstop"):  # a uniform moment of training, counted from the first rank
+        while not ranks_of(run.workdir):
+            if run.proc.poll() is not None:
+                return ""
+            time.sleep(0.05)
+        at = time.monotonic() - run.t0 + rng.uniform(0, 0.9 * (train_window[1] - train_window[0]))
     elif fault == "byte_flip":
         at = rng.uniform(0.1 * t_ref, t_ref)
     else:
@@ -270,14 +275,12 @@ def inject(fault: str, run: Run, rng: random.Random, t_ref: float, train_window:
         os.kill(run.proc.pid, signal.SIGTERM)
         return f"SIGTERM flow {when}"
     if fault in ("rank_sigkill", "rank_sigstop"):
-        while run.proc.poll() is None:  # the moment may fall between launches: wait for a rank
-            ranks = ranks_of(run.workdir)
-            if ranks:
-                pid = rng.choice(ranks)
-                os.kill(pid, signal.SIGKILL if fault == "rank_sigkill" else signal.SIGSTOP)
-                return f"{'SIGKILL' if fault == 'rank_sigkill' else 'SIGSTOP'} rank pid {pid} {when}"
-            time.sleep(0.05)
-        return ""
+        ranks = ranks_of(run.workdir)
+        if not ranks:
+            return ""
+        pid = rng.choice(ranks)
+        os.kill(pid, signal.SIGKILL if fault == "rank_sigkill" else signal.SIGSTOP)
+        return f"{'SIGKILL' if fault == 'rank_sigkill' else 'SIGSTOP'} rank pid {pid} {when}"
     if fault == "disk_full":
         filler = fill_disk(run.workdir)
         return f"disk filled {when} ({filler.stat().st_size >> 20} MiB)"
@@ -336,7 +339,7 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
         elif rc is not None:
             rec["ended"] = "failed"
             rec["message"] = run.last_error_line()
-            if fault != "flow_sigkill" and (run.traceback() or not rec["message"].startswith("lifecycle")):
+            if fault != "flow_sigkill" and (run.traceback() or not rec["message"]):
                 rec["problems"].append(f"unclear failure message: {rec['message']!r}")
         # the fault is over: free the disk, restart the server, rerun where needed
         (workdir.parent / "filler").unlink(missing_ok=True)
@@ -431,9 +434,16 @@ def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep
           f"bound per run {bound:.0f}s", flush=True)
     mix = [faults[i % len(faults)] for i in range(rounds)]
     rng.shuffle(mix)
-    records = []
-    for i, fault in enumerate(mix, start=1):
+    records, missed, i = [], 0, 0
+    while len(records) < rounds and missed <= rounds:
+        i += 1
+        fault = mix[len(records)]
         rec = one_round(i, fault, base, rng, ref, t_ref, window, bound)
+        if not rec.get("injected") and not rec["problems"]:  # the run ended before the fault's moment: the
+            missed += 1  # machine is faster than during the reference runs; draw again from this run's time
+            t_ref = min(t_ref, rec["seconds"])
+            print(f"round {i:2d} {fault:<13} missed: the run ended after {rec['seconds']}s, before the fault; redrawn")
+            continue
         records.append(rec)
         print(f"round {i:2d} {fault:<13} {rec['outcome']:<4} {rec.get('injected') or 'run ended before the fault'}; "
               f"{rec.get('ended', 'hung')} in {rec.get('seconds')}s"
@@ -442,11 +452,12 @@ def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep
               + (f"; PROBLEMS: {rec['problems']}" if rec["problems"] else ""), flush=True)
         with open(base / "rounds.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
+    rounds = len(records)
     passed = sum(r["outcome"] == "pass" for r in records)
     by_fault = {f: f"{sum(r['outcome'] == 'pass' for r in records if r['fault'] == f)}/{mix.count(f)}" for f in faults}
     longest = max((r.get("seconds") or 0) + (r.get("rerun_seconds") or 0) for r in records) if records else 0
     print(f"{passed}/{rounds} rounds passed ({', '.join(f'{k} {v}' for k, v in by_fault.items())}); "
-          f"longest round {longest:.0f}s (bound {bound:.0f}s per run); {time.monotonic() - t_start:.0f}s in all; "
+          f"{missed} missed and redrawn; longest round {longest:.0f}s (bound {bound:.0f}s per run); {time.monotonic() - t_start:.0f}s in all; "
           f"records: {base / 'rounds.jsonl'}")
     if not keep:
         shutil.rmtree(base, ignore_errors=True)
