@@ -32,6 +32,12 @@ background thread, which then has rank 0's persist process prune (deleting a 244
 not the rank's). One save is in flight at a time: the next `start`
 (and `finish`) wait for the last. A crash before the marker leaves a tag directory that does not exist for
 resume (`latest_valid`), and the next save of that tag, or pruning, removes it.
+
+With the memory tier (`train.checkpoint.memory_tier`, `lifecycle.tasks.train.memtier`) the arenas are files on
+tmpfs instead of memfds, consecutive checkpoints alternate between two of them (the committed one stays intact
+while the next is staged), the persist process also returns a sha256 per 64 MiB chunk of what it staged, each
+rank indexes its files once they are durable, and rank 0 commits the tier after the disk commit.
+`restore_from_tier` loads the newest commit from there when it can.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"another run_train is supervising {run_dir}") from None
-        tier = memory_tier(cfg, fp)  # this run's in-memory checkpoint tier (a rerun of it restores from there)
+        tier = memory_tier(cfg, run_dir)  # this run's in-memory checkpoint tier (a rerun of it restores from there)
         memtier.release_dead(keep=tier)  # tiers of dead runs
         latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
@@ -205,13 +205,13 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
 
 
-def memory_tier(cfg: TrainConfig, fingerprint: str) -> Path | None:
+def memory_tier(cfg: TrainConfig, run_dir: Path) -> Path | None:
     """The run's memory tier directory (`train.checkpoint.memory_tier`): async saves on one host only (the
     supervisor could neither claim nor clean a tier on another host), and only where /dev/shm exists."""
     c = cfg.checkpoint
     if not (c.memory_tier and c.async_save and cfg.launch.hostfile is None and memtier.ROOT.is_dir()):
         return None
-    return memtier.path_for(fingerprint)
+    return memtier.path_for(run_dir)
 
 
 def read_hostfile(path: str | Path) -> dict[str, int]:

@@ -3,7 +3,7 @@ relaunch after a rank failure restores from memory instead of disk (Gemini, Chec
 
 The async saver (`lifecycle.tasks.train.async_ckpt`) already copies every checkpoint into a staging arena in
 host memory before its persist process writes the files. With the tier on, those arenas are files on tmpfs,
-`/dev/shm/lifecycle-<uid>-<run fingerprint>/rank<r>/arena-<pid>-<n>`, so the staging buffer IS the tier (no
+`/dev/shm/lifecycle-<uid>-<hash of the run directory>/rank<r>/arena-<pid>-<n>`, so the staging buffer IS the tier (no
 extra copy) and it outlives the rank. Each rank alternates between two arenas (one holds the last committed
 checkpoint while the next is staged into the other), so memory holds at most two checkpoints per host: the
 committed one and the one being saved.
@@ -46,9 +46,11 @@ SUPERVISOR = "supervisor"
 CHUNK = 64 << 20  # bytes per digest: chunks are verified in parallel threads (hashlib releases the GIL)
 
 
-def path_for(fingerprint: str, root: Path = ROOT) -> Path:
-    """The tier directory of the run with this fingerprint (one per user and run)."""
-    return root / f"lifecycle-{os.getuid()}-{fingerprint[:20]}"
+def path_for(run_dir: str | Path, root: Path = ROOT) -> Path:
+    """The tier directory of the run in `run_dir` (one per user and run directory: the same run fingerprint in
+    two work dirs is two runs)."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:20]
+    return root / f"lifecycle-{os.getuid()}-{key}"
 
 
 def claim(tier: Path, pid: int) -> None:
@@ -230,8 +232,11 @@ class TierLoader:
             return self.base.load(path, map_location=map_location)
         arena, skeleton = self.files[rel]
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        state = _map(unstage(skeleton, self._map(arena)),
-                     lambda t: t.clone() if device is None else t.to(device, copy=True))
+        def own(t):  # a copy that does not point into the arena (ndarrays, e.g. RNG states, are already copies)
+            if not isinstance(t, torch.Tensor):
+                return t.copy()
+            return t.clone() if device is None else t.to(device, copy=True)
+        state = _map(unstage(skeleton, self._map(arena)), own)
         self.from_memory.append(rel)
         return state
 

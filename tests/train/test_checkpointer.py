@@ -6,6 +6,7 @@ import os
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,7 +62,8 @@ def step(engine) -> None:
 def save_three(checkpointer, root: Path) -> dict[int, dict]:
     """Commits at steps 1, 2, 3 (keep_last=2), the same state each time; returns the markers left."""
     for s in (1, 2, 3):
-        checkpointer.save(s, {"step": s, "sampler": {"next_step": s}}, TINY, {"loss": 0.5, "fingerprint": "f"},
+        checkpointer.save(s, {"step": s, "sampler": {"next_step": s}, "rng": np.random.get_state()}, TINY,
+                          {"loss": 0.5, "fingerprint": "f"},
                           wait=s == 3)
         checkpointer.poll()
     checkpointer.close()
@@ -77,6 +79,8 @@ def assert_same_state(x, y, path: str = "") -> None:
     assert type(x) is type(y), path
     if isinstance(x, torch.Tensor):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), path
+    elif isinstance(x, np.ndarray):
+        assert x.dtype == y.dtype and np.array_equal(x, y), path
     elif isinstance(x, dict):
         assert list(x) == list(y), path
         for k in x:
@@ -139,6 +143,7 @@ def test_sync_and_async_write_the_same_checkpoints_and_restore_each_other(engine
         try:
             tag_dir, state = reader.restore(max_step=10)
             assert tag_dir == root / ckpt.tag_name(3) and state["step"] == 3 and state["sampler"] == {"next_step": 3}
+            assert state["rng"][0] == "MT19937" and isinstance(state["rng"][1], np.ndarray)
             assert all(torch.equal(saved[k], v) for k, v in weights(engine).items())
             assert reader.restore(max_step=2)[1]["step"] == 2  # max_step: the newest commit at or below it
         finally:
@@ -196,7 +201,7 @@ def test_dead_runs_tiers_are_released_live_and_kept_ones_stay(tmp_path):
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    tiers = {name: memtier.path_for(name * 20, root=tmp_path) for name in "abcd"}
+    tiers = {name: memtier.path_for(tmp_path / name, root=tmp_path) for name in "abcd"}
     memtier.claim(tiers["a"], dead.pid)  # its supervisor is gone
     memtier.claim(tiers["b"], os.getpid())  # alive
     memtier.claim(tiers["c"], dead.pid)  # dead, but the tier of the run being launched
