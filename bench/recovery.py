@@ -60,6 +60,9 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
                 print(f"round {i + 1} {mode:6s}: killed after commit {got['killed_after']}, restored step {r['step']}: "
                       f"restore {r['seconds']:.3f}s, relaunch to first step {got['relaunch_to_first_step']:.2f}s",
                       flush=True)
+    from lifecycle.tasks.train import memtier
+
+    memtier.release_dead()  # the last relaunch was killed with its supervisor: its tier is a dead run's
     med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
     ratio = {k: med["memory"][k] / med["disk"][k] for k in ("restore", "relaunch")}
     print(f"{model} model, {accelerator}, {ranks} rank(s), {precision}, {rounds} rounds (medians): "
