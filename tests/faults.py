@@ -31,14 +31,17 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 """
 
 
-def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32"):
+def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", checkpoint: dict | None = None,
+           model: dict | None = None, batch: dict | None = None, max_steps: int = 40):
+    """The faults' training run; `checkpoint`, `model` and `batch` override fields of those sections."""
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
-    return TrainConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=64, dropout=0.1), max_steps=40,
-                       optimizer={"decay_steps": 60, "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
-                       batch={"micro_batch_size": 8, "num_ranks": ranks},
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 64, "dropout": 0.1, **(model or {})}
+    return TrainConfig(model=ModelConfig(**shape), max_steps=max_steps,
+                       optimizer={"decay_steps": max(60, max_steps), "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
+                       batch={"micro_batch_size": 8, "num_ranks": ranks, **(batch or {})},
                        engine={"zero_stage": 2, "precision": precision, "accelerator": accelerator},
-                       checkpoint={"every": 5, "keep_last": 2}, logging={"every": 1},
+                       checkpoint={"every": 5, "keep_last": 2, **(checkpoint or {})}, logging={"every": 1},
                        launch={"threads_per_rank": 1, "timeout_s": 600})
 
 
@@ -66,6 +69,78 @@ def descendants_of_supervisor(pid: int) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def rank_pids(supervisor: int) -> dict[int, int]:
+    """{rank: pid} of the training ranks under run_train in process `supervisor` (not the launcher, not the
+    ranks' persist processes: the process that runs the trainer module)."""
+    out = {}
+    for pid in descendants_of_supervisor(supervisor):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"-m" in cmd and b"lifecycle.tasks.train.trainer" in cmd:
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[rank] = pid
+    return out
+
+
+def records(workdir: str, kind: str) -> list[dict]:
+    """The run's metrics.jsonl records of `kind` (complete lines only)."""
+    paths = list(Path(workdir).glob("train/*/metrics.jsonl"))
+    if not paths:
+        return []
+    lines = paths[0].read_text().splitlines()
+    return [r for r in (json.loads(line) for line in lines if line.endswith("}")) if r["kind"] == kind]
+
+
+def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: int, rank: int = 1,
+                           finish: bool = True, timeout: float = 900) -> dict:
+    """A rank failure and its retry: run until a commit at or after `after_step` (and, with the memory tier,
+    its tier commit), SIGKILL rank `rank` alone, let run_train fail as it does when a rank dies, then call it
+    again (what Prefect's retry does) and time the relaunch: Popen to the first training step recorded.
+    `finish`: let the relaunched run finish (else it is killed after its first step).
+    Returns {"killed_after", "failed_rc", "relaunch_to_first_step", "restore" (the restore record), "rc"}."""
+    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import memtier
+
+    proc = launch(tokdir, workdir, opts)
+    log = wait_ready(proc, workdir)
+    if log is None:
+        raise RuntimeError(f"the run in {workdir} ended before its ranks were ready")
+    deadline = time.monotonic() + timeout
+    tier_on = opts.get("checkpoint", {}).get("memory_tier", True)
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the run in {workdir} ended (or timed out) before a commit at step {after_step}")
+        done = [s for s, _ in ckpt.list_committed(log.parent / "checkpoints")]
+        tier_step = memtier.committed_step(memtier.path_for(log.parent))
+        if done and done[-1] >= after_step and (not tier_on or tier_step == done[-1]):
+            break
+        time.sleep(0.01)
+    pids = rank_pids(proc.pid)
+    os.kill(pids[rank], signal.SIGKILL)
+    proc.communicate(timeout=timeout)  # run_train fails: the launcher saw a rank die
+    killed_after = done[-1]
+    t0 = time.monotonic()
+    again = launch(tokdir, workdir, opts)
+    first = None
+    while again.poll() is None and time.monotonic() < t0 + timeout:
+        restored = records(workdir, "restore")
+        if restored and any(r["step"] > restored[-1]["step"] for r in records(workdir, "train")):
+            first = time.monotonic() - t0
+            break
+        time.sleep(0.01)
+    if finish:
+        again.communicate(timeout=timeout)
+    else:
+        kill_all(again)
+    restored = records(workdir, "restore")
+    return {"killed_after": killed_after, "failed_rc": proc.returncode, "relaunch_to_first_step": first,
+            "restore": restored[-1] if restored else None, "rc": again.returncode}
 
 
 def kill_all(proc: subprocess.Popen) -> None:

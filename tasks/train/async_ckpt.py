@@ -32,6 +32,12 @@ background thread, which then has rank 0's persist process prune (deleting a 244
 not the rank's). One save is in flight at a time: the next `start`
 (and `finish`) wait for the last. A crash before the marker leaves a tag directory that does not exist for
 resume (`latest_valid`), and the next save of that tag, or pruning, removes it.
+
+With the memory tier (`train.checkpoint.memory_tier`, `lifecycle.tasks.train.memtier`) the arenas are files on
+tmpfs instead of memfds, consecutive checkpoints alternate between two of them (the committed one stays intact
+while the next is staged), the persist process also returns a sha256 per 64 MiB chunk of what it staged, each
+rank indexes its files once they are durable, and rank 0 commits the tier after the disk commit.
+`restore_from_tier` loads the newest commit from there when it can.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import memtier
 
 ALIGN = 64  # arena offsets: distinct, aligned data pointers for every staged tensor
 
@@ -95,12 +102,25 @@ class _Slot:
 
 
 class Arena:
-    """A memfd-backed buffer the persist process maps too; tensors are staged into it back to back."""
+    """A buffer the persist process maps too; tensors are staged into it back to back. A memfd (no name: a
+    SIGKILL leaks nothing), or with `path` a file on tmpfs that outlives the rank (the memory tier,
+    `lifecycle.tasks.train.memtier`): its pages are allocated up front, so a full tmpfs fails here with
+    ENOSPC instead of a SIGBUS when a page is first written."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, path: Path | None = None):
         self.size = max(ALIGN, size)
-        self.fd = os.memfd_create("lifecycle-ckpt-arena")
-        os.ftruncate(self.fd, self.size)  # pages are only allocated when first written
+        self.path = path
+        if path is None:
+            self.fd = os.memfd_create("lifecycle-ckpt-arena")
+            os.ftruncate(self.fd, self.size)  # pages are only allocated when first written
+        else:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(self.fd, 0, self.size)
+            except OSError:
+                os.close(self.fd)
+                path.unlink(missing_ok=True)
+                raise
         self.mm = mmap.mmap(self.fd, self.size)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.cursor = 0
@@ -133,10 +153,12 @@ class Arena:
         """End the snapshot: later `stage` calls copy every tensor again (training may change them now)."""
         self.staged.clear()
 
-    def close(self) -> None:
+    def close(self, unlink: bool = False) -> None:
         del self.bytes
         self.mm.close()
         os.close(self.fd)
+        if unlink and self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 def staged_bytes(obj: Any) -> int:
@@ -213,78 +235,132 @@ def _child_main(fd: int) -> None:
     """The persist process: write what the rank sends, reply per job with {path: (sha256, bytes)} of the
     files it wrote (or the traceback), exit when the rank closes the channel."""
     torch.set_num_threads(1)
+    from lifecycle.tasks.train import memtier
+
     sock = socket.socket(fileno=fd)
-    mm = None
+    maps: dict[int, mmap.mmap] = {}  # arena id -> mapping
     while (got := _recv(sock)) is not None:
         msg, fds = got
-        if msg[0] == "arena":
-            if mm is not None:
-                mm.close()
-            mm = mmap.mmap(fds[0], msg[1])
+        if msg[0] == "arena":  # ("arena", id, size) with its fd
+            maps[msg[1]] = mmap.mmap(fds[0], msg[2])
             os.close(fds[0])
             continue
-        _, job, kind, target, skeleton, arg = msg
+        if msg[0] == "drop":  # ("drop", id): the rank has let that arena go
+            if (mm := maps.pop(msg[1], None)) is not None:
+                mm.close()
+            continue
+        _, job, kind, target, skeleton, arg, arena, staged = msg
         try:
             if kind == "prune":  # {path: None} of the checkpoints deleted under the root `target`
                 keep_last, keep = arg
-                _send(sock, (job, {str(p): None for p in ckpt.prune(target, keep_last, keep)}, None))
+                _send(sock, (job, {str(p): None for p in ckpt.prune(target, keep_last, keep)}, None, None))
                 continue
-            state = unstage(skeleton, mm)
+            state = unstage(skeleton, maps[arena])
             if kind == "states":
                 digests = {target: persist(state, target, zipfile=arg)}
             else:
                 digests = {os.path.join(target, name): d for name, d in ckpt.write_model(target, state, arg).items()}
-            _send(sock, (job, digests, None))
+            del state  # no view of the arena outlives the job (a dropped map can be closed)
+            # the memory tier's checksums of what was staged for this file, after it is durable on disk
+            tier = memtier.chunk_digests(maps[arena], *staged) if staged is not None else None
+            _send(sock, (job, digests, None, tier))
         except BaseException:
-            _send(sock, (job, None, traceback.format_exc()))
+            _send(sock, (job, None, traceback.format_exc(), None))
+
+
+@dataclass
+class Staged:
+    """One file's snapshot in the memory tier: where its state was staged."""
+
+    target: str
+    arena: str  # the arena's file name
+    skeleton: Any
+    start: int  # the arena range this file's tensors were copied to
+    end: int
 
 
 class PersistProcess:
-    """The rank's side: an arena, the persist process, and a future per submitted file."""
+    """The rank's side: the arenas, the persist process, and a future per submitted file.
 
-    def __init__(self):
+    `tier_dir` (this rank's directory of the memory tier, or None): arenas are files there, and consecutive
+    checkpoints alternate between two arena slots, so the slot of the last committed checkpoint is left
+    alone while the next one is staged. A slot keeps every arena its checkpoint used until it is reused."""
+
+    def __init__(self, tier_dir: Path | None = None):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD_BOOT, str(child.fileno()), str(os.getpid())],
                                      pass_fds=[child.fileno()])
         child.close()
-        self.sock, self.arena = parent, None
+        self.sock, self.tier_dir = parent, tier_dir
+        self.slots: list[list[tuple[int, Arena]]] = [[], []] if tier_dir is not None else [[]]
+        self.slot = 0
+        self.tier_error: str | None = None  # why the tier was turned off (tmpfs full), once it is
+        self.staged_total = self.last_total = 0  # arena bytes of this checkpoint / of the largest one so far
         self.jobs: dict[int, cf.Future] = {}
         self.ids = itertools.count()
+        self.arena_ids = itertools.count()
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()  # the training thread and rank 0's commit thread both send
         self.reader = threading.Thread(target=self._read, name="ckpt-persist-replies", daemon=True)
         self.reader.start()
 
-    def reserve(self, nbytes: int) -> Arena:
-        """An arena with `nbytes` free after its cursor (a larger new one when needed; the process keeps
-        its mapping of the old one until it has written what was staged there)."""
-        if self.arena is None or self.arena.cursor + nbytes > self.arena.size:
-            old = self.arena
-            self.arena = Arena(max(nbytes, 2 * old.size if old else nbytes))
+    @property
+    def arena(self) -> Arena | None:
+        """The arena staging goes to (the newest of the current slot)."""
+        return self.slots[self.slot][-1][1] if self.slots[self.slot] else None
+
+    def reserve(self, nbytes: int) -> tuple[int, Arena]:
+        """(id, arena) with `nbytes` free after its cursor: a larger new one when needed (the old one stays
+        mapped, in its slot, until the slot is reused)."""
+        old = self.arena
+        if old is None or old.cursor + nbytes > old.size:
+            size = max(nbytes, 2 * old.size if old else self.last_total)
+            aid = next(self.arena_ids)
+            path = self.tier_dir / f"arena-{os.getpid()}-{aid}" if self.tier_dir is not None else None
+            try:
+                arena = Arena(size, path)
+            except OSError as e:
+                if path is None:
+                    raise
+                self.tier_error = f"cannot allocate {size} bytes for {path} ({e.strerror}); memory tier off"
+                self.tier_dir, arena = None, Arena(size)
+            self.slots[self.slot].append((aid, arena))
             with self.send_lock:
-                _send(self.sock, ("arena", self.arena.size), fds=(self.arena.fd,))
+                _send(self.sock, ("arena", aid, arena.size), fds=(arena.fd,))
             if old is not None:
-                old.close()
-        return self.arena
+                old.seal()
+        return self.slots[self.slot][-1]
 
     def submit(self, kind: str, target: str, state: Any, arg: Any) -> cf.Future:
         """Stage `state` (blocking copy) and queue its write; kind 'states' (torch.save to the file `target`) or
         'model' (`checkpoint.write_model` into the directory `target`). The future's result is {path: (sha256,
-        bytes)} of the files written, once they are durable."""
-        return self._queue(kind, target, lambda: self.reserve(staged_bytes(state)).stage(state), arg)
+        bytes)} of the files written, once they are durable; with the memory tier, a 'states' file's future
+        also gets `tier`: the chunk digests of its staged range (`memtier.chunk_digests`)."""
+        def stage():
+            aid, arena = self.reserve(staged_bytes(state))
+            start = arena.cursor
+            skeleton = arena.stage(state)
+            self.staged_total += arena.cursor - start
+            staged = Staged(target, arena.path.name, skeleton, start, arena.cursor) \
+                if arena.path is not None and kind == "states" else None
+            return skeleton, aid, staged
+        return self._queue(kind, target, stage, arg)
 
     def prune(self, root: str | Path, keep_last: int, keep: tuple[str | Path, ...]) -> cf.Future:
         """Queue `checkpoint.prune(root, keep_last, keep)` after the writes already queued; the future's result
         is {path: None} of the checkpoints deleted."""
-        return self._queue("prune", str(root), lambda: None, (keep_last, tuple(str(k) for k in keep)))
+        return self._queue("prune", str(root), lambda: (None, None, None), (keep_last, tuple(str(k) for k in keep)))
 
-    def _queue(self, kind: str, target: str, skeleton: Callable[[], Any], arg: Any) -> cf.Future:
+    def _queue(self, kind: str, target: str, stage: Callable[[], tuple], arg: Any) -> cf.Future:
         fut: cf.Future = cf.Future()
+        fut.tier = None  # the staged range's chunk digests, from the process (memory tier only)
+        skeleton, aid, fut.staged = stage()
         with self.lock:
             job = next(self.ids)
             self.jobs[job] = fut
         try:
-            msg = ("save", job, kind, target, skeleton(), arg)
+            span = (fut.staged.start, fut.staged.end) if fut.staged is not None else None
+            msg = ("save", job, kind, target, skeleton, arg, aid, span)
             with self.send_lock:
                 _send(self.sock, msg)
         except OSError as e:  # the channel is broken: the process is gone
@@ -295,10 +371,11 @@ class PersistProcess:
 
     def _read(self) -> None:
         while (got := _recv(self.sock)) is not None:
-            (job, digests, error), _ = got
+            (job, digests, error, tier), _ = got
             with self.lock:
                 fut = self.jobs.pop(job)
             if error is None:
+                fut.tier = tier
                 fut.set_result(digests)
             else:
                 fut.set_exception(RuntimeError(f"checkpoint persist process failed:\n{error}"))
@@ -329,9 +406,24 @@ class PersistProcess:
             return False
 
     def new_checkpoint(self) -> None:
-        if self.arena is not None:
-            self.arena.cursor = 0
-            self.arena.seal()
+        """The last checkpoint is written: move to the other slot (with the tier; else the one slot), whose
+        checkpoint is older than the last committed one, and reuse its newest arena from the start."""
+        self.slot = (self.slot + 1) % len(self.slots)
+        self.last_total, self.staged_total = max(self.last_total, self.staged_total), 0
+        arenas = self.slots[self.slot]
+        keep = 1 if arenas and arenas[-1][1].size >= self.last_total else 0  # one arena that holds a checkpoint
+        for aid, arena in arenas[: len(arenas) - keep]:
+            with self.send_lock:
+                _send(self.sock, ("drop", aid))
+            arena.close(unlink=True)
+        del arenas[: len(arenas) - keep]
+        if arenas:
+            arenas[-1][1].cursor = 0
+            arenas[-1][1].seal()
+
+    def arena_names(self) -> set[str]:
+        """File names of the live tier arenas."""
+        return {a.path.name for slot in self.slots for _, a in slot if a.path is not None}
 
     def seal(self) -> None:
         """The snapshot is complete (see `Arena.stage`)."""
@@ -343,8 +435,9 @@ class PersistProcess:
         self.proc.wait()
         self.reader.join()
         self.sock.close()
-        if self.arena is not None:
-            self.arena.close()
+        for slot in self.slots:
+            for _, arena in slot:
+                arena.close()  # tier files stay: they are the committed checkpoint a relaunch restores
 
 
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
@@ -378,14 +471,21 @@ def merge_digests(ranks: list[dict[str, ckpt.Digest]]) -> dict[str, ckpt.Digest]
 
 
 class AsyncSaver:
-    """Collective async save + commit for one DeepSpeed engine (every rank builds one)."""
+    """Collective async save + commit for one DeepSpeed engine (every rank builds one). `tier`: the run's
+    memory tier directory (`lifecycle.tasks.train.memtier`), or None."""
 
-    def __init__(self, engine, ckpt_root: str | Path, keep_last: int, log=print):
+    def __init__(self, engine, ckpt_root: str | Path, keep_last: int, log=print, tier: Path | None = None):
         self.engine, self.root, self.keep_last, self.log = engine, Path(ckpt_root), keep_last, log
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = engine.device  # the rank's device (the CPU, or its GPU under train.engine.accelerator=cuda)
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")  # rank 0's commits
-        self.writer = PersistProcess()
+        self.tier = Path(tier) if tier is not None else None
+        if self.tier is not None:
+            self.tier.mkdir(mode=0o700, parents=True, exist_ok=True)  # the supervisor claims it first
+            memtier.check_owner(self.tier)
+            memtier.rank_dir(self.tier, self.rank).mkdir(mode=0o700, exist_ok=True)
+        self.writer = PersistProcess(memtier.rank_dir(self.tier, self.rank) if self.tier is not None else None)
+        self.tier_error_logged = False
         self.ds_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, self.writer)
         engine.checkpoint_engine = self.ds_engine
         self.pending: tuple[int, Path, dict | None] | None = None
@@ -405,6 +505,8 @@ class AsyncSaver:
         dist.barrier()
         self.ds_engine.jobs = []
         self.writer.new_checkpoint()  # the last one is written: its arena space is free again
+        if self.tier is not None:
+            self._prune_tier()
         self.engine.save_checkpoint(str(self.root), tag=tag_dir.name, client_state=client_state, save_latest=False)
         module = self.engine.module
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
@@ -435,16 +537,56 @@ class AsyncSaver:
                                                   for j in jobs for path, d in j.result().items()}
         except Exception as e:  # a failed write: reported to every rank below, so that none commits or waits
             mine = f"rank {self.rank}: {e}"
-        ranks: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
-        if failed := [r for r in ranks if isinstance(r, str)]:
+        indexed = self.tier is not None and isinstance(mine, dict) and self._index(step, tag_dir, jobs)
+        ranks: list[Any] = [None] * self.world
+        dist.all_gather_object(ranks, (mine, indexed))
+        if failed := [r for r, _ in ranks if isinstance(r, str)]:
             raise RuntimeError(f"checkpoint {tag_dir} not committed:\n" + "\n".join(failed))
         if self.rank == 0:
-            self.commit_job = self.pool.submit(self._commit, tag_dir, step, extra, merge_digests(ranks))
+            self.commit_job = self.pool.submit(self._commit, tag_dir, step, extra, merge_digests([r for r, _ in ranks]),
+                                               all(ok for _, ok in ranks))
         return tag_dir
 
-    def _commit(self, tag_dir: Path, step: int, extra: dict | None, known: dict[str, ckpt.Digest]) -> Path:
+    def _index(self, step: int, tag_dir: Path, jobs: list[cf.Future]) -> bool:
+        """Write this rank's tier index of checkpoint `step`; False (and the tier is not committed) when the
+        tier could not hold it."""
+        if self.writer.tier_error is not None:
+            if not self.tier_error_logged:
+                print(f"rank {self.rank}: {self.writer.tier_error}", flush=True)
+                self.tier_error_logged = True
+            return False
+        staged = [j for j in jobs if j.staged is not None]
+        if any(j.tier is None for j in staged):
+            return False
+        files = {Path(j.staged.target).relative_to(tag_dir).as_posix(): (j.staged.arena, j.staged.skeleton)
+                 for j in staged}
+        ranges = [(j.staged.arena, j.staged.start, j.staged.end, j.tier) for j in staged]
+        try:
+            memtier.write_index(self.tier, self.rank, step, files, ranges)
+        except OSError as e:
+            print(f"rank {self.rank}: memory tier index of step {step} not written ({e})", flush=True)
+            return False
+        return True
+
+    def _prune_tier(self) -> None:
+        """Keep, of this rank's tier files, the live arenas and the committed checkpoint's index and arenas (a
+        dead process's, until this process commits one)."""
+        keep = self.writer.arena_names()
+        if (step := memtier.committed_step(self.tier)) is not None:
+            keep.add(memtier.index_path(self.tier, self.rank, step).name)
+            try:
+                keep |= {name for name, *_ in memtier.read_index(self.tier, self.rank, step)["ranges"]}
+            except Exception:  # noqa: BLE001 - no usable index: nothing more to keep
+                pass
+        memtier.prune_rank(self.tier, self.rank, keep)
+
+    def _commit(self, tag_dir: Path, step: int, extra: dict | None, known: dict[str, ckpt.Digest],
+                indexed: bool = False) -> Path:
+        if self.tier is not None and not indexed:
+            memtier.uncommit(self.tier)
         ckpt.commit(tag_dir, step, extra, known=known)
+        if self.tier is not None and indexed:
+            memtier.commit(self.tier, step, self.world)
         for gone in self.writer.prune(self.root, self.keep_last, keep=(tag_dir,)).result():
             self.log(f"pruned {gone}")
         self.log(f"committed {tag_dir}")
@@ -459,6 +601,55 @@ class AsyncSaver:
             self.commit_job.result()
             self.commit_job = None
         dist.barrier()
+
+    def restore_from_tier(self, max_step: int | None) -> tuple[tuple[Path, dict] | None, str | None]:
+        """Collective. ((tag directory, client_state), None) when the newest commit on disk (at most
+        `max_step`) was loaded from the memory tier; (None, why not) when the disk has to be read instead."""
+        if self.tier is None:
+            return None, "memory tier off"
+        decision: list[Any] = list(self._tier_candidate(max_step)) if self.rank == 0 else [None, None]
+        dist.broadcast_object_list(decision, src=0)
+        step, why = decision
+        if step is None:
+            return None, why
+        mine = memtier.verify_rank(self.tier, self.rank, step, self.world, torch.get_num_threads())
+        reasons: list[Any] = [None] * self.world
+        dist.all_gather_object(reasons, mine)
+        if bad := [r for r in reasons if r is not None]:
+            return None, "; ".join(bad)
+        tag_dir = self.root / ckpt.tag_name(step)
+        loader = memtier.TierLoader(self.tier, step, self.world, tag_dir, self.ds_engine)
+        self.engine.checkpoint_engine = loader
+        try:
+            _, client_state = self.engine.load_checkpoint(str(self.root), tag=tag_dir.name)
+        finally:
+            self.engine.checkpoint_engine = self.ds_engine
+            loader.close()
+        if not loader.from_memory:
+            raise RuntimeError(f"memory tier of step {step} verified, but DeepSpeed read no file from it")
+        return (tag_dir, client_state), None
+
+    def _tier_candidate(self, max_step: int | None) -> tuple[int | None, str | None]:
+        """Rank 0: (step, None) when the tier holds the newest commit on disk and that commit's files are all
+        there with their sizes; else (None, why not)."""
+        committed = [(s, p) for s, p in ckpt.list_committed(self.root) if max_step is None or s <= max_step]
+        if not committed:
+            return None, "nothing committed"
+        newest, tag_dir = committed[-1]
+        have = memtier.committed_step(self.tier)
+        if have is None:
+            return None, f"no committed snapshot in {self.tier}"
+        if have != newest:
+            return None, f"memory holds step {have}, the newest commit on disk is step {newest}"
+        try:
+            files = ckpt.read_marker(tag_dir)["files"]
+        except (OSError, ValueError, KeyError) as e:
+            return None, f"unreadable marker of {tag_dir} ({e})"
+        for f in files:  # sizes only: the tier's own checksums stand for the bytes
+            p = tag_dir / f["path"]
+            if not p.is_file() or p.stat().st_size != f["bytes"]:
+                return None, f"{tag_dir}/{f['path']} is missing or not {f['bytes']} bytes"
+        return newest, None
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -10,6 +10,9 @@ whatever it is:
 - `poll()`: after every step; commits a background save whose files are durable on every rank.
 - `restore(max_step)`: the in-flight save is committed first, then every rank loads the newest committed
   checkpoint (at most `max_step`) whose hashes verify; returns (tag directory, client_state) or None.
+  `AsyncCheckpointer` with the memory tier (`lifecycle.tasks.train.memtier`) loads it from host memory when
+  the tier holds that commit and its checksums match. `last_restore` says which tier was read, in how
+  long, and why not the memory tier.
 - `close()`: commits what is in flight and releases the background writer.
 
 Every method is collective: every rank calls it at the same steps. Both write the same files (DeepSpeed's
@@ -19,6 +22,9 @@ protocol of `lifecycle.tasks.train.checkpoint`; a checkpoint written by one is r
 
 from __future__ import annotations
 
+import math
+import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +39,8 @@ class Checkpointer:
 
     def __init__(self, engine, root: str | Path, keep_last: int, log: Callable[[str], None] = print):
         self.engine, self.root, self.keep_last, self.log = engine, Path(root), keep_last, log
+        self.last_restore: dict = {}
+        """{"tier": "memory" | "disk", "seconds": restore time, "reason": why not from memory (disk only)}"""
 
     def save(self, step: int, client_state: dict, model_config: Any, marker: dict, wait: bool = False) -> None:
         raise NotImplementedError
@@ -47,12 +55,16 @@ class Checkpointer:
         """(tag directory, client_state) of the newest committed checkpoint (at most `max_step`) whose files
         verify, loaded into the engine on every rank (rank 0 picks it); None when there is none."""
         self.wait()
+        return self._from_disk(max_step, time.perf_counter(), "memory tier off")
+
+    def _from_disk(self, max_step: int | None, t0: float, reason: str) -> tuple[Path, dict] | None:
         found = [ckpt.latest_valid(self.root, max_step=max_step) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(found, src=0)
         if found[0] is None:
             return None
         tag_dir = Path(found[0])
         _, client_state = self.engine.load_checkpoint(str(self.root), tag=tag_dir.name)
+        self.last_restore = {"tier": "disk", "seconds": time.perf_counter() - t0, "reason": reason}
         return tag_dir, client_state
 
     def close(self) -> None:
@@ -74,12 +86,22 @@ class AsyncCheckpointer(Checkpointer):
     """`async_ckpt.AsyncSaver`: `save` snapshots to host memory; a persist process per rank writes the files
     while training goes on, and `poll` commits once every rank's files are durable. One save in flight."""
 
-    def __init__(self, engine, root: str | Path, keep_last: int, log: Callable[[str], None] = print):
+    def __init__(self, engine, root: str | Path, keep_last: int, log: Callable[[str], None] = print,
+                 tier: Path | None = None):
         from lifecycle.tasks.train.async_ckpt import AsyncSaver  # starts nothing until built; needs deepspeed
 
         super().__init__(engine, root, keep_last, log)
         self.base_engine = engine.checkpoint_engine  # AsyncSaver installs its snapshot engine in its place
-        self.saver = AsyncSaver(engine, self.root, keep_last, log=log)
+        self.saver = AsyncSaver(engine, self.root, keep_last, log=log, tier=tier)
+
+    def restore(self, max_step: int | None = None) -> tuple[Path, dict] | None:
+        self.wait()
+        t0 = time.perf_counter()
+        got, why = self.saver.restore_from_tier(max_step)
+        if got is None:
+            return self._from_disk(max_step, t0, why)
+        self.last_restore = {"tier": "memory", "seconds": time.perf_counter() - t0, "reason": None}
+        return got
 
     def save(self, step: int, client_state: dict, model_config: Any, marker: dict, wait: bool = False) -> None:
         self.saver.start(step, client_state, model_config, marker)
@@ -99,7 +121,51 @@ class AsyncCheckpointer(Checkpointer):
 
 
 def make_checkpointer(cfg: CheckpointConfig, engine, root: str | Path,
-                      log: Callable[[str], None] = print) -> Checkpointer:
-    """The implementation `cfg.async_save` asks for."""
-    kind = AsyncCheckpointer if cfg.async_save else SyncCheckpointer
-    return kind(engine, root, cfg.keep_last, log)
+                      log: Callable[[str], None] = print, tier: str | Path | None = None) -> Checkpointer:
+    """The implementation `cfg.async_save` asks for; `tier`: the run's memory tier directory (async only)."""
+    if not cfg.async_save:
+        return SyncCheckpointer(engine, root, cfg.keep_last, log)
+    return AsyncCheckpointer(engine, root, cfg.keep_last, log, tier=Path(tier) if tier else None)
+
+
+class SaveSchedule:
+    """Which steps commit a checkpoint: every `checkpoint.every` steps, or under `every: auto` an interval
+    chosen so that saving costs at most `auto_overhead` of training time (CheckFreq).
+
+    Auto: the first save of a launch comes `PROBE` steps in; each save's stall (the time it held the
+    training thread, which includes waiting for the previous save's persist) and the median step time so
+    far give interval = ceil(median stall / (auto_overhead x median step)); the numbers are the slowest
+    rank's (`observe` takes them all-reduced), so every rank picks the same steps. The interval never
+    changes what is trained, only which steps are committed; max_steps always commits (the caller's rule)."""
+
+    PROBE = 5
+
+    def __init__(self, cfg: CheckpointConfig, first_step: int):
+        self.every, self.share = cfg.every, cfg.auto_overhead
+        self.next = first_step + self.PROBE
+        self.step_times: list[float] = []
+        self.stalls: list[float] = []
+        self.interval: int | None = None if self.every == "auto" else int(self.every)
+
+    @property
+    def auto(self) -> bool:
+        return self.every == "auto"
+
+    def due(self, step: int) -> bool:
+        return step >= self.next if self.auto else step % int(self.every) == 0
+
+    def step_time(self, seconds: float) -> None:
+        """A training step's time (the first of a launch is left out by the caller: it warms up)."""
+        self.step_times.append(seconds)
+
+    def median_step(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else 0.0
+
+    def observe(self, step: int, stall: float, step_time: float) -> int:
+        """After the save at `step`: its stall and the median step time (both the max over ranks); returns
+        the interval to the next save."""
+        self.stalls.append(stall)
+        median_stall = statistics.median(self.stalls)
+        self.interval = max(1, math.ceil(median_stall / (self.share * step_time))) if step_time > 0 else 1
+        self.next = step + self.interval
+        return self.interval

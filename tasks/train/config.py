@@ -159,14 +159,27 @@ class CheckpointConfig(Section):
 
     operational: ClassVar[bool] = True
 
-    every: int = Field(100, ge=1)
-    """Commit a checkpoint every this many steps; one is always committed at max_steps."""
+    every: Annotated[int, Field(ge=1)] | Literal["auto"] = 100
+    """Commit a checkpoint every this many steps; one is always committed at max_steps. `auto`: pick the
+    interval so that saving costs at most `auto_overhead` of training time (CheckFreq): a first save a few
+    steps into each launch measures its stall, then interval = ceil(stall / (auto_overhead x median step
+    time)), re-estimated at every save from the numbers of all ranks (the slowest), and logged."""
+    auto_overhead: float = Field(0.035, gt=0, lt=1)
+    """With `every: auto`, the share of training time checkpointing may cost (CheckFreq's 3.5 %)."""
     keep_last: int = Field(3, ge=1)
     """Committed checkpoints kept (K newest); older ones are deleted after each commit."""
     async_save: bool = True
     """Checkpoints are snapshotted to host memory and persisted in the background (lifecycle.tasks.train.async_ckpt);
     false = the synchronous save of lifecycle.tasks.train.checkpoint. Either way the commit marker comes last and
     the files are the same."""
+    memory_tier: bool = True
+    """Keep the latest committed checkpoint in host memory (tmpfs, /dev/shm), outside the ranks, so that a
+    relaunch after a rank failure restores from memory instead of disk (Gemini, CheckFreq); the disk commit
+    stays the source of truth, and a tier that is older than the newest commit or fails its checksums is
+    skipped (the restore reads the disk, and says why). Needs `async_save` (the async saver's staging
+    buffers are the tier). Memory: up to two model+optimizer states per host (the committed one and the one
+    being saved), in place of the one staging buffer the async saver keeps anyway. Removed when the run
+    succeeds."""
 
 
 class LoggingConfig(Section):

@@ -36,6 +36,7 @@ from lifecycle.core import fs
 from lifecycle.core.code import code_version
 from lifecycle.core.procs import die_with_parent, free_port, start_time, stop_group
 from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import memtier
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
 from lifecycle.tasks.train.supervise import Heartbeats, Ownership, prebuild_shm_op
@@ -149,14 +150,21 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"another run_train is supervising {run_dir}") from None
+        tier = memory_tier(cfg, run_dir)  # this run's in-memory checkpoint tier (a rerun of it restores from there)
+        memtier.release_dead(keep=tier)  # tiers of dead runs
         latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
+            if tier is not None:
+                memtier.remove(tier)
             return _result(latest, run_dir, None, launched=False, sizing=sizing)
         resumed_from = ckpt.step_of(latest) if latest is not None else None
+        if tier is not None:
+            memtier.claim(tier, os.getpid())
         config_path = run_dir / "config.json"
         fs.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
                                            "run_dir": str(run_dir), "tokens": meta.model_dump(),
-                                           "token_dataset": tokens.path, "init_weights": init_weights, **init})
+                                           "token_dataset": tokens.path, "init_weights": init_weights,
+                                           "memory_tier": str(tier) if tier is not None else None, **init})
         port = cfg.launch.master_port or free_port()
         launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
         if launcher is None:
@@ -201,7 +209,18 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if final is None or ckpt.step_of(final) != cfg.max_steps:
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
+        if tier is not None:
+            memtier.remove(tier)  # the run is done: its memory goes back
         return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
+
+
+def memory_tier(cfg: TrainConfig, run_dir: Path) -> Path | None:
+    """The run's memory tier directory (`train.checkpoint.memory_tier`): async saves on one host only (the
+    supervisor could neither claim nor clean a tier on another host), and only where /dev/shm exists."""
+    c = cfg.checkpoint
+    if not (c.memory_tier and c.async_save and cfg.launch.hostfile is None and memtier.ROOT.is_dir()):
+        return None
+    return memtier.path_for(run_dir)
 
 
 def read_hostfile(path: str | Path) -> dict[str, int]:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.core.fs import atomic_write_json
-from lifecycle.tasks.train.checkpointer import make_checkpointer
+from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
 from lifecycle.tasks.data.tokenize.stage import TokenShards
@@ -227,12 +227,19 @@ class Trainer:
         self.engine, self.scheduler = self._build_engine()
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
         self.peak = cfg.logging.peak_flops_per_rank or measure_peak_flops(self.device, dtype=dtype)
-        self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say)
+        self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say,
+                                              tier=launch.get("memory_tier"))
         torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
         self.step, self.elapsed, self.skipped = 0, 0.0, []
         if (found := self.restore()) is not None:
             self.say(f"resumed from {found} at step {self.step}")
         self.metrics = Metrics(self.run_dir / "metrics.jsonl", self.step, enabled=self.rank == 0)
+        if found is not None:  # which tier the restore read, and why not memory (tests and benches read it)
+            info = self.checkpointer.last_restore
+            self.say(f"restored step {self.step} from {info['tier']} in {info['seconds']:.3f}s"
+                     + (f" (memory tier not used: {info['reason']})" if info["reason"] else ""))
+            self.metrics.write({"kind": "restore", "step": self.step, **info})
+        self.schedule = SaveSchedule(cfg.checkpoint, self.step)
         self.faults = injected_faults()
         self.engine.train()
         self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
@@ -317,10 +324,12 @@ class Trainer:
         self.recent = (self.recent + [loss])[-self.cfg.guard.spike_window:]
         self.step += 1
         self.elapsed += time.perf_counter() - t0
+        if self.step > self.first + 1:  # the launch's first step warms up
+            self.schedule.step_time(time.perf_counter() - t0)
         self.window_steps += 1
         self.checkpointer.poll()
         last = self.step == self.cfg.max_steps
-        commit = self.step % self.cfg.checkpoint.every == 0 or last
+        commit = self.schedule.due(self.step) or last
         if self.step % self.cfg.logging.every == 0 or self.step == self.first + 1 or commit:  # same on every rank
             self.log(loss, lr)
         if self.cfg.logging.eval_every and (self.step % self.cfg.logging.eval_every == 0 or last):
@@ -392,9 +401,24 @@ class Trainer:
                   "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
         t_save = time.perf_counter()
         self.checkpointer.save(self.step, client_state, cfg.model, marker, wait=last)
-        self.say(f"save stall {time.perf_counter() - t_save:.3f}s at step {self.step}")
+        stall = time.perf_counter() - t_save
+        self.say(f"save stall {stall:.3f}s at step {self.step}")
+        if self.schedule.auto and not last:
+            self.choose_interval(stall)
         self.window_start = time.perf_counter()
         self.loader.take_wait()
+
+    def choose_interval(self, stall: float) -> None:
+        """`checkpoint.every: auto`: the next interval from the slowest rank's stall and median step time."""
+        worst = torch.tensor([stall, self.schedule.median_step()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank then picks the same next save
+        stall, step_time = worst.tolist()
+        interval = self.schedule.observe(self.step, stall, step_time)
+        share = self.cfg.checkpoint.auto_overhead
+        self.say(f"checkpoint interval (auto): {interval} steps (save stall {stall:.3f}s, median step "
+                 f"{step_time:.3f}s, overhead {share:.1%})")
+        self.metrics.write({"kind": "checkpoint_interval", "step": self.step, "interval": interval,
+                            "stall": stall, "step_time": step_time, "overhead": share})
 
     def restore(self) -> Path | None:
         """Load the newest committed checkpoint whose hashes verify into the engine, this rank's RNG states and

@@ -6,11 +6,13 @@ import os
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from lifecycle.core.dataset import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import memtier
 from lifecycle.tasks.train.checkpointer import AsyncCheckpointer, SyncCheckpointer, make_checkpointer
 from lifecycle.tasks.train.config import CheckpointConfig, ModelConfig, TrainConfig
 from lifecycle.tasks.train.model import GPT
@@ -60,7 +62,8 @@ def step(engine) -> None:
 def save_three(checkpointer, root: Path) -> dict[int, dict]:
     """Commits at steps 1, 2, 3 (keep_last=2), the same state each time; returns the markers left."""
     for s in (1, 2, 3):
-        checkpointer.save(s, {"step": s, "sampler": {"next_step": s}}, TINY, {"loss": 0.5, "fingerprint": "f"},
+        checkpointer.save(s, {"step": s, "sampler": {"next_step": s}, "rng": np.random.get_state()}, TINY,
+                          {"loss": 0.5, "fingerprint": "f"},
                           wait=s == 3)
         checkpointer.poll()
     checkpointer.close()
@@ -76,6 +79,8 @@ def assert_same_state(x, y, path: str = "") -> None:
     assert type(x) is type(y), path
     if isinstance(x, torch.Tensor):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), path
+    elif isinstance(x, np.ndarray):
+        assert x.dtype == y.dtype and np.array_equal(x, y), path
     elif isinstance(x, dict):
         assert list(x) == list(y), path
         for k in x:
@@ -138,9 +143,73 @@ def test_sync_and_async_write_the_same_checkpoints_and_restore_each_other(engine
         try:
             tag_dir, state = reader.restore(max_step=10)
             assert tag_dir == root / ckpt.tag_name(3) and state["step"] == 3 and state["sampler"] == {"next_step": 3}
+            assert state["rng"][0] == "MT19937" and isinstance(state["rng"][1], np.ndarray)
             assert all(torch.equal(saved[k], v) for k, v in weights(engine).items())
             assert reader.restore(max_step=2)[1]["step"] == 2  # max_step: the newest commit at or below it
         finally:
             reader.close()
     empty = SyncCheckpointer(engine, tmp_path / "none", keep_last=2)
     assert empty.restore() is None
+
+
+def test_memory_tier_restores_the_newest_commit_from_memory_and_falls_back_to_disk(engine, tmp_path):
+    """The async saver's staging arenas are the memory tier: a new checkpointer (a relaunched rank) restores the
+    newest commit from them, state for state what the disk copy loads as; a tier older than the newest
+    commit, or with one flipped byte, is skipped for the disk, saying why."""
+    root, tier = tmp_path / "ckpt", tmp_path / "tier"
+    writer = make_checkpointer(CheckpointConfig(keep_last=2), engine, root, log=lambda m: None, tier=tier)
+    save_three(writer, root)
+    assert memtier.committed_step(tier) == 3
+    arenas = sorted(p.name for p in (tier / "rank0").glob("arena-*"))
+    assert 1 <= len(arenas) <= 2  # two slots at most: the committed checkpoint and the one being saved
+    saved = weights(engine)
+    disk_state = torch.load(root / ckpt.tag_name(3) / "mp_rank_00_model_states.pt", weights_only=False)
+
+    def restore(max_step=10):
+        step(engine)  # move away from the saved weights
+        reader = AsyncCheckpointer(engine, root, keep_last=2, log=lambda m: None, tier=tier)
+        try:
+            got = reader.restore(max_step=max_step)
+            return got, reader.last_restore
+        finally:
+            reader.close()
+
+    (tag_dir, state), info = restore()
+    assert info["tier"] == "memory" and info["reason"] is None and tag_dir == root / ckpt.tag_name(3)
+    assert state["step"] == 3 and all(torch.equal(saved[k], v) for k, v in weights(engine).items())
+    assert_same_state({k: v for k, v in state.items()}, {k: v for k, v in disk_state.items() if k in state})
+
+    (_, state), info = restore(max_step=2)  # the tier holds step 3, the newest commit at or below 2 is step 2
+    assert info["tier"] == "disk" and "memory holds step 3" in info["reason"] and state["step"] == 2
+
+    arena = max((tier / "rank0").glob("arena-*"), key=lambda p: p.stat().st_mtime)
+    index = memtier.read_index(tier, 0, 3)
+    name, start, end, _ = index["ranges"][0]
+    with open(tier / "rank0" / name, "r+b") as f:  # flip one staged byte of step 3
+        f.seek((start + end) // 2)
+        b = f.read(1)
+        f.seek((start + end) // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    (tag_dir, state), info = restore()
+    assert info["tier"] == "disk" and "checksum" in info["reason"], info
+    assert tag_dir == root / ckpt.tag_name(3) and all(torch.equal(saved[k], v) for k, v in weights(engine).items())
+    assert arena.exists()
+
+
+def test_dead_runs_tiers_are_released_live_and_kept_ones_stay(tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tiers = {name: memtier.path_for(tmp_path / name, root=tmp_path) for name in "abcd"}
+    memtier.claim(tiers["a"], dead.pid)  # its supervisor is gone
+    memtier.claim(tiers["b"], os.getpid())  # alive
+    memtier.claim(tiers["c"], dead.pid)  # dead, but the tier of the run being launched
+    tiers["d"].mkdir()  # no supervisor file, young: being created
+    assert memtier.release_dead(keep=tiers["c"], root=tmp_path) == [tiers["a"]]
+    assert not tiers["a"].exists() and tiers["b"].is_dir() and tiers["c"].is_dir() and tiers["d"].is_dir()
+    os.utime(tiers["d"], (0, 0))
+    assert memtier.release_dead(keep=tiers["c"], root=tmp_path) == [tiers["d"]]
+    tiers["b"].chmod(0o777)
+    with pytest.raises(PermissionError, match="not private"):
+        memtier.claim(tiers["b"], os.getpid())

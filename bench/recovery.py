@@ -1,0 +1,87 @@
+"""Recovery after a rank failure: relaunch from the in-memory checkpoint tier versus from disk, in the same run.
+
+`python -m bench.recovery [ROUNDS]` (default 3 rounds; the demo config's model and batch: 4 layers, 128 wide,
+seq 128, micro-batch 16, 2 CPU ranks, ZeRO-2, fp32, a commit every 10 steps). On a GPU host,
+`python -m bench.recovery 3 --model 350m --accelerator cuda --ranks 1 --precision bf16` runs the same on a
+GPT-2-medium-shaped model (24 layers, 1024 wide, 16 heads: about 300M non-embedding parameters).
+
+Each round trains two runs from scratch, one with `train.checkpoint.memory_tier: true` and one with false
+(in alternating order), until a commit at step `--kill-after` (and, with the tier, its tier commit); then it
+SIGKILLs rank 1 alone, lets run_train fail as it does when a rank dies, and calls run_train again (what
+Prefect's retry does). Two figures per relaunch: the time from that call to the first training step recorded
+in metrics.jsonl, and the restore phase alone (the `restore` record the ranks write: choosing, verifying and
+loading the checkpoint). Both paths verify what they load: the disk path re-hashes every file of the commit
+(sha256) and torch.loads them, the memory path checks the tier's sha256 per 64 MiB chunk and clones the
+tensors out of the tmpfs arenas. The ratios memory/disk of the medians are the result. Goal: <= 0.2.
+
+The disk here is a local file system whose pages the kill leaves cached (the checkpoint was written seconds
+before), so "disk" is mostly page-cache reads: the best case for disk. The harness is tests/faults.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.faults import kill_rank_and_relaunch  # noqa: E402
+
+MODELS = {
+    "demo": ({"n_layer": 4, "n_head": 4, "n_embd": 128, "seq_len": 128, "dropout": 0.0}, {"micro_batch_size": 16}),
+    "350m": ({"n_layer": 24, "n_head": 16, "n_embd": 1024, "seq_len": 256, "dropout": 0.0}, {"micro_batch_size": 4}),
+}
+
+
+def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32",
+         kill_after: int = 10, every: int = 10) -> dict:
+    shape, batch = MODELS[model]
+    times: dict[str, dict[str, list[float]]] = {m: {"relaunch": [], "restore": []} for m in ("memory", "disk")}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokdir = str(Path(tmp) / "tokens")
+        for i in range(rounds):
+            order = ("memory", "disk") if i % 2 == 0 else ("disk", "memory")
+            for mode in order:
+                opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision, "max_steps": 100000,
+                        "model": shape, "batch": batch,
+                        "checkpoint": {"every": every, "keep_last": 2, "memory_tier": mode == "memory"}}
+                got = kill_rank_and_relaunch(tokdir, str(Path(tmp) / f"{mode}{i}"), opts, after_step=kill_after,
+                                             finish=False)
+                r = got["restore"]
+                if r is None or got["relaunch_to_first_step"] is None:
+                    raise RuntimeError(f"round {i} ({mode}): the relaunch recorded no restore and first step: {got}")
+                if r["tier"] != mode:
+                    raise RuntimeError(f"round {i}: a {mode} relaunch restored from {r['tier']} ({r['reason']})")
+                times[mode]["relaunch"].append(got["relaunch_to_first_step"])
+                times[mode]["restore"].append(r["seconds"])
+                print(f"round {i + 1} {mode:6s}: killed after commit {got['killed_after']}, restored step {r['step']}: "
+                      f"restore {r['seconds']:.3f}s, relaunch to first step {got['relaunch_to_first_step']:.2f}s",
+                      flush=True)
+    from lifecycle.tasks.train import memtier
+
+    memtier.release_dead()  # the last relaunch was killed with its supervisor: its tier is a dead run's
+    med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
+    ratio = {k: med["memory"][k] / med["disk"][k] for k in ("restore", "relaunch")}
+    print(f"{model} model, {accelerator}, {ranks} rank(s), {precision}, {rounds} rounds (medians): "
+          f"restore memory {med['memory']['restore']:.3f}s vs disk {med['disk']['restore']:.3f}s "
+          f"(ratio {ratio['restore']:.2f}); relaunch to first step memory {med['memory']['relaunch']:.2f}s vs disk "
+          f"{med['disk']['relaunch']:.2f}s (ratio {ratio['relaunch']:.2f})")
+    return {"medians": med, "ratio": ratio, "times": times}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
+    ap.add_argument("rounds", type=int, nargs="?", default=3)
+    ap.add_argument("--model", choices=sorted(MODELS), default="demo")
+    ap.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--kill-after", type=int, default=10, help="SIGKILL rank 1 once this step (or a later one) is committed")
+    ap.add_argument("--every", type=int, default=10, help="train.checkpoint.every")
+    a = ap.parse_args()
+    main(a.rounds, a.model, a.accelerator, a.ranks, a.precision, a.kill_after, a.every)

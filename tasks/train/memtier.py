@@ -1,0 +1,252 @@
+"""In-memory checkpoint tier: the latest committed checkpoint kept in host memory, outside the ranks, so that a
+relaunch after a rank failure restores from memory instead of disk (Gemini, CheckFreq).
+
+The async saver (`lifecycle.tasks.train.async_ckpt`) already copies every checkpoint into a staging arena in
+host memory before its persist process writes the files. With the tier on, those arenas are files on tmpfs,
+`/dev/shm/lifecycle-<uid>-<hash of the run directory>/rank<r>/arena-<pid>-<n>`, so the staging buffer IS the tier (no
+extra copy) and it outlives the rank. Each rank alternates between two arenas (one holds the last committed
+checkpoint while the next is staged into the other), so memory holds at most two checkpoints per host: the
+committed one and the one being saved.
+
+Layout of one run's tier (mode 0700, owned by the user):
+- `supervisor`: pid of the `run_train` that owns it; `release_dead` removes tiers whose supervisor is gone.
+- `rank<r>/step_<8 digits>.idx`: rank r's index of checkpoint `step` (pickle): for every DeepSpeed file it
+  saved, the arena and the state's skeleton (tensors as their place in the arena); and every arena range it
+  staged, with a sha256 per 64 MiB chunk, computed by the persist process after it wrote the files.
+- `COMMITTED.json`: {"step", "world_size"}, written by rank 0 after the disk commit of that step, only when
+  every rank wrote its index.
+
+A restore uses the tier only when its step is the newest commit on disk, the disk copy's files have the sizes
+its marker lists, every rank's index is there, and every chunk digest matches (each rank checks its own, in
+parallel threads); else it reads the disk, and says why. The tier is then a DeepSpeed checkpoint engine whose
+`load(path)` returns the state over the arena (cloned), so DeepSpeed's own load logic runs unchanged.
+
+The indexes are pickles: like DeepSpeed's `torch.load(weights_only=False)` of the checkpoint files, they are
+only read from a directory this user created with mode 0700. torch is imported in the functions that need it:
+the supervisor imports this module to clean tiers up.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import mmap
+import os
+import pickle
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path("/dev/shm")
+MARKER = "COMMITTED.json"
+SUPERVISOR = "supervisor"
+CHUNK = 64 << 20  # bytes per digest: chunks are verified in parallel threads (hashlib releases the GIL)
+
+
+def path_for(run_dir: str | Path, root: Path = ROOT) -> Path:
+    """The tier directory of the run in `run_dir` (one per user and run directory: the same run fingerprint in
+    two work dirs is two runs)."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:20]
+    return root / f"lifecycle-{os.getuid()}-{key}"
+
+
+def claim(tier: Path, pid: int) -> None:
+    """Create (or take over) the run's tier for supervisor `pid`."""
+    tier.mkdir(mode=0o700, exist_ok=True)
+    check_owner(tier)
+    tmp = tier / f"{SUPERVISOR}.tmp"
+    tmp.write_text(str(pid))
+    os.replace(tmp, tier / SUPERVISOR)
+
+
+def check_owner(tier: Path) -> None:
+    """Refuse a tier directory another user owns or can write (its indexes are unpickled)."""
+    st = tier.stat()
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"memory tier {tier} is not private to uid {os.getuid()} (owner {st.st_uid}, "
+                              f"mode {oct(st.st_mode & 0o777)}); remove it")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def release_dead(keep: Path | None = None, root: Path = ROOT, grace_s: float = 60.0) -> list[Path]:
+    """Remove this user's tiers whose supervisor is dead (a killed run), except `keep` (the tier a rerun of
+    the same run restores from). A tier without a supervisor file is removed once older than `grace_s`."""
+    gone = []
+    for tier in root.glob(f"lifecycle-{os.getuid()}-*"):
+        if keep is not None and tier == keep or not tier.is_dir():
+            continue
+        try:
+            pid = int((tier / SUPERVISOR).read_text())
+            dead = not _alive(pid)
+        except (OSError, ValueError):
+            try:
+                dead = time.time() - tier.stat().st_mtime > grace_s
+            except OSError:
+                continue
+        if dead:
+            remove(tier)
+            gone.append(tier)
+    return gone
+
+
+def remove(tier: Path) -> None:
+    shutil.rmtree(tier, ignore_errors=True)
+
+
+def committed_step(tier: Path) -> int | None:
+    try:
+        return int(json.loads((tier / MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def commit(tier: Path, step: int, world_size: int) -> None:
+    """Rank 0, after the disk commit of `step` and once every rank indexed it."""
+    tmp = tier / f"{MARKER}.tmp"
+    tmp.write_text(json.dumps({"step": step, "world_size": world_size}))
+    os.replace(tmp, tier / MARKER)
+
+
+def uncommit(tier: Path) -> None:
+    (tier / MARKER).unlink(missing_ok=True)
+
+
+def rank_dir(tier: Path, rank: int) -> Path:
+    return tier / f"rank{rank}"
+
+
+def index_path(tier: Path, rank: int, step: int) -> Path:
+    return rank_dir(tier, rank) / f"step_{step:08d}.idx"
+
+
+def chunk_digests(buf, start: int, end: int) -> list[str]:
+    """sha256 of every CHUNK of buf[start:end]."""
+    view = memoryview(buf)
+    try:
+        return [hashlib.sha256(view[o : min(o + CHUNK, end)]).hexdigest() for o in range(start, end, CHUNK)]
+    finally:
+        view.release()
+
+
+def write_index(tier: Path, rank: int, step: int, files: dict[str, tuple[str, Any]],
+                ranges: list[tuple[str, int, int, list[str]]]) -> None:
+    """files: {path relative to the tag directory: (arena file name, skeleton)}; ranges: (arena file name, start,
+    end, chunk digests) of every range staged for them."""
+    path = index_path(tier, rank, step)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(pickle.dumps({"step": step, "rank": rank, "files": files, "ranges": ranges},
+                                 protocol=pickle.HIGHEST_PROTOCOL))
+    os.replace(tmp, path)
+
+
+def read_index(tier: Path, rank: int, step: int) -> dict:
+    return pickle.loads(index_path(tier, rank, step).read_bytes())
+
+
+def prune_rank(tier: Path, rank: int, keep: set[str]) -> None:
+    """Delete the files of rank r's directory whose names are not in `keep` (older indexes, arenas of a
+    process that died, arenas no index refers to any more)."""
+    for p in rank_dir(tier, rank).glob("*"):
+        if p.name not in keep:
+            p.unlink(missing_ok=True)
+
+
+def verify_rank(tier: Path, rank: int, step: int, world: int, threads: int) -> str | None:
+    """None when every rank's index of `step` is here and rank r's staged ranges match their digests; else why."""
+    for r in range(world):
+        if not index_path(tier, r, step).is_file():
+            return f"no index of rank {r} for step {step} in {tier} on this host"
+    try:
+        index = read_index(tier, rank, step)
+    except Exception as e:  # noqa: BLE001 - a damaged index is a reason to read the disk
+        return f"rank {rank}'s index is unreadable ({type(e).__name__}: {e})"
+    maps: dict[str, mmap.mmap] = {}
+    try:
+        jobs = []
+        for name, start, end, digests in index["ranges"]:
+            path = rank_dir(tier, rank) / name
+            if name not in maps:
+                if not path.is_file():
+                    return f"rank {rank}: arena {name} is missing"
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size < end:
+                        return f"rank {rank}: arena {name} has {size} bytes, the index needs {end}"
+                    maps[name] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+            for i, o in enumerate(range(start, end, CHUNK)):
+                jobs.append((name, o, min(o + CHUNK, end), digests[i] if i < len(digests) else None))
+        def check(job):
+            name, a, b, want = job
+            return None if want is not None and chunk_digests(maps[name], a, b) == [want] else \
+                f"rank {rank}: arena {name} bytes {a}..{b} do not match their checksum"
+        with cf.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            bad = [r for r in pool.map(check, jobs) if r is not None]
+        return bad[0] if bad else None
+    finally:
+        for mm in maps.values():
+            mm.close()
+
+
+class TierLoader:
+    """A DeepSpeed checkpoint engine for `engine.load_checkpoint` whose `load(path)` returns the state of a file of
+    tag directory `tag_dir` from the tier (the skeleton over the arena, every tensor cloned: what `torch.load` of
+    the file returns); a file no index lists is read from disk by `base`."""
+
+    def __init__(self, tier: Path, step: int, world: int, tag_dir: Path, base):
+        self.tier, self.tag_dir, self.base = tier, Path(tag_dir), base
+        self.files: dict[str, tuple[Path, Any]] = {}
+        for r in range(world):
+            for rel, (name, skeleton) in read_index(tier, r, step)["files"].items():
+                self.files[rel] = (rank_dir(tier, r) / name, skeleton)
+        self.maps: dict[Path, mmap.mmap] = {}
+        self.from_memory: list[str] = []
+
+    def _map(self, path: Path) -> mmap.mmap:
+        if path not in self.maps:
+            with open(path, "rb") as f:
+                self.maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+        return self.maps[path]
+
+    def load(self, path, map_location=None):
+        import torch
+
+        from lifecycle.tasks.train.async_ckpt import _map, unstage
+
+        try:
+            rel = Path(path).resolve().relative_to(self.tag_dir.resolve()).as_posix()
+        except ValueError:
+            rel = None
+        if rel not in self.files:
+            return self.base.load(path, map_location=map_location)
+        arena, skeleton = self.files[rel]
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        def own(t):  # a copy that does not point into the arena (ndarrays, e.g. RNG states, are already copies)
+            if not isinstance(t, torch.Tensor):
+                return t.copy()
+            return t.clone() if device is None else t.to(device, copy=True)
+        state = _map(unstage(skeleton, self._map(arena)), own)
+        self.from_memory.append(rel)
+        return state
+
+    def close(self) -> None:
+        import gc
+
+        gc.collect()  # the unstaged views over the maps are garbage by now
+        for mm in self.maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a view still alive: the map goes with it
+                pass
+        self.maps.clear()
