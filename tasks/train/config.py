@@ -12,7 +12,7 @@ field by its dotted path: `train.optimizer.lr`, `--set train.checkpoint.every=50
 from __future__ import annotations
 
 import math
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -159,13 +159,20 @@ class CheckpointConfig(Section):
 
     operational: ClassVar[bool] = True
 
-    every: Annotated[int, Field(ge=1)] | Literal["auto"] = 100
+    every: int | Literal["auto"] = 100
     """Commit a checkpoint every this many steps; one is always committed at max_steps. `auto`: pick the
     interval so that saving costs at most `auto_overhead` of training time (CheckFreq): a first save a few
     steps into each launch measures its stall, then interval = ceil(stall / (auto_overhead x median step
     time)), re-estimated at every save from the numbers of all ranks (the slowest), and logged."""
     auto_overhead: float = Field(0.035, gt=0, lt=1)
     """With `every: auto`, the share of training time checkpointing may cost (CheckFreq's 3.5 %)."""
+
+    @field_validator("every", mode="before")
+    @classmethod
+    def _every(cls, v: Any) -> Any:  # one error under `checkpoint.every`, not one per member of the union
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError(f"must be a whole number of steps >= 1 or 'auto', got {v!r}")
     keep_last: int = Field(3, ge=1)
     """Committed checkpoints kept (K newest); older ones are deleted after each commit."""
     async_save: bool = True

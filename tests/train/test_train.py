@@ -122,6 +122,7 @@ def test_run_key_ignores_operational_sections_and_follows_the_others():
     assert set(CFG.run_key()) == set(fields) - operational
     # every field of an operational section may change without changing the run
     changed = {"checkpoint.every": 7, "checkpoint.keep_last": 9, "checkpoint.async_save": False,
+               "checkpoint.auto_overhead": 0.1, "checkpoint.memory_tier": False,
                "logging.every": 3, "logging.eval_every": 0, "logging.eval_batches": 9, "logging.peak_flops_per_rank": 1e12,
                "launch.hostfile": "hosts", "launch.num_nodes": 1, "launch.master_addr": "10.0.0.1",
                "launch.master_port": 29999, "launch.launcher": "slurm", "launch.threads_per_rank": 4,
