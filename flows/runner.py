@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import signal
 from typing import Any, Callable
 
 from prefect import task
+from prefect.exceptions import TerminationSignal
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
@@ -24,9 +26,12 @@ from lifecycle.config import ConfigError, OrchestrationConfig
 from lifecycle.core.dataset import (
     AccountingError, DatasetDamaged, StageStats,
 )
+from lifecycle.core.procs import Terminated
 from lifecycle.core.shards import SHARD_MARKER, StagePlan, commit_plan, run_shard_watched
 from lifecycle.tasks.data.collect.stage import InputError
 from lifecycle.tasks.eval.evaluate.stage import ContaminationError
+
+log = logging.getLogger(__name__)
 
 # Errors that a retry cannot heal: bad config, bad inputs, a broken accounting identity, a contaminated split,
 # a parent dataset found damaged while read (the next run moves it aside and rebuilds it).
@@ -173,6 +178,31 @@ def reporting(rep: Reporter):
         yield rep
     finally:
         _reporter = previous
+
+
+def interrupt_of(exc: BaseException) -> str | None:
+    """The signal's name when `exc` is an interrupt (^C, or SIGTERM as raised by the CLI's handler or by Prefect's
+    own while a flow runs); None for any other failure."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "SIGINT"
+    if isinstance(exc, Terminated):
+        return str(exc)
+    if isinstance(exc, TerminationSignal):
+        return signal.Signals(exc.signal).name
+    return None
+
+
+def mark_cancelled(flow_run_id, message: str) -> None:
+    """Move an interrupted flow run to Cancelled. Prefect's engine would record it as Crashed next, which its
+    orchestration refuses for a run already in a terminal state, so Cancelled stands."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+    except Exception as e:  # the run is being interrupted: say so, never mask the interrupt
+        log.warning("could not mark flow run %s cancelled: %s", flow_run_id, e)
 
 
 class RunSummary(BaseModel):

@@ -16,20 +16,10 @@ import sys
 import time
 
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
+from lifecycle.core.procs import Terminated
 from lifecycle.tasks.stages import NAMES as STAGES
 
 
-class Terminated(BaseException):
-    """SIGTERM (from `timeout`, systemd, Kubernetes) ends a run the way ^C does: the exception unwinds the flow, the
-    train supervisor stops the ranks, nothing half-written is committed, and the command exits 128 + signal."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _terminate(signum, _frame) -> None:
-    raise Terminated(signum)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -40,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     out, err, log = sys.stdout, sys.stderr, None
-    signal.signal(signal.SIGTERM, _terminate)  # Prefect swaps in its own during the flow, then re-sends it here
+    signal.signal(signal.SIGTERM, Terminated.raise_for)  # Prefect swaps in its own during the flow, then re-sends it here
     try:
         with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle run"):
             if not args.verbose:  # the libraries' chatter goes to the log file, before any of them is imported

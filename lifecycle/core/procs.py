@@ -9,6 +9,20 @@ import time
 from pathlib import Path
 
 
+class Terminated(BaseException):
+    """SIGTERM (from `timeout`, systemd, Kubernetes) ends a run the way ^C does: the exception unwinds the flow, the
+    train supervisor stops the ranks, nothing half-written is committed, and the command exits 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @classmethod
+    def raise_for(cls, signum: int, _frame) -> None:
+        """A signal handler: `signal.signal(signal.SIGTERM, Terminated.raise_for)`."""
+        raise cls(signum)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the OS picks it; a race with another process is possible)."""
     with socket.socket() as s:

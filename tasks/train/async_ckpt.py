@@ -618,7 +618,7 @@ class AsyncSaver:
         if bad := [r for r in reasons if r is not None]:
             return None, "; ".join(bad)
         tag_dir = self.root / ckpt.tag_name(step)
-        loader = memtier.TierLoader(self.tier, step, self.world, tag_dir, self.ds_engine)
+        loader = TierLoader(self.tier, step, self.world, tag_dir, self.ds_engine)
         self.engine.checkpoint_engine = loader
         try:
             _, client_state = self.engine.load_checkpoint(str(self.root), tag=tag_dir.name)
@@ -654,3 +654,54 @@ class AsyncSaver:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.writer.close()
+
+
+class TierLoader:
+    """A DeepSpeed checkpoint engine for `engine.load_checkpoint` whose `load(path)` returns the state of a file of
+    tag directory `tag_dir` from the tier (the skeleton over the arena, every tensor cloned: what `torch.load` of
+    the file returns); a file no index lists is read from disk by `base`."""
+
+    def __init__(self, tier: Path, step: int, world: int, tag_dir: Path, base):
+        self.tier, self.tag_dir, self.base = tier, Path(tag_dir), base
+        self.files: dict[str, tuple[Path, Any]] = {}
+        for r in range(world):
+            for rel, (name, skeleton) in memtier.read_index(tier, r, step)["files"].items():
+                self.files[rel] = (memtier.rank_dir(tier, r) / name, skeleton)
+        self.maps: dict[Path, mmap.mmap] = {}
+        self.from_memory: list[str] = []
+
+    def _map(self, path: Path) -> mmap.mmap:
+        if path not in self.maps:
+            with open(path, "rb") as f:
+                self.maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+        return self.maps[path]
+
+    def load(self, path, map_location=None):
+        import torch
+
+        try:
+            rel = Path(path).resolve().relative_to(self.tag_dir.resolve()).as_posix()
+        except ValueError:
+            rel = None
+        if rel not in self.files:
+            return self.base.load(path, map_location=map_location)
+        arena, skeleton = self.files[rel]
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        def own(t):  # a copy that does not point into the arena (ndarrays, e.g. RNG states, are already copies)
+            if not isinstance(t, torch.Tensor):
+                return t.copy()
+            return t.clone() if device is None else t.to(device, copy=True)
+        state = _map(unstage(skeleton, self._map(arena)), own)
+        self.from_memory.append(rel)
+        return state
+
+    def close(self) -> None:
+        import gc
+
+        gc.collect()  # the unstaged views over the maps are garbage by now
+        for mm in self.maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a view still alive: the map goes with it
+                pass
+        self.maps.clear()
