@@ -172,6 +172,7 @@ def run_and_kill_during(workdir: Path, inputs: list[str], stage: str) -> None:
     assert committed == [], f"the kill came after {stage} had committed"
 
 
+@pytest.mark.slow  # minutes on 2 cores (CI stays under 30 min)
 def test_sigkill_during_each_data_stage_then_rerun_is_identical(tmp_path):
     inputs = write_inputs(tmp_path / "in", files=6, per_file=40)
     # the uninterrupted reference runs with 1 Dask worker; the killed-and-resumed runs use 2

@@ -1,5 +1,6 @@
 """SIGTERM to a `lifecycle run` during training, sent to its whole process group as `timeout` and a terminal's ^C
-do: the run ends within 30 s with exit 143 and a clear line, no rank is left, and the rerun resumes and completes.
+do: the run ends within 30 s with exit 143 and a clear line, no rank is left, the flow run is Cancelled (MLflow:
+KILLED), and the rerun resumes and completes.
 Two full runs of the tiny pipeline: slow-marked.
 
     LIFECYCLE_SLOW=1 .venv/bin/python -m pytest -m slow tests/flows/test_interrupt.py
@@ -8,6 +9,7 @@ Two full runs of the tiny pipeline: slow-marked.
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -49,6 +51,11 @@ def test_sigterm_during_training_ends_the_run_cleanly_and_the_rerun_completes(tm
     assert descendants_of_supervisor(proc.pid) == []  # no rank, no launcher left
     [run_dir] = wd.glob("train/*")
     assert not (run_dir / "checkpoints" / "step_00000060").exists()  # nothing committed half-way (or at all yet)
+    with sqlite3.connect(wd / ".prefect" / "prefect.db") as db:  # stopped on purpose: Cancelled, not Crashed
+        assert [r[0] for r in db.execute("SELECT state_type FROM flow_run")] == ["CANCELLED"]
+    with sqlite3.connect(wd / "mlflow.db") as db:  # the parent run and the stage that was running: KILLED
+        statuses = {r[0] for r in db.execute("SELECT status FROM runs")}
+    assert "KILLED" in statuses and "RUNNING" not in statuses, statuses
 
     rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]

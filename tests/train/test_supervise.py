@@ -159,7 +159,7 @@ def extensions(tmp_path_factory):
 
 
 SHORT = with_(CFG, max_steps=6, **{"checkpoint.every": 3, "logging.every": 1, "logging.eval_every": 0,
-                                   "launch.timeout_s": 120})
+                                   "launch.timeout_s": 600})  # a bound, not a speed goal: a loaded CI machine took 128 s
 
 
 def _no_ranks_left(pid: int, within: float) -> float:
@@ -196,7 +196,7 @@ def test_ranks_die_with_a_sigkilled_supervisor_and_the_next_run_releases_its_buf
             f"run_train(DatasetRef.model_validate_json({tokens.model_dump_json()!r}), SHORT, {str(tmp_path)!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600
         while not list(tmp_path.glob("train/*/heartbeat/rank1")) and time.monotonic() < deadline:
             assert proc.poll() is None, "run_train ended before its ranks started"
             time.sleep(0.2)

@@ -326,6 +326,7 @@ def _launch_log(log_path) -> str:
     return open(log_path).read().rsplit("\n=== ", 1)[-1]
 
 
+@pytest.mark.slow  # minutes on 2 cores (CI stays under 30 min)
 def test_deepspeed_zero3_through_a_hostfile_with_activation_checkpointing_resumes_exactly(tokens, tmp_path):
     """ZeRO-3 fp32 with activation checkpointing, launched through the launcher's hostfile path
     (`localhost slots=2`: DeepSpeed reads the hostfile, then starts the single host's ranks locally);
@@ -360,6 +361,7 @@ def test_deepspeed_zero3_through_a_hostfile_with_activation_checkpointing_resume
     assert [r["loss"] for r in _records(r2.metrics_path, "train")] == losses
 
 
+@pytest.mark.slow  # minutes on 2 cores (CI stays under 30 min)
 def test_deepspeed_bf16_zero2_trains(tokens, tmp_path):
     cfg = with_(CFG, max_steps=12, **{"engine.precision": "bf16", "batch.grad_accum": 2, "checkpoint.every": 12,
                                       "logging.every": 1, "logging.eval_every": 0})
