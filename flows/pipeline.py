@@ -17,7 +17,7 @@ from prefect.context import get_run_context
 from lifecycle.config import PipelineConfig
 from lifecycle.core.dataset import DatasetRef, RawFile
 from lifecycle.core.locking import workdir_lock
-from lifecycle.flows.runner import RunSummary, StageRunner, interrupt_of, mark_cancelled, plain_task, reporter
+from lifecycle.flows.runner import RunSummary, StageRunner, interrupt_of, note_interrupted, plain_task, reporter
 from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
 from lifecycle.lineage.registry import Registry
@@ -81,8 +81,8 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run) -> dict:
     except BaseException as e:
         signame = interrupt_of(e)
         tracker.end("KILLED" if signame else "FAILED")
-        if signame:  # Cancelled, not Crashed: the run was stopped on purpose
-            mark_cancelled(flow_run.id, f"interrupted by {signame}; rerun to resume from the last commit")
+        if signame:  # stopped on purpose: Cancelled, not Crashed, once Prefect's engine has recorded the crash
+            note_interrupted(flow_run.id, signame)
         raise
     finally:
         run.close()

@@ -192,17 +192,28 @@ def interrupt_of(exc: BaseException) -> str | None:
     return None
 
 
-def mark_cancelled(flow_run_id, message: str) -> None:
-    """Move an interrupted flow run to Cancelled. Prefect's engine would record it as Crashed next, which its
-    orchestration refuses for a run already in a terminal state, so Cancelled stands."""
+_interrupted: list[tuple[Any, str]] = []  # (flow run id, signal) of flow runs an interrupt ended in this process
+
+
+def note_interrupted(flow_run_id, signame: str) -> None:
+    """Remember a flow run that an interrupt is ending; `cancel_interrupted` marks it once Prefect's engine is done."""
+    _interrupted.append((flow_run_id, signame))
+
+
+def cancel_interrupted() -> None:
+    """Move the flow runs an interrupt ended to Cancelled. Prefect's engine forces them to Crashed as the exception
+    leaves the flow; the caller (`lifecycle run`) calls this after that, while the server still runs."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelled
 
-    try:
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
-    except Exception as e:  # the run is being interrupted: say so, never mask the interrupt
-        log.warning("could not mark flow run %s cancelled: %s", flow_run_id, e)
+    while _interrupted:
+        flow_run_id, signame = _interrupted.pop()
+        try:
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(flow_run_id, Cancelled(
+                    message=f"interrupted by {signame}; rerun to resume from the last commit"), force=True)
+        except Exception as e:  # the run is being interrupted: say so, never mask the interrupt
+            log.warning("could not mark flow run %s cancelled: %s", flow_run_id, e)
 
 
 class RunSummary(BaseModel):

@@ -60,6 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 3
     except (KeyboardInterrupt, Terminated) as e:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        if "lifecycle.flows.runner" in sys.modules:  # a flow ran: its run is Cancelled, not Crashed
+            sys.modules["lifecycle.flows.runner"].cancel_interrupted()
         print(f"lifecycle: interrupted by {signal.Signals(signum).name}; the ranks are stopped and the last "
               "committed checkpoint stands (rerun to resume)" + (f"; log: {log}" if log else ""), file=err)
         if args.json:
