@@ -8,6 +8,7 @@ Every stage is logged to its own nested MLflow run under one parent run per flow
 
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from lifecycle.tasks.eval.checkpoint.stage import warm_start
 from lifecycle.tasks.eval.evaluate.stage import check_contamination, examples_of
 from lifecycle.tasks.stages import CHECKPOINT, COLLECT, DEDUP, EVALUATE, FILTER, SCRUB, TOKENIZE, TRAIN
 
+
+log = logging.getLogger(__name__)
 
 # No `from __future__ import annotations` in this module: Prefect builds the flow's parameter model from the
 # annotations, and a served deployment cannot resolve `PipelineConfig` from a string.
@@ -80,7 +83,10 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run) -> dict:
         tracker.end("FINISHED")
     except BaseException as e:
         signame = interrupt_of(e)
-        tracker.end("KILLED" if signame else "FAILED")
+        try:
+            tracker.end("KILLED" if signame else "FAILED")
+        except Exception as end_error:  # e.g. a full disk fails the store too: the run's own error is the news
+            log.warning("could not mark the MLflow runs %s: %s", "KILLED" if signame else "FAILED", end_error)
         if signame:  # stopped on purpose: Cancelled, not Crashed, once Prefect's engine has recorded the crash
             note_interrupted(flow_run.id, signame)
         raise
