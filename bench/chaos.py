@@ -25,7 +25,6 @@ since the flip may have hit a file the run had already read. No process of the r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -39,6 +38,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lifecycle.core.fs import sha256_file  # noqa: E402
+from lifecycle.core.procs import free_port  # noqa: E402
+from lifecycle.flows.servers import commands  # noqa: E402
 CONFIG = ROOT / "deploy" / "configs" / "demo.yaml"
 OVERRIDES = [f'collect.inputs=["{ROOT}/corpus/python-docs/*.jsonl.gz"]', "train.max_steps=30", "train.checkpoint.every=10", "train.optimizer.warmup_steps=5",
              "evaluate.max_batches=10"]
@@ -50,14 +54,6 @@ PACKAGE_CONTENT = ("model.safetensors", "model_config.json", "tokenizer.json")
 
 def lifecycle_bin() -> str:
     return str(Path(sys.executable).with_name("lifecycle"))
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------- one run
@@ -108,11 +104,11 @@ def outputs(summary: dict | None) -> dict:
     for stage, manifest in sorted(summary.get("datasets", {}).items()):
         m = json.loads(Path(manifest).read_text())
         if stage == "checkpoint":  # the packaged model: its lineage records work-dir paths and times; the content
-            out["dataset:checkpoint"] = [sha256(Path(manifest).parent / name) for name in PACKAGE_CONTENT]
+            out["dataset:checkpoint"] = [sha256_file(Path(manifest).parent / name) for name in PACKAGE_CONTENT]
         else:
             out[f"dataset:{stage}"] = (m["sha256"], m["num_rows"], m.get("num_rejected"))
     if summary.get("checkpoint"):
-        out["weights"] = sha256(Path(summary["checkpoint"]) / "model.safetensors")
+        out["weights"] = sha256_file(Path(summary["checkpoint"]) / "model.safetensors")
     for k, v in sorted(summary.get("metrics", {}).items()):
         out[f"metric:{k}"] = v
     return json.loads(json.dumps(out))  # as reference.json holds them (tuples become lists)
@@ -220,9 +216,7 @@ class TrackingServer:
     def start(self) -> None:
         store = self.round_dir / "tracking"
         store.mkdir(exist_ok=True)
-        argv = [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri",
-                f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination", str(store / "artifacts"),
-                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        argv = commands(store, 0, self.port)["mlflow"][0]  # the server `lifecycle up` starts, on its own store
         self.proc = subprocess.Popen(argv, cwd=store, stdout=open(store / "server.log", "ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         import urllib.request
@@ -242,13 +236,6 @@ class TrackingServer:
 
 
 # ------------------------------------------------------------------------------------------- rounds
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def inject(fault: str, run: Run, rng: random.Random, t_ref: float, train_window: tuple[float, float],
            server: TrackingServer | None) -> str:
