@@ -160,3 +160,30 @@ def test_a_deleted_dataset_is_rebuilt_on_rerun(tmp_path):
     assert again["datasets"] == first["datasets"]
     rebuilt = json.loads((scrub_dir / "_manifest.json").read_text())
     assert rebuilt["sha256"] == json.loads(manifest)["sha256"] and rebuilt["fingerprint"] == json.loads(manifest)["fingerprint"]
+
+
+def test_a_failing_tracking_store_does_not_hide_the_runs_own_error(tmp_path, monkeypatch):
+    """A run fails (its input pattern matches nothing) and marking its MLflow runs FAILED fails too (as on a full
+    disk, found by bench.chaos disk_full): the error the flow raises is the run's own, and the work dir's lock is
+    released. Without the guard in `_pipeline`, the OSError from the store replaced the InputError."""
+    from lifecycle.config import load_config
+    from lifecycle.flows.pipeline import lifecycle_flow
+    from lifecycle.lineage.tracking import Tracker
+
+    ends: list[str] = []
+    real_end = Tracker.end
+
+    def failing_end(self, status="FINISHED"):
+        ends.append(status)
+        if status != "FINISHED":
+            raise OSError(28, "No space left on device")
+        return real_end(self, status)
+
+    monkeypatch.setattr(Tracker, "end", failing_end)
+    cfg = load_config(None, [f"workdir={tmp_path / 'w'}", f"collect.inputs=[\"{tmp_path}/none/*.jsonl\"]"])
+    with pytest.raises(InputError, match="matches no file"):
+        lifecycle_flow(cfg)
+    assert ends == ["FAILED"]
+    monkeypatch.setattr(Tracker, "end", real_end)
+    with pytest.raises(InputError):  # the lock was released: a second run fails the same way, not on the lock
+        lifecycle_flow(cfg)
