@@ -11,7 +11,9 @@ applied (its section is ignored). Rules, their sections and reason codes:
 - `gopher_repetition` (gopher_repetition.py): Gopher duplicate lines, paragraphs, n-grams; gopher_dup_*, gopher_top_*;
 - `gopher_quality` (gopher_quality.py): Gopher word count, word length, symbols, bullets, stop words; gopher_*;
 - `c4` (c4.py): C4 line and document rules; c4_*. Its kept lines replace the text for the rules after it;
-- `fineweb` (fineweb.py): FineWeb line rules; fineweb_*.
+- `fineweb` (fineweb.py): FineWeb line rules; fineweb_*;
+- `code` (code.py): Codex / BigCode basic filter for source files (line lengths, alphanumeric share,
+  auto-generated); code_*.
 Default: language ID then Gopher quality. Gopher repetition, C4 and FineWeb are opt-in because on short, curated
 text such as the demo corpus they drop most documents; deploy/configs/fineweb.yaml lists FineWeb's full set.
 Kept rows gain `lang` and `lang_score` columns: py3langid's answer for the input text, whether or not `language`
@@ -31,6 +33,7 @@ from lifecycle.core.dataset import (
 )
 from lifecycle.core.shards import StagePlan, map_tables, plan_per_file, run_plan
 from lifecycle.tasks.data.filter.c4 import C4Config
+from lifecycle.tasks.data.filter.code import CodeConfig
 from lifecycle.tasks.data.filter.fineweb import FineWebConfig
 from lifecycle.tasks.data.filter.gopher_quality import GopherQualityConfig
 from lifecycle.tasks.data.filter.gopher_repetition import GopherRepetitionConfig
@@ -39,7 +42,7 @@ from lifecycle.tasks.data.filter.rule import Rule, Verdict
 from lifecycle.tasks.data.filter.words import split_words
 
 STAGE = "filter"
-RuleName = Literal["language", "gopher_repetition", "gopher_quality", "c4", "fineweb"]
+RuleName = Literal["language", "gopher_repetition", "gopher_quality", "c4", "fineweb", "code"]
 
 
 class FilterConfig(BaseModel):
@@ -58,6 +61,7 @@ class FilterConfig(BaseModel):
         "Gopher quality rules (gopher_quality.py)."))
     c4: C4Config = Field(C4Config(), description="C4 rules (c4.py).")
     fineweb: FineWebConfig = Field(FineWebConfig(), description="FineWeb rules (fineweb.py).")
+    code: CodeConfig = Field(CodeConfig(), description="Codex / BigCode rules for source files (code.py).")
 
     @field_validator("rules")
     @classmethod
