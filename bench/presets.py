@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lifecycle.config import load_config  # noqa: E402
-from lifecycle.tasks.data.filter.stage import document_verdict  # noqa: E402
+from lifecycle.tasks.data.filter.stage import document_verdict, rule_of  # noqa: E402
 
 PRESETS = ("deploy/configs/demo.yaml", "deploy/configs/fineweb.yaml", "deploy/configs/techdocs.yaml",
            "deploy/configs/code.yaml")
@@ -48,25 +48,12 @@ def measure(corpus_dir: Path, preset: str) -> dict:
         if verdict is None:
             kept[kind] += 1
         else:
-            dropped[kind][rule_of(verdict[0], cfg.rules)] += 1
+            dropped[kind][rule_of(verdict[0])] += 1
             reasons[kind][verdict[0]] += 1
     return {"preset": preset, "rules": list(cfg.rules),
             "kinds": {k: {"documents": docs[k], "kept": kept[k], "dropped_by_rule": dict(dropped[k]),
                           "dropped_by_reason": dict(reasons[k])}
                       for k in sorted(docs)}}
-
-
-def rule_of(reason: str, rules) -> str:
-    """The rule family a reason code belongs to (Gopher repetition and quality share `gopher_`: told apart by
-    their codes, see gopher_repetition.py)."""
-    if reason.startswith("lang_"):
-        return "language"
-    if reason.startswith(("gopher_dup_", "gopher_top_", "gopher_rep_")):
-        return "gopher_repetition"
-    for r in ("gopher_quality", "c4", "fineweb", "code"):
-        if reason.startswith(r.split("_")[0] + "_") and r in rules:
-            return r
-    return reason
 
 
 def table(results: list[dict]) -> str:

@@ -10,7 +10,8 @@ DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_ne
 
 
 def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
-    """[{stage, rows_in, rows_kept, top_reasons: [(reason, n), ...]}] in pipeline order, from manifests."""
+    """[{stage, rows_in, rows_kept, top_reasons: [(reason, n), ...]}] in pipeline order, from manifests: the
+    three commonest reasons of a stage, and for filter the documents each rule dropped (its codes summed)."""
     out = []
     for stage in FUNNEL_STAGES:
         stats = (manifests.get(stage) or {}).get("stats")
@@ -21,9 +22,18 @@ def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
         if stage == "dedup" and kinds and sum(kinds.values()) == reasons.get("duplicate"):
             del reasons["duplicate"]  # one reason, shown split by kind: "duplicate (exact)", "duplicate (near)"
             reasons.update({DUPLICATE_KIND_COUNTERS[k]: n for k, n in kinds.items()})
+        if stage == "filter":  # what each rule costs: its reason codes summed, every rule shown
+            from lifecycle.tasks.data.filter.stage import rule_of
+
+            by_rule: dict[str, int] = {}
+            for reason, n in reasons.items():
+                by_rule[rule_of(reason)] = by_rule.get(rule_of(reason), 0) + n
+            reasons, shown = by_rule, len(by_rule)
+        else:
+            shown = 3
         reasons = sorted(reasons.items(), key=lambda kv: -kv[1])
         out.append({"stage": stage, "rows_in": stats["rows_in"], "rows_kept": stats["rows_kept"],
-                    "top_reasons": reasons[:3]})
+                    "top_reasons": reasons[:shown]})
     return out
 
 

@@ -76,6 +76,17 @@ class FilterConfig(BaseModel):
         return [getattr(self, name) for name in self.rules]
 
 
+# reason code prefix -> the rule that gives it (Gopher repetition's codes first: both Gopher rules use `gopher_`)
+REASON_PREFIXES = (("lang_", "language"), ("gopher_dup_", "gopher_repetition"), ("gopher_top_", "gopher_repetition"),
+                   ("gopher_rep_", "gopher_repetition"), ("gopher_", "gopher_quality"), ("c4_", "c4"),
+                   ("fineweb_", "fineweb"), ("code_", "code"))
+
+
+def rule_of(reason: str) -> str:
+    """The rule (a `filter.rules` name) whose check gave reason code `reason`; the code itself if none did."""
+    return next((rule for prefix, rule in REASON_PREFIXES if reason.startswith(prefix)), reason)
+
+
 def document_verdict(text: str, cfg: FilterConfig) -> tuple[Verdict, str, str, float]:
     """(first failing rule as (reason, detail) or None, text as the rules left it, lang, lang_score)."""
     lang, score = detect_language(text)
