@@ -178,7 +178,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     wd = Path(args.workdir)
     if not wd.is_dir():
-        raise UsageError(f"work dir {wd}: no such directory")
+        raise UsageError(f"work dir {wd} ({args.workdir_from}): no such directory")
     datasets, checkpoints = committed_datasets(wd), sorted(wd.glob("train/*/checkpoints"))
     damaged = [{"kind": "dataset", "path": str(d), "problems": p} for d in datasets if (p := verify_dataset(d))]
     n_ckpt = 0
@@ -228,16 +228,16 @@ def add_run_naming(p: argparse.ArgumentParser) -> None:
     p.set_defaults(config=None)
 
 
-def resolve_workdir(args: argparse.Namespace) -> tuple[str, str | None]:
-    """(work dir, a note when it fell back to the default). The order: CONFIG and --set (the config's `workdir`),
-    --workdir, $LIFECYCLE_WORKDIR, then the default config's work dir."""
+def resolve_workdir(args: argparse.Namespace) -> tuple[str, str, str | None]:
+    """(work dir, what named it, a note when it fell back to the default). The order: CONFIG and --set (the
+    config's `workdir`), --workdir, $LIFECYCLE_WORKDIR, then the default config's work dir."""
     config, sets = getattr(args, "config", None), getattr(args, "set", None) or []
     if config or sets:
-        return load_config(config, sets).workdir, None
+        return load_config(config, sets).workdir, f"config {config or DEFAULT_CONFIG}", None
     if getattr(args, "workdir", None):
-        return args.workdir, None
+        return args.workdir, "--workdir", None
     if os.environ.get(WORKDIR_ENV):
-        return os.environ[WORKDIR_ENV], None
+        return os.environ[WORKDIR_ENV], f"${WORKDIR_ENV}", None
     from pathlib import Path
 
     if Path(DEFAULT_CONFIG).is_file():
@@ -246,8 +246,8 @@ def resolve_workdir(args: argparse.Namespace) -> tuple[str, str | None]:
         from lifecycle.config import PipelineConfig
 
         wd, source = str(Path(PipelineConfig.model_fields["workdir"].default).resolve()), "the built-in default"
-    return wd, (f"work dir {wd}, from {source} (name a run with CONFIG, --set workdir=..., --workdir or "
-                f"${WORKDIR_ENV})")
+    return wd, source, (f"work dir {wd}, from {source} (name a run with CONFIG, --set workdir=..., --workdir or "
+                        f"${WORKDIR_ENV})")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if getattr(args, "names_run", False):
-            args.workdir, note = resolve_workdir(args)
+            args.workdir, args.workdir_from, note = resolve_workdir(args)
             if note:
                 print(f"{_command_parser(parser, args).prog}: {note}", file=sys.stderr)
         return args.func(args)

@@ -252,8 +252,7 @@ def _type_name(annotation) -> str:
 def json_schema() -> dict:
     """PipelineConfig's JSON Schema (draft 2020-12), for editors (YAML language server) and `jsonschema`."""
     schema = PipelineConfig.model_json_schema(mode="validation")
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "lifecycle pipeline config",
-            **schema}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "lifecycle pipeline config"}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:

@@ -34,7 +34,8 @@ def _workdir(args) -> Path:
     """The work dir resolved: every file an audit command reads or writes must lie inside it."""
     wd = Path(args.workdir).expanduser().resolve()
     if not wd.is_dir():
-        raise FileNotFoundError(f"work dir {args.workdir}: no such directory")
+        raise FileNotFoundError(f"work dir {args.workdir} ({getattr(args, 'workdir_from', '--workdir')}): "
+                                "no such directory")
     return wd
 
 
