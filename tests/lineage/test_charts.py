@@ -8,7 +8,7 @@ import pytest
 from lifecycle.lineage.charts import funnel_png, nice_bound
 
 
-@pytest.mark.parametrize("x,bound", [(2130, 2500), (2300.4, 2500), (1000, 1000), (1001, 1200), (7, 8), (0.3, 0.3),
+@pytest.mark.parametrize("x,bound", [(2130, 2500), (2300.4, 2500), (1000, 1000), (1001, 1200), (7, 7), (7.5, 8), (64.8, 70), (0.3, 0.3),
                                      (95, 100), (0, 1.0)])
 def test_nice_bound(x, bound):
     assert nice_bound(x) == pytest.approx(bound)
