@@ -17,6 +17,7 @@ from prefect.context import get_run_context
 
 from lifecycle.config import PipelineConfig
 from lifecycle.core.dataset import DatasetRef, RawFile
+from lifecycle.core.latest import latest_targets, point_latest
 from lifecycle.core.locking import workdir_lock
 from lifecycle.flows.runner import RunSummary, StageRunner, interrupt_of, note_interrupted, plain_task, reporter
 from lifecycle.lineage.card import model_card
@@ -79,6 +80,7 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run) -> dict:
         # every completed run records its raw files, so that a later incremental run skips them
         n = plain_task(record_collected, "record-collected")(cfg.workdir, docs)
         print(f"[collect] ledger: {n} new input file(s) recorded in {cfg.workdir}/collected.parquet")
+        point_latest(cfg.workdir, latest_targets(summary.datasets, summary.checkpoint))  # <workdir>/latest/<stage>
         summary.status = "completed"
         tracker.end("FINISHED")
     except BaseException as e:
@@ -179,6 +181,7 @@ def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg:
                       lineage=json.loads((model_ref.dir / "lineage.json").read_text()), stage_configs=configs,
                       metrics=summary.metrics, promotion=summary.promotion, examples=examples)
     tracker.log_text(card, "model_card.md")
+    summary.artifacts["model_card"] = _artifact_uri(tracker, "model_card.md")
 
 
 def _log_charts(tracker: Tracker, summary: RunSummary, trained) -> None:
@@ -186,10 +189,16 @@ def _log_charts(tracker: Tracker, summary: RunSummary, trained) -> None:
     manifests = {s: json.loads(Path(p).read_text()) for s, p in summary.datasets.items()}
     with tempfile.TemporaryDirectory() as tmp:
         tracker.log_file(funnel_png(manifests, Path(tmp) / "funnel.png"))
+        summary.artifacts["funnel"] = _artifact_uri(tracker, "funnel.png")
         if trained is not None:
             m = summary.metrics
             tracker.log_file(loss_png(_metrics_rows(trained), Path(tmp) / "loss_curves.png", m.get("val_loss"),
                                       m.get("step")))
+            summary.artifacts["loss_curves"] = _artifact_uri(tracker, "loss_curves.png")
+
+
+def _artifact_uri(tracker: Tracker, name: str) -> str:
+    return f"{tracker.client.get_run(tracker.parent_id).info.artifact_uri}/{name}"
 
 
 def _warm_start(tracker: Tracker, cfg: PipelineConfig, summary: RunSummary):

@@ -233,6 +233,8 @@ class RunSummary(BaseModel):
     promotion: dict[str, Any] | None = None
     warm_start: dict[str, Any] | None = None
     metrics: dict[str, Any] = {}
+    artifacts: dict[str, str] = {}
+    """Where the parent MLflow run's charts and model card are: {funnel, loss_curves, model_card} -> artifact URI."""
 
 
 def outcome_of(value: Any) -> str:

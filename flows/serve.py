@@ -26,10 +26,10 @@ from lifecycle.tasks.stages import NAMES as STAGES
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="Serve the lifecycle flow as a scheduled Prefect deployment (needs a server).")
-    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override, as for `run`")
     p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 2 * * *" (UTC unless --timezone)')
-    p.add_argument("--timezone", default="UTC")
+    p.add_argument("--timezone", default="UTC", help="IANA time zone of --cron, e.g. Europe/Paris (default UTC)")
     p.add_argument("--name", default=None, help="deployment name (default: the pipeline name)")
     p.add_argument("--until", choices=STAGES, help="each scheduled run stops after this stage")
     p.add_argument("--full", action="store_true",

@@ -204,19 +204,17 @@ def register(sub) -> None:
                             ("down", cmd_down, "Stop the servers `up` started for the work dir."),
                             ("status", cmd_status, "Show the work dir's servers.")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="config whose work dir to use")
+        p.add_argument("config", nargs="?", help=f"config whose work dir to use (default {DEFAULT_CONFIG})")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override (e.g. workdir=...)")
-        p.add_argument("--json", action="store_true")
+        p.add_argument("--json", action="store_true", help="Print one JSON object.")
         if name == "up":
-            p.add_argument("--prefect-port", type=int, default=4200)
-            p.add_argument("--mlflow-port", type=int, default=5000)
-        p.set_defaults(func=fn)
+            p.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server's port (default 4200)")
+            p.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server's port (default 5000)")
+        p.set_defaults(func=fn, names_run=True)  # the work dir: `lifecycle` resolves it (args.workdir)
 
 
 def _workdir(args) -> Path:
-    from lifecycle.config import load_config
-
-    return Path(load_config(args.config, args.set or []).workdir)
+    return Path(args.workdir).resolve()
 
 
 def _print(args, obj, text: str) -> None:

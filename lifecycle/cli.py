@@ -1,7 +1,11 @@
 """The `lifecycle` command line.
 
     lifecycle run [CONFIG] [--set KEY=VALUE ...] [--until STAGE] [--json] [-v]
-    lifecycle verify [--workdir DIR] [--json]
+    lifecycle verify [CONFIG] [--workdir DIR] [--json]
+    lifecycle config show [CONFIG] [--defaults] [--json] | lifecycle config schema [-o FILE]
+
+Every command that reads a run names it the same way (`resolve_workdir`): CONFIG and --set as `run` takes them,
+else --workdir, else $LIFECYCLE_WORKDIR, else the default config's work dir (said on stderr).
 
 Other subcommands live beside the code they drive: each module in `COMMAND_MODULES` has a
 `register(subparsers)` that adds its parser and sets `func`.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -20,13 +25,12 @@ from lifecycle.core.procs import Terminated
 from lifecycle.tasks.stages import NAMES as STAGES
 
 
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set or [])  # a ConfigError is one line and exit 2 (`main`)
     from lifecycle.core.locking import WorkdirBusy, check_workdir, workdir_lock
 
     check_workdir(cfg.workdir)
+    check_inputs(cfg.collect.inputs)  # an empty glob, an unreadable file, a bad URL: one line, before Prefect
 
     t0 = time.time()
     out, err, log = sys.stdout, sys.stderr, None
@@ -83,6 +87,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_inputs(patterns: list[str]) -> None:
+    """Every `collect.inputs` pattern matches files of a known type, and every local one opens for reading; else
+    a UsageError naming the pattern or file (exit 2), seconds after the command starts, before any stage."""
+    from lifecycle.core.errors import UsageError
+    from lifecycle.core.fs import is_url
+    from lifecycle.tasks.data.collect.stage import InputError, match_inputs
+
+    for i, pattern in enumerate(patterns):
+        try:
+            files = match_inputs([pattern])
+            for f in files if not is_url(pattern) else ():
+                with open(f, "rb") as fh:
+                    fh.read(1)
+        except InputError as e:  # no match, an escaping symlink, an unknown file type
+            raise UsageError(f"collect.inputs[{i}]: {str(e).removeprefix('collect.inputs: ')}") from e
+        except OSError as e:
+            raise UsageError(f"collect.inputs[{i}]: cannot read {e.filename or pattern}: "
+                             f"{(e.strerror or str(e)).lower()}") from e
+        except Exception as e:  # fsspec: an unknown protocol, its package (s3fs) missing, an unreachable host
+            if not is_url(pattern):
+                raise
+            raise UsageError(f"collect.inputs[{i}]: cannot list {pattern!r}: {type(e).__name__}: "
+                             f"{one_line(str(e))}") from e
+
+
 def print_summary(s: dict, file=None) -> None:
     def p(text: str = "") -> None:
         print(text, file=file or sys.stdout)
@@ -97,6 +126,9 @@ def print_summary(s: dict, file=None) -> None:
     for line in metric_lines(s["metrics"]):
         p(line)
     p(f"  MLflow run:      {s['mlflow_run_id']}")
+    for name, label in (("funnel", "funnel chart"), ("loss_curves", "loss curves"), ("model_card", "model card")):
+        if s.get("artifacts", {}).get(name):
+            p(f"  {label + ':':<16} {s['artifacts'][name].removeprefix('file://')}")
     if s.get("log"):
         p(f"  log:             {s['log']}")
     p(f"\nOpen the MLflow UI on these results:\n  .venv/bin/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
@@ -146,7 +178,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     wd = Path(args.workdir)
     if not wd.is_dir():
-        raise UsageError(f"--workdir {wd}: no such directory")
+        raise UsageError(f"work dir {wd} ({args.workdir_from}): no such directory")
     datasets, checkpoints = committed_datasets(wd), sorted(wd.glob("train/*/checkpoints"))
     damaged = [{"kind": "dataset", "path": str(d), "problems": p} for d in datasets if (p := verify_dataset(d))]
     n_ckpt = 0
@@ -169,9 +201,116 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def register_verify(sub) -> None:
     p = sub.add_parser("verify", help="Check every committed dataset and checkpoint of a work dir against its "
                                       "manifest (full sha256); exit 1 if any is damaged.")
-    p.add_argument("--workdir", default="runs/demo", help="the lifecycle work dir (default runs/demo)")
+    p.add_argument("config", nargs="?", help="YAML config whose `workdir` is checked (see `lifecycle --help`)")
     p.add_argument("--json", action="store_true", help="Print one JSON object as the last line.")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=cmd_verify, names_run=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# naming a run: one resolution for every command that reads a work dir (its parser sets `names_run=True`)
+
+WORKDIR_ENV = "LIFECYCLE_WORKDIR"
+
+
+def add_run_naming(p: argparse.ArgumentParser) -> None:
+    """Give a command CONFIG (-c/--config where it has no positional CONFIG), --set and --workdir."""
+    dests = {a.dest for a in p._actions}
+    if "config" not in dests:
+        p.add_argument("-c", "--config", metavar="CONFIG",
+                       help="YAML config whose `workdir` names the run, as `lifecycle run CONFIG` takes it")
+    if "set" not in dests:
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="Override a config field, as for `run` (e.g. --set workdir=/tmp/w). Repeatable.")
+    if "workdir" not in dests:
+        p.add_argument("--workdir", metavar="DIR",
+                       help=f"the work dir, when neither CONFIG nor --set names the run (then ${WORKDIR_ENV}, "
+                            f"then the default config's)")
+    p.set_defaults(config=None)
+
+
+def resolve_workdir(args: argparse.Namespace) -> tuple[str, str, str | None]:
+    """(work dir, what named it, a note when it fell back to the default). The order: CONFIG and --set (the
+    config's `workdir`), --workdir, $LIFECYCLE_WORKDIR, then the default config's work dir."""
+    config, sets = getattr(args, "config", None), getattr(args, "set", None) or []
+    if config or sets:
+        return load_config(config, sets).workdir, f"config {config or DEFAULT_CONFIG}", None
+    if getattr(args, "workdir", None):
+        return args.workdir, "--workdir", None
+    if os.environ.get(WORKDIR_ENV):
+        return os.environ[WORKDIR_ENV], f"${WORKDIR_ENV}", None
+    from pathlib import Path
+
+    if Path(DEFAULT_CONFIG).is_file():
+        wd, source = load_config(DEFAULT_CONFIG).workdir, f"the default config {DEFAULT_CONFIG}"
+    else:
+        from lifecycle.config import PipelineConfig
+
+        wd, source = str(Path(PipelineConfig.model_fields["workdir"].default).resolve()), "the built-in default"
+    return wd, source, (f"work dir {wd}, from {source} (name a run with CONFIG, --set workdir=..., --workdir or "
+                        f"${WORKDIR_ENV})")
+
+
+# --------------------------------------------------------------------------------------------------
+# lifecycle config show | schema
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from lifecycle.config import config_fields
+
+    if args.defaults and (args.config or args.set):
+        from lifecycle.core.errors import UsageError
+
+        raise UsageError("--defaults shows the built-in defaults: give it no CONFIG or --set")
+    cfg = None if args.defaults else load_config(args.config, args.set or [])
+    rows = config_fields(cfg)
+    origin = "built-in defaults" if cfg is None else (args.config or DEFAULT_CONFIG)
+    if args.json:
+        print(json.dumps({"config": origin, "fields": rows}))
+        return 0
+    import textwrap
+
+    print(f"# {origin}: every field, its value, its default and what it does"
+          + ("" if cfg is None else " (* = differs from the default)"))
+    for r in rows:
+        value = "(required)" if r["required"] and cfg is None else json.dumps(r["value"])
+        changed = cfg is not None and r["value"] != r["default"]
+        default = "required" if r["required"] else json.dumps(r["default"])
+        print(f"{'*' if changed else ' '} {r['field']}: {value}" + (f"   (default {default})" if changed else ""))
+        for line in textwrap.wrap(f"{r['type']}. {r['doc']}", 108):
+            print(f"      {line}")
+    return 0
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    from lifecycle.config import json_schema
+
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        from pathlib import Path
+
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}; editors with the YAML language server use it with a first line "
+              f"`# yaml-language-server: $schema=<path to it>` in a config", file=sys.stderr)
+    return 0
+
+
+def register_config(sub) -> None:
+    cfg = sub.add_parser("config", help="Discover the configuration: every field with its value, default and doc; "
+                                        "a JSON Schema for editors.")
+    csub = cfg.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="Print the resolved config: each field's value, default and doc.")
+    show.add_argument("config", nargs="?", help=f"YAML config (default {DEFAULT_CONFIG})")
+    show.add_argument("--set", action="append", metavar="KEY=VALUE", help="Override a field, as for `run`.")
+    show.add_argument("--defaults", action="store_true", help="Show the built-in defaults instead of a config.")
+    show.add_argument("--json", action="store_true",
+                      help="Print one JSON object: {config, fields: [{field, value, default, required, type, doc}]}.")
+    show.set_defaults(func=cmd_config_show)
+    schema = csub.add_parser("schema", help="Write the config's JSON Schema (for editors: completion, docs on "
+                                            "hover and checks in deploy/configs/*.yaml).")
+    schema.add_argument("-o", "--output", metavar="FILE", help="where to write it (default: stdout)")
+    schema.set_defaults(func=cmd_config_schema)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,9 +392,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     register_run(sub)
     register_verify(sub)
+    register_config(sub)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     for leaf in _leaves(parser):
+        if leaf.get_default("names_run"):
+            add_run_naming(leaf)
         if "-v" not in leaf._option_string_actions:
             leaf.add_argument("-v", "--verbose", action="store_true", help="on an error, show its traceback")
     return parser
@@ -267,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # named by the subcommand that does not take them, not by `lifecycle`
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if getattr(args, "names_run", False):
+            args.workdir, args.workdir_from, note = resolve_workdir(args)
+            if note:
+                print(f"{_command_parser(parser, args).prog}: {note}", file=sys.stderr)
         return args.func(args)
     except KeyboardInterrupt:
         print("lifecycle: interrupted", file=sys.stderr)

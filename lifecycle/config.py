@@ -7,8 +7,10 @@ Secrets never live here: credentials come from the environment (a config holding
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +72,22 @@ class PipelineConfig(BaseModel):
         "`tokenize.tokenizer_file` must resolve (symlinks followed) inside one of them. null: each pattern's own "
         "fixed directory is its root. Either way, a file a pattern matches must resolve inside the pattern's "
         "fixed directory (lifecycle/paths.py)."))
-    collect: CollectConfig
-    filter: FilterConfig = FilterConfig()
-    dedup: DedupConfig = DedupConfig()
-    scrub: ScrubConfig = ScrubConfig()
-    tokenize: TokenizeConfig = TokenizeConfig()
-    train: TrainConfig = TrainConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
-    tracking: TrackingConfig = TrackingConfig()
-    orchestration: OrchestrationConfig = OrchestrationConfig()
+    collect: CollectConfig = Field(description="Reading the raw input files (tasks/data/collect/stage.py).")
+    filter: FilterConfig = Field(FilterConfig(), description="Quality and language rules, in order "
+                                 "(tasks/data/filter/).")
+    dedup: DedupConfig = Field(DedupConfig(), description="Exact and MinHash near-duplicate removal "
+                               "(tasks/data/dedup/stage.py).")
+    scrub: ScrubConfig = Field(ScrubConfig(), description="PII placeholders (tasks/data/scrub/stage.py).")
+    tokenize: TokenizeConfig = Field(TokenizeConfig(), description="BPE tokenizer and token shards "
+                                     "(tasks/data/tokenize/stage.py).")
+    train: TrainConfig = Field(TrainConfig(), description="Model, optimizer, DeepSpeed and checkpoints "
+                               "(tasks/train/config.py).")
+    evaluate: EvaluateConfig = Field(EvaluateConfig(), description="Held-out scores and the contamination gate "
+                                     "(tasks/eval/evaluate/stage.py).")
+    tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow tracking and registry "
+                                     "(lineage/tracking.py).")
+    orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How Prefect and Dask run the "
+                                               "stages.")
 
     @field_validator("workdir")
     @classmethod
@@ -177,8 +186,73 @@ def format_validation_error(err: ValidationError, origin: str) -> str:
         field = ".".join(str(p) for p in e["loc"])
         got = e.get("input")
         shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"[:120]
-        lines.append(f"  field `{field}`: {e['msg']}{shown}")
+        hint = ""
+        if e["type"] == "extra_forbidden" and (close := closest_field(e["loc"])):
+            hint = f"; did you mean `{close}`?"
+        lines.append(f"  field `{field}`: {e['msg']}{shown}{hint}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# discovering the config: the sections and fields under a path, `lifecycle config show` and `schema`
+
+
+def _sections(annotation) -> list[type[BaseModel]]:
+    """The config classes a field holds (`FilterConfig`, `X | None`, a union of sections)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [c for a in typing.get_args(annotation) for c in _sections(a)]
+
+
+def closest_field(loc: tuple) -> str | None:
+    """The dotted name of the known field nearest to the unknown key at `loc` (difflib), or None."""
+    classes: list[type[BaseModel]] = [PipelineConfig]
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
+        classes = [c for cls in classes if part in cls.model_fields
+                   for c in _sections(cls.model_fields[part].annotation)]
+    names = sorted({n for cls in classes for n in cls.model_fields})
+    match = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    return ".".join([*(str(p) for p in loc[:-1]), match[0]]) if match else None
+
+
+def _default(field) -> Any:
+    if field.is_required():
+        return None
+    return field.default_factory() if field.default_factory is not None else field.default
+
+
+def config_fields(cfg: BaseModel | None = None, cls: type[BaseModel] = None, prefix: str = "") -> list[dict]:
+    """Every leaf field of a config (or of the built-in defaults when `cfg` is None), in declaration order:
+    {field (dotted), value, default, required, type, doc}."""
+    from pydantic_core import to_jsonable_python
+
+    cls = cls or (type(cfg) if cfg is not None else PipelineConfig)
+    rows = []
+    for name, f in cls.model_fields.items():
+        default = _default(f)
+        value = getattr(cfg, name) if cfg is not None else default
+        sections = _sections(f.annotation)
+        if isinstance(value, BaseModel) or (value is None and f.is_required() and len(sections) == 1):
+            sub = value if isinstance(value, BaseModel) else None
+            rows += config_fields(sub, type(sub) if sub is not None else sections[0], f"{prefix}{name}.")
+            continue
+        rows.append({"field": prefix + name, "value": to_jsonable_python(value),
+                     "default": to_jsonable_python(default), "required": f.is_required(),
+                     "type": _type_name(f.annotation), "doc": f.description or ""})
+    return rows
+
+
+def _type_name(annotation) -> str:
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    return re.sub(r"\b(typing|pathlib|lifecycle\.[\w.]+)\.", "", text).replace("NoneType", "None")
+
+
+def json_schema() -> dict:
+    """PipelineConfig's JSON Schema (draft 2020-12), for editors (YAML language server) and `jsonschema`."""
+    schema = PipelineConfig.model_json_schema(mode="validation")
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "lifecycle pipeline config"}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:

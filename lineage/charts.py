@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
 from lifecycle.tasks.stages import DATA_STAGES
 
 FUNNEL_STAGES = DATA_STAGES
@@ -37,6 +39,14 @@ def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
     return out
 
 
+def nice_bound(x: float) -> float:
+    """The smallest 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7 or 8 times a power of ten that is >= x (2,130 -> 2,500)."""
+    if x <= 0:
+        return 1.0
+    scale = 10.0 ** math.floor(math.log10(x))
+    return next(m * scale for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10) if m * scale >= x * (1 - 1e-12))
+
+
 def funnel_png(manifests: dict[str, dict], path: str | Path) -> Path:
     """Bars: raw records, then documents kept after each stage, each labelled with its top drop reasons."""
     import matplotlib
@@ -49,15 +59,18 @@ def funnel_png(manifests: dict[str, dict], path: str | Path) -> Path:
         raise ValueError("no stage statistics to draw a funnel from")
     labels = ["raw records"] + [r["stage"] for r in rows]
     values = [rows[0]["rows_in"]] + [r["rows_kept"] for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig.subplots_adjust(left=0.1, right=0.6, top=0.88, bottom=0.13)  # the drop reasons go right of the axes
     bars = ax.barh(labels[::-1], values[::-1], color="#4c72b0")
-    notes = [""] + ["; ".join(f"-{n} {k}" for k, n in r["top_reasons"]) for r in rows]
+    notes = [""] + ["; ".join(f"-{n:,} {k}" for k, n in r["top_reasons"]) for r in rows]
+    beside = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
     for bar, v, note in zip(bars, values[::-1], notes[::-1]):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v}  {note}", va="center", fontsize=8)
-    ax.set_xlim(0, max(values) * 1.9)
+        y = bar.get_y() + bar.get_height() / 2
+        ax.text(bar.get_width(), y, f" {v:,}", va="center", fontsize=8)
+        ax.text(1.02, y, note, va="center", fontsize=8, transform=beside, clip_on=False)
+    ax.set_xlim(0, nice_bound(max(values) * 1.08))  # room for the count after the longest bar
     ax.set_xlabel("documents")
-    ax.set_title("Document funnel (kept after each stage; top drop reasons)")
-    fig.tight_layout()
+    ax.set_title("Document funnel (kept after each stage; top drop reasons)", loc="left")
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -7,7 +7,9 @@
                                                     documents; writes a report under <workdir>/audit/, changes nothing
     lifecycle sql "SELECT ..."                      DuckDB over the catalog (see lineage/catalog.py)
 
-Every command reads only inside --workdir (symlinks resolved; a manifest, tag or --tracking-uri naming a file
+A command names its run as every `lifecycle` command does: CONFIG (-c) and --set, else --workdir, else
+$LIFECYCLE_WORKDIR, else the default config's work dir (lifecycle/cli.py: `resolve_workdir`).
+Every command reads only inside the work dir (symlinks resolved; a manifest, tag or --tracking-uri naming a file
 elsewhere is refused), and `sql` runs SELECT queries only, on a DuckDB connection that can read nothing but the
 catalog's own files.
 """
@@ -29,10 +31,11 @@ STAGE_ORDER = NAMES
 
 
 def _workdir(args) -> Path:
-    """--workdir resolved: every file an audit command reads or writes must lie inside it."""
+    """The work dir resolved: every file an audit command reads or writes must lie inside it."""
     wd = Path(args.workdir).expanduser().resolve()
     if not wd.is_dir():
-        raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
+        raise FileNotFoundError(f"work dir {args.workdir} ({getattr(args, 'workdir_from', '--workdir')}): "
+                                "no such directory")
     return wd
 
 
@@ -146,7 +149,8 @@ def doc_lineage(con, ident: str) -> dict:
     info = {r["path"]: r for r in cat.query(con, "SELECT stage, sha256, path, created_at FROM datasets")}
     for e in events:
         d = info.get(e["dataset_path"], {})
-        e.update(stage=d.get("stage"), dataset_sha256=d.get("sha256"), created_at=d.get("created_at"))
+        e.update(stage=d.get("stage"), dataset_sha256=d.get("sha256"), created_at=d.get("created_at"),
+                 dataset_dir=Path(e["dataset_path"] or "").name)  # the fingerprint directory, datasets/<stage>/<it>
     events.sort(key=lambda e: (e["created_at"] or "", STAGE_ORDER.index(e["stage"]) if e["stage"] in STAGE_ORDER else 99))
     trained_on = {e["dataset_sha256"] for e in events if e["outcome"] == "tokenized" and e["split"] == "train"}
     held_out = {e["dataset_sha256"] for e in events if e["outcome"] == "tokenized" and e["split"] == "val"}
@@ -164,10 +168,11 @@ def print_doc(r: dict) -> None:
         print(f"no document with doc_id or source_id {r['query']!r} in any dataset")
         return
     print(f"{r['query']}: doc_id {', '.join(r['doc_ids'])}  source_id {', '.join(r['source_ids'])}")
-    skip = {"doc_id", "source_id", "dataset_path", "stage", "dataset_sha256", "created_at", "outcome"}
+    skip = {"doc_id", "source_id", "dataset_path", "stage", "dataset_sha256", "dataset_dir", "created_at", "outcome"}
     for e in r["events"]:
         rest = "  ".join(f"{k}={v}" for k, v in e.items() if k not in skip)
-        print(f"  {e['created_at']}  {e['stage']:<9} {e['outcome']:<9} {rest}  [{e['dataset_sha256'][:12]}]")
+        print(f"  {e['created_at']}  {e['stage']:<9} {e['outcome']:<9} {rest}  "
+              f"[datasets/{e['stage']}/{e['dataset_dir']}, sha256 {e['dataset_sha256'][:12]}]")
     fmt = lambda ms: ", ".join(f"{m['name']}/{m['version']}" + (f" @{m['aliases']}" if m["aliases"] else "")
                                for m in ms) or "none"
     print(f"  trained on by model versions: {fmt(r['trained_by'])}")
@@ -318,7 +323,8 @@ def cmd_sql(args) -> int:
 
 
 def _common(p) -> None:
-    p.add_argument("--workdir", default="runs/demo", help="the lifecycle work dir (default runs/demo)")
+    """--workdir, -c/--config and --set come from `lifecycle` (`names_run`), resolved the same for every command."""
+    p.set_defaults(names_run=True)
     p.add_argument("--tracking-uri", help="MLflow tracking/registry URI (default: sqlite <workdir>/mlflow.db)")
     p.add_argument("--json", action="store_true", help="Print one JSON document.")
 
@@ -327,7 +333,8 @@ def register(sub) -> None:
     lin = sub.add_parser("lineage", help="Audit trail: model -> data, document -> models, deletion reports.")
     lsub = lin.add_subparsers(dest="what", required=True)
     m = lsub.add_parser("model", help="A model version's chain back to the raw input files.")
-    m.add_argument("spec", metavar="NAME[/VERSION|@ALIAS]")
+    m.add_argument("spec", metavar="NAME[/VERSION|@ALIAS]",
+                   help="a registered model: its latest version, a version number or an alias (e.g. @champion)")
     _common(m)
     m.set_defaults(func=cmd_model)
     d = lsub.add_parser("doc", help="A document's path through every stage and the models that trained on it.")
@@ -335,11 +342,12 @@ def register(sub) -> None:
     _common(d)
     d.set_defaults(func=cmd_doc)
     f = lsub.add_parser("forget", help="Everything holding these sources' documents (a report; changes nothing).")
-    f.add_argument("source_ids", nargs="+", metavar="SOURCE_ID")
+    f.add_argument("source_ids", nargs="+", metavar="SOURCE_ID", help="the source_id of each document to forget")
     _common(f)
     f.set_defaults(func=cmd_forget)
     s = sub.add_parser("sql", help="DuckDB over the catalog of manifests, stats and rows (see lineage/catalog.py).")
-    s.add_argument("query")
-    s.add_argument("--max-rows", type=int, default=40)
+    s.add_argument("query", help="one SELECT statement (tables: datasets, parents, raw_inputs, drops, rejected, "
+                                 "kept, tokens, signatures, checkpoints, models)")
+    s.add_argument("--max-rows", type=int, default=40, help="rows to print at most (default 40; --json prints all)")
     _common(s)
     s.set_defaults(func=cmd_sql)

@@ -193,13 +193,14 @@ def test_port_in_use_for_up(capsys, tmp_path):
     assert not (tmp_path / ".servers" / "servers.json").exists()
 
 
-def test_a_bug_is_one_line_exit_1_and_verbose_shows_the_traceback(capsys, monkeypatch):
+def test_a_bug_is_one_line_exit_1_and_verbose_shows_the_traceback(capsys, monkeypatch, tmp_path):
     import lifecycle.cli as cli
 
     def broken(args):
         return {}["no such key"]
 
     monkeypatch.setattr(cli, "cmd_verify", broken)
+    monkeypatch.setenv("LIFECYCLE_WORKDIR", str(tmp_path))  # a named run: no note about the default work dir
     rc, out, err = run_cli(capsys, ["verify"])
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 1 and len(lines) == 1 and "Traceback" not in err

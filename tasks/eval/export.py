@@ -1,7 +1,9 @@
 """Export a committed checkpoint to the Hugging Face format: `lifecycle export hf CHECKPOINT OUT_DIR`.
 
-The command reads CHECKPOINT and --tokenizer only inside --workdir (default runs/demo) or an --input-root,
-and writes OUT_DIR only inside --workdir; paths are resolved, symlinks followed (lifecycle/paths.py).
+The command reads CHECKPOINT and --tokenizer only inside the run's work dir (named as for every command: CONFIG,
+--workdir or $LIFECYCLE_WORKDIR) or an --input-root; paths are resolved, symlinks followed (lifecycle/paths.py).
+It writes OUT_DIR wherever the user says, but not into a folder that holds anything unless --force. The files are
+written with the mode the umask gives (0644 under the usual 022), not safetensors' private 0600.
 
 Our default decoder (tasks/model.py: pre-norm RMSNorm, SwiGLU, rotary embeddings, no biases, optionally tied
 embeddings) is exactly `transformers.LlamaForCausalLM`, so the export is a renaming of tensors plus a
@@ -34,6 +36,7 @@ export fails above `tolerance`.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from lifecycle.core.dataset import DatasetRef
@@ -161,6 +164,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path
     config.save_pretrained(str(out))
     save_file(to_llama_state(model.export_state(), model.cfg), str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    _umask_mode(out)
     diff = max_logit_diff(model, out, model.cfg.vocab_size, model.cfg.seq_len)
     report = {"checkpoint": str(checkpoint.resolve()), "out_dir": str(out.resolve()), "architecture": "LlamaForCausalLM",
               "checkpoint_marker_sha256": sha256_file(checkpoint / ckpt.MARKER),
@@ -176,13 +180,28 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path
 # CLI: `lifecycle export hf CHECKPOINT OUT_DIR`
 
 
+def _umask_mode(out: Path) -> None:
+    """Give the files written into `out` the mode a plain `open` gives (safetensors writes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o666 & ~umask)
+
+
 def confined_args(args) -> tuple[Path, Path, Path | None]:
-    """CHECKPOINT and --tokenizer resolved inside --workdir or an --input-root; OUT_DIR inside --workdir."""
+    """CHECKPOINT and --tokenizer resolved inside the work dir or an --input-root; OUT_DIR anywhere, but a folder
+    that holds files only with --force."""
     roots = [args.workdir, *(args.input_root or [])]
     checkpoint = resolve_within(args.checkpoint, roots, "CHECKPOINT is not inside --workdir or an --input-root")
     tokenizer = args.tokenizer and resolve_within(args.tokenizer, roots,
                                                   "--tokenizer is not inside --workdir or an --input-root")
-    out = resolve_within(args.out_dir, [args.workdir], "OUT_DIR is not inside --workdir")
+    out = Path(args.out_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"OUT_DIR {args.out_dir} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise UsageError(f"OUT_DIR {args.out_dir} is not empty: pass --force to write into it (files of the same "
+                         "name are replaced)")
     return checkpoint, out, tokenizer
 
 
@@ -208,11 +227,11 @@ def register(sub) -> None:
                                    "transformers.AutoModelForCausalLM.")
     hf.add_argument("checkpoint", help="a committed checkpoint (train/.../checkpoints/step_N) or a packaged model "
                                        "(datasets/checkpoint/<fp>)")
-    hf.add_argument("out_dir")
+    hf.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (anywhere; refused when not empty, "
+                                                         "unless --force)")
+    hf.add_argument("--force", action="store_true", help="write into OUT_DIR even if it holds files")
     hf.add_argument("--tokenizer", help="tokenizer.json (default: found from the checkpoint's commit marker)")
-    hf.add_argument("--workdir", default="runs/demo", help="the work dir (default runs/demo): CHECKPOINT and "
-                    "--tokenizer must lie in it or in an --input-root, OUT_DIR in it (symlinks resolved)")
     hf.add_argument("--input-root", action="append", metavar="DIR",
                     help="another directory CHECKPOINT and --tokenizer may be read from. Repeatable.")
     hf.add_argument("--json", action="store_true", help="Print one JSON object.")
-    hf.set_defaults(func=cmd_export_hf)
+    hf.set_defaults(func=cmd_export_hf, names_run=True)  # CONFIG/--workdir: CHECKPOINT and --tokenizer lie in it

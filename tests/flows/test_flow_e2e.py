@@ -2,6 +2,7 @@
 CPU ranks) on a tiny slice of the bundled corpus plus planted duplicates, PII and bad records."""
 
 import json
+from pathlib import Path
 import os
 
 import pyarrow.parquet as pq
@@ -95,6 +96,12 @@ def test_full_run_outputs_and_accounting(first_run):
     assert os.path.exists(os.path.join(out["checkpoint"], "COMMITTED.json"))
     losses = [json.loads(l)["loss"] for l in open(next((wd / "train").glob("*/metrics.jsonl"))) if '"loss"' in l]
     assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
+    # <workdir>/latest/<stage> names what this completed run used; the summary says where charts and card are
+    for stage, manifest_path in out["datasets"].items():
+        assert (wd / "latest" / stage).resolve() == Path(manifest_path).parent.resolve(), stage
+    assert (wd / "latest" / "train").resolve() == Path(out["checkpoint"]).resolve()
+    assert {k: v.rsplit("/", 1)[-1] for k, v in out["artifacts"].items()} == {
+        "funnel": "funnel.png", "loss_curves": "loss_curves.png", "model_card": "model_card.md"}
 
 
 def test_mlflow_lineage(first_run):

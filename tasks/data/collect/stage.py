@@ -147,8 +147,14 @@ def file_kind(path: str) -> str:
 
 
 def resolve_inputs(patterns: list[str]) -> list[RawFile]:
-    """Expand the globs (sorted) and fingerprint every file by its full sha256. A local file is taken once,
-    under the first spelling found, however many paths (symlinks, loops, overlapping patterns) lead to it."""
+    """Expand the globs (sorted) and fingerprint every file by its full sha256."""
+    return [RawFile(path=shown(p), path_bytes=path_bytes(p), sha256=fs.sha256_file(p), bytes=fs.size(p))
+            for p in match_inputs(patterns)]
+
+
+def match_inputs(patterns: list[str]) -> list[str]:
+    """The files the globs match (sorted), each of a known type. A local file is taken once, under the first
+    spelling found, however many paths (symlinks, loops, overlapping patterns) lead to it."""
     paths: list[str] = []
     seen: set = set()
     for pattern in patterns:
@@ -169,8 +175,7 @@ def resolve_inputs(patterns: list[str]) -> list[RawFile]:
                 paths.append(m)
     for p in paths:
         file_kind(p)  # fail on an unknown type before any work starts
-    return [RawFile(path=shown(p), path_bytes=path_bytes(p), sha256=fs.sha256_file(p), bytes=fs.size(p))
-            for p in paths]
+    return paths
 
 
 def make_doc_id(source_id: str, text: str) -> str:

@@ -1,0 +1,28 @@
+"""The funnel chart's axis ends at a round number near the largest bar (issue 24: 2,130 documents drew to 4,000)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pytest
+
+from lifecycle.lineage.charts import funnel_png, nice_bound
+
+
+@pytest.mark.parametrize("x,bound", [(2130, 2500), (2300.4, 2500), (1000, 1000), (1001, 1200), (7, 7), (7.5, 8), (64.8, 70), (0.3, 0.3),
+                                     (95, 100), (0, 1.0)])
+def test_nice_bound(x, bound):
+    assert nice_bound(x) == pytest.approx(bound)
+
+
+def test_the_funnel_axis_ends_near_the_largest_count(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
+    stats = lambda n_in, n_kept, **why: {"stats": {"rows_in": n_in, "rows_kept": n_kept, "rejected_by_reason": why}}
+    manifests = {"collect": stats(2130, 2130), "filter": stats(2130, 1604, gopher_short_doc=526),
+                 "dedup": stats(1604, 1590, duplicate=14), "scrub": stats(1590, 1590)}
+    path = funnel_png(manifests, tmp_path / "funnel.png")
+    assert path.stat().st_size > 1000
+    (ax,) = figures[0].axes
+    assert ax.get_xlim() == (0, 2500)
+    assert max(ax.get_xticks()) <= 2500
+    assert any("-526 gopher_short_doc" in t.get_text() for t in ax.texts)
