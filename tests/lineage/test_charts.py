@@ -25,4 +25,4 @@ def test_the_funnel_axis_ends_near_the_largest_count(tmp_path, monkeypatch):
     (ax,) = figures[0].axes
     assert ax.get_xlim() == (0, 2500)
     assert max(ax.get_xticks()) <= 2500
-    assert any("-526 gopher_short_doc" in t.get_text() for t in ax.texts)
+    assert any("-526 gopher_quality" in t.get_text() for t in ax.texts)  # filter: cost per rule
