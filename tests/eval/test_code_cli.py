@@ -7,6 +7,7 @@ import pytest
 from lifecycle.cli import main
 from lifecycle.tasks.eval.code.problems import load_problems
 from tests.conftest import lifecycle_in_process
+from tests.eval.test_export_hf import committed, tokenizer_file  # noqa: F401 (a fixture)
 
 PROBLEMS = dict(list(load_problems().items())[:2])
 
@@ -71,3 +72,17 @@ def test_missing_files_and_bad_arguments(tmp_path, capsys):
     assert "give exactly one of --samples" in capsys.readouterr().err
     assert main(["eval", "code", "--model", str(tmp_path)]) == 2
     assert "no model_config.json" in capsys.readouterr().err
+
+
+def test_samples_from_a_checkpoint(tmp_path, tokenizer_file, capsys):
+    """--model: the same path samples completions from a committed checkpoint (a random model: pass@k 0)."""
+    tag, _ = committed(tmp_path)
+    rc, out = lifecycle_in_process(capsys, "eval", "code", "--model", str(tag), "--tokenizer", str(tokenizer_file),
+                                   "--max-problems", "2", "--num-samples", "2", "--k", "1,2", "--max-new-tokens", "8")
+    assert rc == 0, out
+    assert out["pass_at_k"] == {"pass@1": 0.0, "pass@2": 0.0}
+    assert [r["task_id"] for r in out["results"]] == ["HumanEval/0"] * 2 + ["HumanEval/1"] * 2
+    assert all(isinstance(r["completion"], str) and not r["passed"] for r in out["results"])
+    assert main(["eval", "code", "--model", str(tag), "--tokenizer", str(tokenizer_file), "--num-samples", "2",
+                 "--k", "1,10"]) == 2
+    assert "pass@10 needs at least 10 samples per problem" in capsys.readouterr().err

@@ -7,8 +7,8 @@ from pydantic import ValidationError
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, new_bpe
 from lifecycle.tasks.eval.code.config import CodeEvalConfig
 from lifecycle.tasks.eval.code.problems import load_problems
-from lifecycle.tasks.eval.code.sampling import code_metrics, sample_completions, truncate
-from lifecycle.tasks.eval.evaluate.stage import EvaluateConfig
+from lifecycle.tasks.eval.code.sampling import code_metrics, sample_completions, sample_continue, truncate
+from lifecycle.tasks.eval.evaluate.stage import EvaluateConfig, greedy_continue
 
 PROBLEMS = dict(list(load_problems().items())[:3])
 
@@ -77,6 +77,9 @@ def test_sampling_is_seeded_and_cut_at_stop_sequences(tokenizer):
     assert len({s["completion"] for s in first}) > 1  # temperature 1: the samples differ
     greedy = sample_completions(model, tokenizer, PROBLEMS, cfg.model_copy(update={"temperature": 0.0}))
     assert len({s["completion"] for s in greedy[:3]}) == 1
+    prompt = torch.tensor([tokenizer.encode(next(iter(PROBLEMS.values()))["prompt"]).ids])
+    assert torch.equal(sample_continue(model, prompt, 2, 8, 0.0, 1.0, None),  # the evaluate stage's greedy
+                       greedy_continue(model, prompt.expand(2, -1), 8))
     assert truncate("    return 1\ndef g():\n    pass") == "    return 1"
     assert truncate("    x = 1\n    return x\n\n\nif __name__") == "    x = 1\n    return x\n\n"
 

@@ -29,7 +29,7 @@ def test_honest_programs_pass_and_fail_and_the_directory_goes(tmp_path):
                      str(tmp_path))
     assert ok.passed and ok.reason == "passed", ok.stderr
     assert run("assert 1 + 1 == 3", tmp_root=tmp_path).reason == "exception: AssertionError"
-    assert run("import sys\nsys.exit(0)").reason.startswith("exited with status 0 before the tests finished")
+    assert run("import sys\nsys.exit(0)").reason.startswith("exited with status 0 without the harness's pass mark")
     assert list(tmp_path.iterdir()) == []  # throwaway directories removed
     held = ok.held
     assert held["network"].startswith("new network namespace"), held
@@ -151,3 +151,13 @@ def test_writing_a_huge_file():
     """Contained by: RLIMIT_FSIZE (Python ignores SIGXFSZ, so the write fails with EFBIG)."""
     r = run("with open('big', 'wb') as f:\n    f.write(b'x' * (32 << 20))")
     assert "File too large" in r.reason or r.reason.startswith("file size"), r.reason
+
+
+def test_closing_its_pipes_and_scribbling_on_the_report():
+    """A program that closes stdout/stderr still meets the wall-time kill; junk written to the harness's report
+    pipe (it can find the fd) voids the verdict instead of crashing the evaluator."""
+    r = run("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)", SandboxLimits(timeout_s=1.0))
+    assert r.reason.startswith("timeout"), r.reason
+    r = run("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{junk\\n')\n"
+            "    except OSError:\n        pass")
+    assert r.reason.startswith("exited with status 0 without the harness's pass mark"), r.reason

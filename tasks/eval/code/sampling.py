@@ -1,8 +1,7 @@
 """Completions sampled from our model for HumanEval-format problems, scored by the same path as given samples.
 
 The model continues each problem's prompt (signature + docstring) `num_samples` times at `temperature` with top-p
-(greedy at temperature 0: the evaluate stage's `greedy_continue`), context cropped to its `seq_len` as in the
-evaluate stage's generation. A completion ends at the end-of-text token or at HumanEval's stop sequences. torch
+(argmax at temperature 0), context cropped to its `seq_len` as in the evaluate stage's `greedy_continue`. A completion ends at the end-of-text token or at HumanEval's stop sequences. torch
 is imported lazily (this module's config is read by the CLI).
 """
 
@@ -25,28 +24,27 @@ def truncate(text: str, stops=STOP_SEQUENCES) -> str:
 
 def sample_continue(model, prompt, n: int, n_new: int, temperature: float, top_p: float, generator,
                     eot: int | None = None):
-    """n continuations (n, <= n_new) of one prompt (1, P) by temperature + top-p sampling, stopping early once
-    every row has produced `eot`; greedy (the evaluate stage's `greedy_continue`) at temperature 0."""
+    """n continuations (n, <= n_new) of one prompt (1, P): argmax at temperature 0 (as the evaluate stage's
+    greedy generation), else temperature + top-p sampling; stops early once every row has produced `eot`."""
     import torch
 
-    from lifecycle.tasks.eval.evaluate.stage import greedy_continue
-
     idx = prompt.expand(n, -1)
-    if temperature == 0:
-        return greedy_continue(model, idx, n_new)
     done = torch.zeros(n, dtype=torch.bool)
     with torch.no_grad():
         for _ in range(n_new):
             if eot is not None and bool(done.all()):
                 break
             logits, _ = model(idx[:, -model.cfg.seq_len:])
-            probs = torch.softmax(logits[:, -1, :].float() / temperature, dim=-1)
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > top_p  # tokens after the nucleus is full
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            choice = torch.multinomial(sorted_p, 1, generator=generator)
-            idx = torch.cat([idx, order.gather(-1, choice)], dim=1)
-            done |= idx[:, -1] == (eot if eot is not None else -1)
+            last = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = last.argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(last / temperature, dim=-1)
+                sorted_p, order = probs.sort(dim=-1, descending=True)
+                drop = sorted_p.cumsum(-1) - sorted_p > top_p  # tokens after the nucleus is full
+                nxt = order.gather(-1, torch.multinomial(sorted_p.masked_fill(drop, 0.0), 1, generator=generator))
+            idx = torch.cat([idx, nxt], dim=1)
+            done |= nxt[:, 0] == (eot if eot is not None else -1)
     return idx[:, prompt.shape[1]:]
 
 

@@ -172,9 +172,25 @@ def _read_capped(proc: subprocess.Popen, report_r: int, deadline: float, cap: in
             if len(bufs[report_r]) > 65536 or sum(len(bufs[fd]) for fd in bufs if fd != report_r) > cap:
                 stop = "output"
                 break
+        else:  # every pipe closed: the program may still run (it closed them itself)
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                stop = "timeout"
     finally:
         sel.close()
     return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), bytes(bufs[report_r]), stop
+
+
+def _report(data: bytes) -> tuple[dict, str | None]:
+    """(held, verdict) from the jail's report pipe: its first line, and a second line that must be exactly the
+    verdict; anything else there (the program can write to the pipe too) gives no verdict."""
+    lines = data.decode("utf-8", "replace").split("\n")
+    try:
+        held = json.loads(lines[0])["held"]
+    except (ValueError, KeyError, TypeError):
+        return {}, None
+    return held, "passed" if lines[1:] == ['{"verdict": "passed"}', ""] else None
 
 
 def _reason(returncode: int, stderr: str, stop: str, limits: SandboxLimits) -> str:
@@ -192,7 +208,7 @@ def _reason(returncode: int, stderr: str, stop: str, limits: SandboxLimits) -> s
         return f"memory: {last} (address space limit {limits.memory_bytes >> 20} MiB)"
     if last:
         return f"exception: {last}"
-    return f"exited with status {returncode} before the tests finished"
+    return f"exited with status {returncode} without the harness's pass mark (the tests did not finish)"
 
 
 def run_program(source: str, limits: SandboxLimits, slot: int = 0, tmp_root: str | None = None) -> RunResult:
@@ -230,9 +246,8 @@ def run_program(source: str, limits: SandboxLimits, slot: int = 0, tmp_root: str
         if report_w >= 0:
             os.close(report_w)
         shutil.rmtree(workdir, ignore_errors=True)
-    lines = [json.loads(ln) for ln in rep.decode("utf-8", "replace").splitlines() if ln.startswith("{")]
-    held = next((ln["held"] for ln in lines if "held" in ln), {})
-    passed = not stop and returncode == 0 and any(ln.get("verdict") == "passed" for ln in lines)
+    held, verdict = _report(rep)
+    passed = not stop and returncode == 0 and verdict == "passed"
     stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
     if not held and not stop:  # the jail itself failed: an environment problem, not the program's
         raise RuntimeError(f"the sandbox did not start (exit {returncode}): {stderr.strip()[-2000:]}")
