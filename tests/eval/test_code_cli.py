@@ -22,14 +22,14 @@ def test_scores_a_samples_file(tmp_path, capsys):
     rows += [{"task_id": t, "completion": "    while True:\n        pass\n"} for t in PROBLEMS]
     samples = write_jsonl(tmp_path / "samples.jsonl", rows)
     rc, out = lifecycle_in_process(capsys, "eval", "code", "--samples", str(samples), "--k", "1,2,10",
-                                   "--timeout", "1")
+                                   "--timeout", "4")
     assert rc == 0 and out["status"] == "ok"
     assert out["pass_at_k"] == {"pass@1": 0.5, "pass@2": 1.0} and out["skipped_k"] == [10]
     assert [r["passed"] for r in out["results"]] == [True, True, False, False]
     assert out["results"][2]["reason"].startswith("timeout") and out["results"][2]["completion_id"] == 1
     assert out["containment"]["network"].startswith("new network namespace")
 
-    assert main(["eval", "code", "--samples", str(samples), "--k", "1", "--timeout", "1"]) == 0
+    assert main(["eval", "code", "--samples", str(samples), "--k", "1", "--timeout", "4"]) == 0
     text = capsys.readouterr().out
     assert "HumanEval/0 #0: passed" in text and "HumanEval/0 #1: failed: timeout" in text
     assert "pass@1: 0.5000" in text

@@ -62,6 +62,7 @@ def test_a_model_that_writes_the_canonical_solutions_scores_one(tokenizer):
     metrics = code_metrics(model, tokenizer, cfg)
     assert metrics["code_pass_at_1"] == 1.0 and metrics["code_pass_at_2"] == 1.0, metrics
     assert (metrics["code_problems"], metrics["code_samples"], metrics["code_passed"]) == (3, 6, 6)
+    assert metrics["code_sandbox_full"] == 1.0
     wrong = scripted(tokenizer, lambda p: "    return None\n")
     assert code_metrics(wrong, tokenizer, cfg)["code_pass_at_1"] == 0.0
 

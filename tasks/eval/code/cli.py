@@ -53,7 +53,9 @@ def cmd_eval_code(args) -> int:
         print(f"  {name}: {value:.4f}")
     for k in report["skipped_k"]:
         print(f"  pass@{k}: not defined (a problem has fewer than {k} samples)")
-    print("  sandbox: " + "; ".join(f"{k}: {v}" for k, v in report["containment"].items()), file=sys.stderr)
+    weak = [k for k, v in report["containment"].items() if v.startswith("NOT")]
+    print(("  sandbox (WEAKER here: " + ", ".join(weak) + "): " if weak else "  sandbox: ")
+          + "; ".join(f"{k}: {v}" for k, v in report["containment"].items()), file=sys.stderr)
     return 0
 
 

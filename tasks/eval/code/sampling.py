@@ -80,11 +80,14 @@ def evaluate_model(model, tokenizer, cfg: CodeEvalConfig) -> dict:
 
 
 def code_metrics(model, tokenizer, cfg: CodeEvalConfig) -> dict[str, float]:
-    """The evaluate stage's hook: `code_pass_at_<k>` (MLflow metric names allow no `@`), with the counts."""
+    """The evaluate stage's hook: `code_pass_at_<k>` (MLflow metric names allow no `@`), with the counts and
+    `code_sandbox_full` (1 when every sandbox layer held on this machine)."""
     report = evaluate_model(model, tokenizer, cfg)
     out = {f"code_pass_at_{name.split('@')[1]}": v for name, v in report["pass_at_k"].items()}
+    full = all(not v.startswith("NOT") for v in report["containment"].values())
     return out | {"code_problems": report["problems"], "code_samples": report["samples"],
-                  "code_passed": report["passed"], "code_samples_per_s": report["samples_per_s"]}
+                  "code_passed": report["passed"], "code_samples_per_s": report["samples_per_s"],
+                  "code_sandbox_full": float(full)}  # 0: a layer did not hold here (see `lifecycle eval code`)
 
 
 def load_model_dir(model_dir: str | Path, tokenizer: str | Path | None = None):
