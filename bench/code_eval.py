@@ -41,7 +41,7 @@ def attacks(port: int) -> list[tuple[str, str, str]]:
         ("read the project's files", f"print(open({str(ROOT / 'pyproject.toml')!r}).read())",
          "private mount namespace (empty tmpfs over the project)"),
         ("read the evaluator's environment", "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())",
-         "unprivileged uid (EPERM); own environment is PATH, LANG, HOME, TMPDIR only"),
+         "fresh /proc with hidepid=invisible + unprivileged uid; own environment is PATH, LANG, HOME, TMPDIR"),
         ("write outside its directory (/tmp)", "open('/tmp/escaped', 'w').write('x')",
          "root-owned tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock + unprivileged uid"),
         ("socket to a listener on 127.0.0.1", f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)",

@@ -4,6 +4,7 @@ contains its attack is removed (named in each docstring)."""
 
 import os
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -39,8 +40,8 @@ def test_honest_programs_pass_and_fail_and_the_directory_goes(tmp_path):
 
 
 def test_reading_ssh_keys_the_project_and_the_environment(monkeypatch):
-    """Contained by: the private mount namespace (/root and the project covered), the unprivileged uid, the
-    environment of PATH/LANG/HOME/TMPDIR only."""
+    """Contained by: the private mount namespace (/root and the project covered, a /proc that shows only its own
+    processes), the unprivileged uid, the environment of PATH/LANG/HOME/TMPDIR only."""
     secret = uuid.uuid4().hex
     monkeypatch.setenv("LIFECYCLE_TEST_SECRET", secret)
     ssh = Path("/root/.ssh") if os.getuid() == 0 else Path.home() / ".ssh"
@@ -53,15 +54,28 @@ def test_reading_ssh_keys_the_project_and_the_environment(monkeypatch):
             r = run(f"print(open({str(path)!r}).read())")
             assert r.reason.startswith("exception: FileNotFoundError"), r.reason
             assert secret not in r.stdout and "[project]" not in r.stdout
-        r = run("import os, sys\nprint(dict(os.environ))\nprint(open('/proc/self/environ').read())\n"
-                "print(open(f'/proc/{os.getppid()}/environ').read())")
-        assert r.reason.startswith("exception: PermissionError"), r.reason  # the evaluator's environ: not ours
+        r = run("import os, sys\nprint(dict(os.environ))\nprint(open(f'/proc/{os.getppid()}/environ').read())")
+        assert r.reason.startswith("exception: FileNotFoundError"), r.reason  # the evaluator: not in its /proc
         assert secret not in r.stdout + r.stderr
         assert "'HOME': '/tmp/sandbox'" in r.stdout
     finally:
         key.unlink()
         if made_dir:
             ssh.rmdir()
+
+
+def test_other_processes_command_lines():
+    """Contained by: the fresh /proc with hidepid=invisible (a server's command line may hold a password)."""
+    secret = uuid.uuid4().hex
+    other = subprocess.Popen(["sleep", "60", secret])
+    try:
+        r = run(f"import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+                f"print(open('/proc/{other.pid}/cmdline').read())")
+        assert r.reason.startswith("exception: FileNotFoundError"), r.reason
+        assert secret not in r.stdout and str(other.pid) not in r.stdout and str(os.getpid()) not in r.stdout
+    finally:
+        other.kill()
+        other.wait()
 
 
 @pytest.mark.parametrize("target", ["/tmp", "/var/tmp", "/dev/shm", "/root", str(ROOT)])

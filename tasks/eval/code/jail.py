@@ -8,7 +8,9 @@ without the project's virtual environment on the path). In order:
    namespace (`CLONE_NEWNS`), each where the kernel allows it;
 2. in the mount namespace: an empty root-owned tmpfs over every world-writable directory (/tmp, /var/tmp,
    /dev/shm, /run/lock, /dev/mqueue) and over every hidden path (the project, the evaluator's home, /root,
-   /home), with the interpreter's own prefix bound back read-only where it lies under one; the throwaway directory is bind-mounted at /tmp/sandbox, the program's cwd, HOME and TMPDIR;
+   /home), with the interpreter's own prefix bound back read-only where it lies under one; the throwaway
+   directory bind-mounted at /tmp/sandbox (the program's cwd, HOME and TMPDIR); a fresh /proc with
+   hidepid=invisible (the program sees no process but its own, so no other command line);
 3. resource limits (CPU seconds, address space, processes, file size, open files, no core files);
 4. when root: drop to the sandbox's uid/gid (no supplementary groups), so the program cannot read what only root
    may, cannot signal the evaluator (EPERM), and is counted by RLIMIT_NPROC (root is exempt from it);
@@ -25,7 +27,7 @@ import resource
 import sys
 
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 0x1, 0x2, 0x4, 0x20
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
 INSIDE = "/tmp/sandbox"  # where the throwaway directory appears inside a private mount namespace
@@ -79,7 +81,11 @@ def _namespaces(spec: dict, held: dict) -> str:
     # the throwaway directory: hidden under the new /tmp by now, so bind it from the fd opened before
     _mount(f"/proc/self/fd/{dir_fd}", INSIDE, None, MS_BIND, None)
     os.close(dir_fd)
-    held["filesystem"] = "private mount namespace: empty root-owned tmpfs over " + ", ".join(covered)
+    # a fresh /proc that shows a non-root uid only its own processes: other processes' command lines (a server's
+    # --backend-store-uri with a password) stay unreadable; mounted last, the binds above read /proc/self/fd
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+    held["filesystem"] = ("private mount namespace: empty root-owned tmpfs over " + ", ".join(covered)
+                          + "; /proc with hidepid=invisible")
     return INSIDE
 
 
