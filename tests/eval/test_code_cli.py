@@ -68,6 +68,8 @@ def test_missing_files_and_bad_arguments(tmp_path, capsys):
     assert "--k '0,1': expected comma-separated positive integers" in capsys.readouterr().err
     assert main(["eval", "code", "--samples", str(samples), "--problems", str(tmp_path / "p.jsonl")]) == 2
     assert "p.jsonl: no such file" in capsys.readouterr().err
+    assert main(["eval", "code", "--samples", str(samples), "--workers", "0"]) == 2
+    assert "--workers 0: between 1 and 64" in capsys.readouterr().err
     assert main(["eval", "code"]) == 2
     assert "give exactly one of --samples" in capsys.readouterr().err
     assert main(["eval", "code", "--model", str(tmp_path)]) == 2

@@ -15,13 +15,15 @@ from lifecycle.core.errors import UsageError
 def cmd_eval_code(args) -> int:
     from lifecycle.tasks.eval.code.passk import parse_ks
     from lifecycle.tasks.eval.code.problems import load_problems, load_samples
-    from lifecycle.tasks.eval.code.sandbox import SandboxLimits
+    from lifecycle.tasks.eval.code.sandbox import MAX_SLOTS, SandboxLimits
     from lifecycle.tasks.eval.code.score import score_samples
 
     try:
         ks = parse_ks(args.k)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if not 1 <= args.workers <= MAX_SLOTS:
+        raise UsageError(f"--workers {args.workers}: between 1 and {MAX_SLOTS}")
     if (args.samples is None) == (args.model is None):
         raise UsageError("give exactly one of --samples FILE.jsonl (completions to score) and --model DIR (sample them)")
     limits = SandboxLimits(timeout_s=args.timeout)

@@ -33,7 +33,7 @@ class CodeEvalConfig(BaseModel):
     """pass@k reported for each k (each must be <= num_samples)."""
     seed: int = 0
     """Seed of the sampling generator (the same model, config and seed give the same completions)."""
-    workers: int = Field(2, ge=1)
+    workers: int = Field(2, ge=1, le=64)
     """Programs run at once in the sandbox."""
     sandbox: SandboxLimits = SandboxLimits()
     """Limits of each program (wall and CPU time, memory, processes, file size, output)."""
