@@ -39,6 +39,7 @@ from lifecycle.core.dataset import DatasetRef, materialize
 from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.data.tokenize.stage import token_shards
+from lifecycle.tasks.eval.code.config import CodeEvalConfig
 
 
 class EvaluateConfig(BaseModel):
@@ -62,6 +63,8 @@ class EvaluateConfig(BaseModel):
     """Word n-gram length of the contamination check (13, as in GPT-3 and lm-eval's decontamination)."""
     max_contamination: float = Field(0.1, ge=0.0, le=1.0)
     """Fail the run when more than this share of val documents shares an n-gram with the training documents."""
+    code: CodeEvalConfig = CodeEvalConfig()
+    """pass@k of sampled code completions, run in a sandbox (off by default; tasks/eval/code/)."""
 
 
 class ContaminationError(RuntimeError):
@@ -240,6 +243,10 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
     split = dict(zip(side.column("doc_id").to_pylist(), side.column("split").to_pylist()))
     metrics.update(contamination([texts[d] for d, s in split.items() if s == "val"],
                                  [texts[d] for d, s in split.items() if s == "train"], cfg.contamination_ngram))
+    if cfg.code.enabled:  # pass@k of sampled completions (tasks/eval/code/sampling.py)
+        from lifecycle.tasks.eval.code.sampling import code_metrics
+
+        metrics.update(code_metrics(model, tokenizer, cfg.code))
     metrics["step"] = marker["step"]
     return {"metrics": metrics, "examples": examples}
 
