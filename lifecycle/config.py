@@ -92,6 +92,23 @@ class PipelineConfig(BaseModel):
         return str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")
+    def _base_tokenizer(self) -> "PipelineConfig":
+        """`train.init_from: hf:<dir>` tokenizes with the base model's tokenizer: `tokenize.base_model` is that
+        directory (filled in here when unset)."""
+        if not self.train.init_from.startswith("hf:"):
+            if self.tokenize.base_model is not None:
+                raise ValueError("tokenize.base_model is set but train.init_from is not hf:<dir>: the model would "
+                                 "not match its tokenizer")
+            return self
+        base = str(Path(self.train.init_from[3:]).expanduser().resolve())
+        if self.tokenize.base_model not in (None, base):
+            raise ValueError(f"tokenize.base_model ({self.tokenize.base_model}) differs from train.init_from "
+                             f"({self.train.init_from})")
+        if self.tokenize.base_model is None:  # frozen model: set once, at validation
+            object.__setattr__(self, "tokenize", self.tokenize.model_copy(update={"base_model": base}))
+        return self
+
+    @model_validator(mode="after")
     def _no_secrets(self) -> "PipelineConfig":
         """The config is logged to MLflow and Prefect: credentials must come from the environment instead."""
         for path, value in _strings(self.model_dump(mode="json")):
