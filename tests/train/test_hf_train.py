@@ -74,3 +74,35 @@ def test_exact_resume_of_a_run_started_from_an_imported_model(tmp_path):
     got = kill_and_resume(kills=3, init_from=f"hf:{base}")
     assert got["identical"] == got["kills"] == 3
     assert got["identical_mid_run"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_lifecycle_run_continues_a_llama_and_records_the_base(tmp_path, capsys):
+    """`lifecycle run deploy/configs/continue_llama.yaml` on a slice of the corpus: the registered version names
+    its base, `lineage model` lists the base model's files above the data."""
+    from mlflow import MlflowClient
+
+    from tests.conftest import last_json, lifecycle
+    from tests.conftest import lifecycle_in_process as audit
+    from tests.conftest import ROOT
+
+    base = make_tiny(tmp_path / "base", "llama3", shard_size="60KB")
+    inputs = tmp_path / "docs.jsonl"
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in corpus_records(120)))
+    wd = tmp_path / "work"
+    sets = [f"workdir={wd}", f"collect.inputs={json.dumps([str(inputs)])}", f"train.init_from=hf:{base}",
+            "train.model.seq_len=64", "train.batch.micro_batch_size=4", "train.logging.every=1",
+            "evaluate.max_batches=4", "tokenize.val_fraction=0.2"]
+    args = ["run", ROOT / "deploy/configs/continue_llama.yaml", "--json"]
+    for s in sets:
+        args += ["--set", s]
+    out = last_json(lifecycle(*args, timeout=1800).stdout)
+    assert out["status"] == "completed"
+    name, version = out["model"]["name"], out["model"]["version"]
+    rc, model = audit(capsys, "lineage", "model", f"{name}/{version}", "--workdir", str(wd))
+    assert rc == 0 and model["base_model"]["dir"] == str(base.resolve())
+    assert {f["name"] for f in model["base_model"]["files"]} >= {"config.json", "tokenizer.json",
+                                                                 "model.safetensors.index.json"}
+    tags = MlflowClient(out["mlflow_tracking_uri"]).get_model_version(name, version).tags
+    assert tags["lifecycle.base_model"] == str(base.resolve())
