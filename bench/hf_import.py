@@ -139,7 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.params > 1.0:
         raise SystemExit("--params above 1 (billion) is more than this shared machine should hold")
     with tempfile.TemporaryDirectory(prefix="hf-import-") as tmp:
-        d = make_big(Path(tmp), args.params)
+        # built in a child too: a child's ru_maxrss starts from its parent's RSS at fork, so this process must
+        # stay small for the loaders' peaks to be theirs
+        subprocess.run([sys.executable, "-c", f"from bench.hf_import import make_big; from pathlib import Path; "
+                        f"make_big(Path({tmp!r}), {args.params})"], check=True, capture_output=True)
+        d = Path(tmp)
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
         rows = {side: measure(side, d) for side in ("transformers", "ours")}
     print(json.dumps({"checkpoint_gib": size / 2**30, **rows}, indent=2))
