@@ -66,8 +66,8 @@ class PipelineConfig(BaseModel):
     workdir: str = Field("runs/demo", description="Where every dataset, checkpoint and the local MLflow store live.")
     input_roots: list[str] | None = Field(None, description=(
         "Directories the pipeline may read input from (relative ones from the current directory, like the input "
-        "patterns), besides the work dir. When set, every `collect.inputs` pattern's fixed directory and "
-        "`tokenize.tokenizer_file` must resolve (symlinks followed) inside one of them. null: each pattern's own "
+        "patterns), besides the work dir. When set, every `collect.inputs` pattern's fixed directory, "
+        "`tokenize.tokenizer_file` and the directory of `train.init_from: hf:<dir>` must resolve (symlinks followed) inside one of them. null: each pattern's own "
         "fixed directory is its root. Either way, a file a pattern matches must resolve inside the pattern's "
         "fixed directory (lifecycle/paths.py)."))
     collect: CollectConfig
@@ -127,6 +127,8 @@ class PipelineConfig(BaseModel):
         named = [(f"collect.inputs[{i}]", p, pattern_root(p)) for i, p in enumerate(self.collect.inputs)]
         if self.tokenize.tokenizer_file is not None:
             named.append(("tokenize.tokenizer_file", self.tokenize.tokenizer_file, self.tokenize.tokenizer_file))
+        if self.train.init_from.startswith("hf:"):  # the base model's directory is read as an input too
+            named.append(("train.init_from", self.train.init_from, self.train.init_from[3:]))
         problems = []
         for field, value, path in named:
             try:

@@ -208,3 +208,15 @@ def test_base_model_tokenize_frames_documents_with_bos_and_eos(tiny, tmp_path):
     assert {"tokenizer.json", "config.json", "tokenizer_config.json"} <= inputs
     side = json.loads((ref.dir / "tokenizer_config.json").read_text())
     assert (side["bos_token"], side["eos_token"]) == ("<s>", "</s>")
+
+
+def test_pipeline_config_uses_the_base_tokenizer_and_confines_the_base_dir(tiny, tmp_path):
+    from lifecycle.config import ConfigError, load_config
+
+    cfg_path = Path(__file__).resolve().parents[2] / "deploy/configs/continue_llama.yaml"
+    d = tiny["llama3"]
+    cfg = load_config(cfg_path, [f"train.init_from=hf:{d}", f"workdir={tmp_path / 'w'}"])
+    assert cfg.tokenize.base_model == str(d.resolve()) and cfg.train.model.n_kv_head == 2
+    with pytest.raises(ConfigError, match="train.init_from"):
+        load_config(cfg_path, [f"train.init_from=hf:{d}", f"input_roots=[\"{tmp_path}\"]",
+                               f"collect.inputs=[\"{tmp_path}/*.jsonl\"]"])
