@@ -129,7 +129,9 @@ class _Logger:
     def _train(self, stage, result, outcome: str, extra: dict, section) -> None:
         tokens = self.parents["tokenize"]
         rows = _metrics_rows(result)
-        self.tracker.log_stage("train", section, outcome, inputs=[tokens],
+        base = [RawFile(path=str(Path(result.base_model) / n), sha256=h, bytes=(Path(result.base_model) / n).stat().st_size)
+                for n, h in result.base_model_files.items()]  # the open model continued: a parent of the run
+        self.tracker.log_stage("train", section, outcome, inputs=[tokens], raw_inputs=base,
                                metrics={"final_loss": result.final_loss, "steps": result.steps},
                                tags={"lifecycle.checkpoint": result.checkpoint_dir,
                                      "lifecycle.resumed_from": str(result.resumed_from)})

@@ -68,8 +68,8 @@ class PipelineConfig(BaseModel):
     workdir: str = Field("runs/demo", description="Where every dataset, checkpoint and the local MLflow store live.")
     input_roots: list[str] | None = Field(None, description=(
         "Directories the pipeline may read input from (relative ones from the current directory, like the input "
-        "patterns), besides the work dir. When set, every `collect.inputs` pattern's fixed directory and "
-        "`tokenize.tokenizer_file` must resolve (symlinks followed) inside one of them. null: each pattern's own "
+        "patterns), besides the work dir. When set, every `collect.inputs` pattern's fixed directory, "
+        "`tokenize.tokenizer_file` and the directory of `train.init_from: hf:<dir>` must resolve (symlinks followed) inside one of them. null: each pattern's own "
         "fixed directory is its root. Either way, a file a pattern matches must resolve inside the pattern's "
         "fixed directory (lifecycle/paths.py)."))
     collect: CollectConfig = Field(description="Reading the raw input files (tasks/data/collect/stage.py).")
@@ -101,6 +101,23 @@ class PipelineConfig(BaseModel):
         return str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")
+    def _base_tokenizer(self) -> "PipelineConfig":
+        """`train.init_from: hf:<dir>` tokenizes with the base model's tokenizer: `tokenize.base_model` is that
+        directory (filled in here when unset)."""
+        if not self.train.init_from.startswith("hf:"):
+            if self.tokenize.base_model is not None:
+                raise ValueError("tokenize.base_model is set but train.init_from is not hf:<dir>: the model would "
+                                 "not match its tokenizer")
+            return self
+        base = str(Path(self.train.init_from[3:]).expanduser().resolve())
+        if self.tokenize.base_model not in (None, base):
+            raise ValueError(f"tokenize.base_model ({self.tokenize.base_model}) differs from train.init_from "
+                             f"({self.train.init_from})")
+        if self.tokenize.base_model is None:  # frozen model: set once, at validation
+            object.__setattr__(self, "tokenize", self.tokenize.model_copy(update={"base_model": base}))
+        return self
+
+    @model_validator(mode="after")
     def _no_secrets(self) -> "PipelineConfig":
         """The config is logged to MLflow and Prefect: credentials must come from the environment instead."""
         for path, value in _strings(self.model_dump(mode="json")):
@@ -119,6 +136,8 @@ class PipelineConfig(BaseModel):
         named = [(f"collect.inputs[{i}]", p, pattern_root(p)) for i, p in enumerate(self.collect.inputs)]
         if self.tokenize.tokenizer_file is not None:
             named.append(("tokenize.tokenizer_file", self.tokenize.tokenizer_file, self.tokenize.tokenizer_file))
+        if self.train.init_from.startswith("hf:"):  # the base model's directory is read as an input too
+            named.append(("train.init_from", self.train.init_from, self.train.init_from[3:]))
         problems = []
         for field, value, path in named:
             try:

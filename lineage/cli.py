@@ -100,6 +100,7 @@ def model_lineage(client, spec: str, workdir: str | Path) -> dict:
         "metrics": {k.removeprefix("metric."): float(v) for k, v in t.items() if k.startswith("metric.")},
         "promotion": {k.removeprefix("lifecycle.promotion."): v for k, v in t.items()
                       if k.startswith("lifecycle.promotion.")},
+        "base_model": lineage.get("base_model"),
         "datasets": chain,
     }
 
@@ -112,6 +113,10 @@ def print_model(r: dict) -> None:
     print(f"  val_bpb {r['metrics'].get('val_bpb')}  promotion: {r['promotion'].get('decision')} "
           f"({r['promotion'].get('reason')})")
     print(f"  checkpoint step {c['step']}  marker {c['marker_sha256'][:16]}  {c['dir']}")
+    if base := r.get("base_model"):  # the open model the run continued, above the data it continued on
+        print(f"  <- base model  {base['dir']}")
+        for f in base["files"]:
+            print(f"       file {f['sha256'][:16]}  {f['name']}")
     for d in r["datasets"]:
         print(f"  <- {d['stage']:<9} {d['sha256'][:16]}  {d['num_rows']:>7} rows  code {d['code_version']}  "
               f"{d['manifest']}")

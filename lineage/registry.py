@@ -72,6 +72,9 @@ class Registry:
             "lifecycle.raw_inputs_sha256": sha256_json(raw),
             "lifecycle.raw_inputs": json.dumps(raw)[:7900],
         }
+        if base := lineage.get("base_model"):  # which open model this version continued
+            tags["lifecycle.base_model"] = base["dir"]
+            tags["lifecycle.base_model_sha256"] = sha256_json(base["files"])
         for i, (path, sha) in enumerate(raw):
             tags[f"lifecycle.raw_input.{i}"] = f"{sha} {path}"[:7900]
         for d in lineage["datasets"]:

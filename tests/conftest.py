@@ -59,6 +59,19 @@ def make_collect(workdir, tables, fixture: str = "tests"):
     return materialize(workdir, "collect", {"fixture": fixture}, "test", build)
 
 
+def load_shipped(path: Path, tmp_path: Path):
+    """A deploy/configs file loaded as shipped; one that continues a Hugging Face checkpoint
+    (`train.init_from: hf:`) gets the tiny random Llama 3 its comment says to make, made under tmp_path."""
+    from lifecycle.config import load_config
+
+    overrides = []
+    if "init_from: hf:" in path.read_text():
+        from bench.hf_import import make_tiny
+
+        overrides = [f"train.init_from=hf:{make_tiny(tmp_path / 'base', 'llama3', shard_size='200KB')}"]
+    return load_config(path, overrides)  # raises ConfigError naming the file and the field if a value is invalid
+
+
 def last_json(text: str):
     """The JSON object a `--json` command prints as its last line."""
     return json.loads(text.strip().splitlines()[-1])

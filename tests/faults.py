@@ -32,12 +32,14 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 
 
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", checkpoint: dict | None = None,
-           model: dict | None = None, batch: dict | None = None, max_steps: int = 40):
-    """The faults' training run; `checkpoint`, `model` and `batch` override fields of those sections."""
+           model: dict | None = None, batch: dict | None = None, max_steps: int = 40, init_from: str = "scratch"):
+    """The faults' training run; `checkpoint`, `model` and `batch` override fields of those sections;
+    `init_from: hf:<dir>` continues that checkpoint (its config.json gives the architecture)."""
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
     shape = {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 64, "dropout": 0.1, **(model or {})}
-    return TrainConfig(model=ModelConfig(**shape), max_steps=max_steps,
+    arch = ModelConfig(**shape) if init_from == "scratch" else {"seq_len": shape["seq_len"], "dropout": shape["dropout"]}
+    return TrainConfig(model=arch, init_from=init_from, max_steps=max_steps,
                        optimizer={"decay_steps": max(60, max_steps), "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
                        batch={"micro_batch_size": 8, "num_ranks": ranks, **(batch or {})},
                        engine={"zero_stage": 2, "precision": precision, "accelerator": accelerator},
@@ -204,12 +206,12 @@ def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, trai
 
 
 def kill_and_resume(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2,
-                    precision: str = "fp32") -> dict:
+                    precision: str = "fp32", init_from: str = "scratch") -> dict:
     """`kills` trials against one uninterrupted reference run; prints one line per trial and the totals.
     Returns {"kills", "identical" (bitwise-identical resumes), "identical_mid_run" (those killed before the final
     commit, i.e. really resumed)}."""
     rng = random.Random(seed)
-    opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision}
+    opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision, "init_from": init_from}
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = str(Path(tmp) / "tokens")
         ref_proc = launch(tokdir, str(Path(tmp) / "ref"), opts)

@@ -5,14 +5,14 @@ from pathlib import Path
 import pytest
 
 from lifecycle.config import ConfigError, load_config, parse_override
-from tests.conftest import ROOT, last_json, lifecycle
+from tests.conftest import ROOT, last_json, lifecycle, load_shipped
 
 CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_shipped_configs_validate(path):
-    cfg = load_config(path)
+def test_shipped_configs_validate(path, tmp_path):
+    cfg = load_shipped(path, tmp_path)
     assert cfg.collect.inputs
 
 

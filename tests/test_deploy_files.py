@@ -11,7 +11,7 @@ from lifecycle.flows.pipeline import lifecycle_flow
 from lifecycle.config import load_config, validate_config
 from lifecycle.tasks.stages import NAMES as STAGES
 from lifecycle.core.fs import is_remote
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_shipped
 
 DEPLOY = ROOT / "deploy"
 CONFIGS = sorted((DEPLOY / "configs").glob("*.yaml"))
@@ -22,8 +22,8 @@ def test_shipped_configs_are_found():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_shipped_config_validates_and_its_inputs_exist(path):
-    cfg = load_config(path)  # raises ConfigError naming the file and the field if any value is invalid
+def test_shipped_config_validates_and_its_inputs_exist(path, tmp_path):
+    cfg = load_shipped(path, tmp_path)  # raises ConfigError naming the file and the field if any value is invalid
     assert cfg.filter.rules, f"{path.name}: no filter rule listed"
     for pattern in cfg.collect.inputs:  # each config runs as shipped, from the repository root
         assert is_remote(pattern) or list(ROOT.glob(pattern)), f"{path.name}: collect.inputs {pattern!r} matches nothing"

@@ -66,34 +66,49 @@ def check_exportable(cfg) -> None:
                           + ". Only the Llama recipe (norm=rmsnorm, mlp=swiglu, pos=rope) maps onto LlamaForCausalLM.")
 
 
-def llama_config(cfg, eos_id: int | None, pad_id: int | None) -> dict:
-    """LlamaConfig kwargs for a lifecycle.tasks.train.model ModelConfig (Llama recipe)."""
-    return dict(
+def hf_architecture(cfg) -> str:
+    """The transformers class that computes our model: Qwen2 when q/k/v carry a bias (Llama's `attention_bias`
+    would put one on o_proj too), Llama otherwise (Mistral without a sliding window is the same model)."""
+    return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+
+
+def llama_config(cfg, eos_id: int | None, pad_id: int | None, bos_id: int | None = None) -> dict:
+    """LlamaConfig (or Qwen2Config, see `hf_architecture`) kwargs for a lifecycle.tasks.train.model ModelConfig."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope |= {"rope_type": "llama3", **cfg.rope_scaling.model_dump(exclude={"type"})}
+    out = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attention_bias=False,
-        mlp_bias=False, attention_dropout=0.0, tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32",
+        rope_parameters=rope, attention_dropout=0.0, tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=eos_id if bos_id is None else bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+        torch_dtype="float32",
     )
+    if cfg.qkv_bias:
+        return out | dict(use_sliding_window=False, sliding_window=None)
+    return out | dict(attention_bias=False, mlp_bias=False)
 
 
 def to_llama_state(state: dict, cfg) -> dict:
-    """Our `export_state()` tensors under LlamaForCausalLM names (fused q/k/v and gate/up rows split)."""
-    C, H = cfg.n_embd, cfg.mlp_hidden
+    """Our `export_state()` tensors under LlamaForCausalLM names (fused q/k/v and gate/up rows split); the
+    names are the same for Qwen2ForCausalLM, which adds the q/k/v biases."""
+    C, H, KV = cfg.n_embd, cfg.mlp_hidden, cfg.kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["norm_f.weight"]}
     for i in range(cfg.n_layer):
         b, L = f"blocks.{i}.", f"model.layers.{i}."
-        qkv = state[b + "attn.qkv.weight"]
         up = state[b + "mlp.up.weight"]
         out |= {
             L + "input_layernorm.weight": state[b + "norm1.weight"],
             L + "post_attention_layernorm.weight": state[b + "norm2.weight"],
-            L + "self_attn.q_proj.weight": qkv[:C], L + "self_attn.k_proj.weight": qkv[C : 2 * C],
-            L + "self_attn.v_proj.weight": qkv[2 * C :], L + "self_attn.o_proj.weight": state[b + "attn.proj.weight"],
+            L + "self_attn.o_proj.weight": state[b + "attn.proj.weight"],
             L + "mlp.gate_proj.weight": up[:H], L + "mlp.up_proj.weight": up[H:],
             L + "mlp.down_proj.weight": state[b + "mlp.down.weight"],
         }
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            qkv = state[b + f"attn.qkv.{kind}"]
+            out |= {L + f"self_attn.q_proj.{kind}": qkv[:C], L + f"self_attn.k_proj.{kind}": qkv[C: C + KV],
+                    L + f"self_attn.v_proj.{kind}": qkv[C + KV:]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
     return {k: v.contiguous().clone() for k, v in out.items()}
@@ -113,6 +128,16 @@ def find_tokenizer(checkpoint: Path) -> Path:
                     raise ExportError(f"{tok} does not match the tokenizer digest in {checkpoint}/COMMITTED.json")
                 return tok
     raise ExportError(f"no tokenizer found for {checkpoint}: pass --tokenizer PATH/tokenizer.json")
+
+
+def special_tokens(tok_path: Path) -> dict:
+    """eos/bos/pad token strings for the tokenizer: from the tokenizer_config.json the tokenize stage wrote beside
+    it (a base model's own tokens, `tokenize.base_model`), else our trained BPE's `<|endoftext|>`/`<|pad|>`."""
+    side = tok_path.parent / "tokenizer_config.json"
+    if side.is_file():
+        conf = json.loads(side.read_text())
+        return {k: conf.get(k) for k in ("eos_token", "bos_token", "pad_token")}
+    return {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "pad_token": "<|pad|>"}
 
 
 def _verify_package(checkpoint: Path) -> None:
@@ -144,7 +169,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path
               tolerance: float = TOLERANCE) -> dict:
     """Write model.safetensors, config.json and the tokenizer files into out_dir; check the logits."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / ckpt.MARKER).is_file():
@@ -154,19 +179,21 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path
     check_exportable(model.cfg)
     tok_path = Path(tokenizer) if tokenizer else find_tokenizer(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path), eos_token="<|endoftext|>",
-                                     bos_token="<|endoftext|>", pad_token="<|pad|>")
-    eos, pad = hf_tok.convert_tokens_to_ids("<|endoftext|>"), hf_tok.convert_tokens_to_ids("<|pad|>")
+    specials = special_tokens(tok_path)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path), **specials)
+    eos, pad = (hf_tok.convert_tokens_to_ids(specials[k]) if specials.get(k) else None for k in ("eos_token", "pad_token"))
+    bos = hf_tok.convert_tokens_to_ids(specials["bos_token"]) if specials.get("bos_token") else None
     hf_tok.model_max_length = model.cfg.seq_len
     hf_tok.save_pretrained(str(out))
-    config = LlamaConfig(**llama_config(model.cfg, eos, pad))
-    config.architectures = ["LlamaForCausalLM"]
+    arch = hf_architecture(model.cfg)
+    config = (Qwen2Config if arch == "Qwen2ForCausalLM" else LlamaConfig)(**llama_config(model.cfg, eos, pad, bos))
+    config.architectures = [arch]
     config.save_pretrained(str(out))
     save_file(to_llama_state(model.export_state(), model.cfg), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     _umask_mode(out)
     diff = max_logit_diff(model, out, model.cfg.vocab_size, model.cfg.seq_len)
-    report = {"checkpoint": str(checkpoint.resolve()), "out_dir": str(out.resolve()), "architecture": "LlamaForCausalLM",
+    report = {"checkpoint": str(checkpoint.resolve()), "out_dir": str(out.resolve()), "architecture": arch,
               "checkpoint_marker_sha256": sha256_file(checkpoint / ckpt.MARKER),
               "tokenizer": str(tok_path), "tokenizer_sha256": sha256_file(tok_path),
               "max_abs_logit_diff_fp32": diff, "tolerance": tolerance}

@@ -17,6 +17,33 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+
+class RopeScaling(BaseModel):
+    """Llama 3's RoPE frequency scaling (`rope_type: llama3` in a Hugging Face config): wavelengths longer than
+    `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those shorter than
+    `... / high_freq_factor` are kept, and the band between is interpolated smoothly."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    type: Literal["llama3"] = "llama3"
+    """The only scaling computed here; any other `rope_type` is refused at import."""
+    factor: float = Field(gt=0)
+    """Divisor of the low frequencies."""
+    low_freq_factor: float = Field(gt=0)
+    """original_max_position_embeddings / low_freq_factor: wavelength above which frequencies are divided."""
+    high_freq_factor: float = Field(gt=0)
+    """original_max_position_embeddings / high_freq_factor: wavelength below which frequencies are kept."""
+    original_max_position_embeddings: int = Field(ge=1)
+    """Context length of the model before scaling."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                             f"({self.low_freq_factor})")
+        return self
+
+
 class ModelConfig(BaseModel):
     """Architecture of the decoder in lifecycle.tasks.train.model (kept here, torch-free). Every field is in the run fingerprint."""
 
@@ -52,11 +79,26 @@ class ModelConfig(BaseModel):
     """RoPE base frequency."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the norm layers."""
+    n_kv_head: int | None = Field(None, ge=1)
+    """Key/value heads (grouped-query attention, Ainslie et al. 2023): each serves n_head / n_kv_head query
+    heads. Must divide n_head. Null = n_head (plain multi-head attention, the default)."""
+    qkv_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2); the output projection never has one."""
+    mlp_hidden_dim: int | None = Field(None, ge=1)
+    """SwiGLU hidden width (a Hugging Face config's `intermediate_size`). Null = 8/3·n_embd rounded up to 32."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling (Llama 3.1+); null = plain RoPE at `rope_theta`."""
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if self.pos != "rope" and self.rope_scaling is not None:
+            raise ValueError(f"rope_scaling needs pos='rope', got pos={self.pos!r}")
+        if self.mlp != "swiglu" and self.mlp_hidden_dim is not None:
+            raise ValueError(f"mlp_hidden_dim applies to mlp='swiglu' only, got mlp={self.mlp!r}")
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"pos='rope' needs an even head dim, got n_embd/n_head = {self.n_embd // self.n_head}")
         return self
@@ -66,10 +108,14 @@ class ModelConfig(BaseModel):
         return self.n_embd // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
     def mlp_hidden(self) -> int:
         if self.mlp == "gelu":
             return 4 * self.n_embd
-        return 32 * math.ceil(8 * self.n_embd / 3 / 32)
+        return self.mlp_hidden_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 
 class Section(BaseModel):
@@ -290,10 +336,13 @@ class TrainConfig(BaseModel):
     """fixed: `model` as given. auto: keep `model`'s recipe (norm, mlp, pos, seq_len, ...) but pick n_layer,
     n_embd and n_head for the compute-optimal N = D/20 of the token dataset's actual train tokens D
     (lifecycle.tasks.train.sizing; Chinchilla's 20 tokens per parameter)."""
-    init_from: Annotated[Literal["scratch", "champion"], OPERATIONAL] = "scratch"
+    init_from: Annotated[str, Field(pattern=r"^(scratch|champion|hf:.+)$"), OPERATIONAL] = "scratch"
     """`champion`: start from the weights of the registry's champion version (and tokenize with its tokenizer)
-    when its architecture equals `model`; otherwise from scratch, and the run says why. Only the weights carry
-    over: optimizer state and LR schedule start fresh. Operational: the weights' sha256 is what enters the
+    when its architecture equals `model`; otherwise from scratch, and the run says why. `hf:<dir>`: continue
+    pretraining a Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2, SmolLM; safetensors, sharded
+    or not): the architecture comes from its config.json (`model` may set only seq_len and dropout), the
+    tokenize stage uses its tokenizer (lifecycle.tasks.train.hf_import). Only the weights carry over:
+    optimizer state and LR schedule start fresh. Operational: the weights' sha256 is what enters the
     run fingerprint."""
     seed: int = 1337
     """Seeds the initial weights (same on every rank) and the batch sampler (seed, step, rank, micro)."""
@@ -317,6 +366,30 @@ class TrainConfig(BaseModel):
     """Metrics and in-training evaluation cadence (operational)."""
     launch: LaunchConfig = LaunchConfig()
     """Hosts, rendezvous, threads and time limit of the ranks (operational)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_base_model(cls, data: Any) -> Any:
+        """`init_from: hf:<dir>`: the model section comes from the checkpoint's config.json, read (and refused
+        where our model cannot compute it exactly) now, before any work starts."""
+        if not isinstance(data, dict) or not str(data.get("init_from", "")).startswith("hf:"):
+            return data
+        from lifecycle.tasks.train.hf_import import base_dir, check_base
+
+        given = data.get("model") or {}
+        given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else dict(given)
+        if data.get("model_size", "fixed") != "fixed":
+            raise ValueError("train.model_size must be 'fixed' with train.init_from hf:<dir> (the checkpoint fixes "
+                             "the architecture)")
+        seq_len = given.get("seq_len", ModelConfig.model_fields["seq_len"].default)
+        base = check_base(base_dir(data["init_from"]), seq_len)
+        base = base.model_copy(update={"dropout": given.get("dropout", 0.0)})
+        theirs = base.model_dump()
+        if clash := [f"train.model.{k}={v!r} (config.json gives {theirs[k]!r})" for k, v in given.items()
+                     if theirs.get(k) != v and not (k == "init")]:
+            raise ValueError(f"with train.init_from {data['init_from']} the architecture comes from its "
+                             f"config.json; remove or match: " + "; ".join(clash))
+        return {**data, "model": base}
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

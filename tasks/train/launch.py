@@ -36,6 +36,7 @@ from lifecycle.core import fs
 from lifecycle.core.code import code_version
 from lifecycle.core.procs import die_with_parent, free_port, start_time, stop_group
 from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import hf_import
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
@@ -64,13 +65,20 @@ class TrainResult(BaseModel):
     """Training FLOPs per token (lifecycle.tasks.train.sizing.flops_per_token)."""
     epochs: float | None = None
     """Passes over the train tokens that max_steps makes."""
+    base_model: str | None = None
+    """The Hugging Face checkpoint directory the run continued (`train.init_from: hf:<dir>`), or None."""
+    base_model_files: dict[str, str] = {}
+    """Its files (config, tokenizer, index, shards) by name, with their sha256: a parent of the run."""
 
 
 def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool, sizing: dict) -> TrainResult:
     marker = ckpt.read_marker(tag_dir)
+    launch = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     return TrainResult(checkpoint_dir=str(tag_dir), steps=marker["step"], final_loss=marker.get("loss"),
                        metrics_path=str(run_dir / "metrics.jsonl"), resumed_from=resumed_from,
-                       launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"), **sizing)
+                       launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"),
+                       base_model=launch.get("base_model"), base_model_files=launch.get("base_model_files") or {},
+                       **sizing)
 
 
 def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple[TrainConfig, dict]:
@@ -141,6 +149,11 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                              f"{need}" + (" (set train.logging.eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
     code = code_version(__package__)
     init = {"init_weights_sha256": fs.sha256_file(init_weights)} if init_weights else {}
+    if (base := hf_import.base_dir(cfg.init_from)) is not None:  # continue a Hugging Face checkpoint
+        if init_weights:
+            raise ValueError(f"train.init_from {cfg.init_from} and init_weights {init_weights} both give the start")
+        files = hf_import.base_files(base)
+        init = {"base_model": str(base), "base_model_files": {Path(f.path).name: f.sha256 for f in files}}
     fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])
     run_dir = Path(workdir).resolve() / "train" / fp[:20]
     ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"

@@ -4,6 +4,10 @@ Pre-norm residual blocks: x + attn(norm(x)), then x + mlp(norm(x)). The default 
 (RMSNorm, SwiGLU, rotary position embeddings, no biases); the GPT-2 recipe (LayerNorm, GELU, learned
 positions) is one config away, so ablations stay a config change.
 
+Grouped-query attention (`n_kv_head`), a q/k/v bias, a given SwiGLU width and Llama 3's RoPE scaling are
+config fields too, so a Llama 2/3, Mistral, Qwen2 or SmolLM checkpoint loads exactly
+(lifecycle.tasks.train.hf_import); their defaults give the model and the state dict keys of before.
+
 Input and output embeddings are tied by default (`tie_embeddings=True`): at demo scale (vocab 4096,
 width 128) the token table is a large share of all parameters, and sharing it with the output head
 (Press & Wolf 2017; GPT-2 does the same) saves that much again. Set `tie_embeddings=False` to untie.
@@ -50,8 +54,24 @@ def rope_tables(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.T
     """
     half = cfg.head_dim // 2
     inv_freq = cfg.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    if cfg.rope_scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, cfg.rope_scaling)
     angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(inv_freq: torch.Tensor, sc) -> torch.Tensor:
+    """Llama 3's frequency scaling, as transformers' `_compute_llama3_parameters` computes it: long wavelengths
+    divided by `factor`, short ones kept, the band between interpolated."""
+    low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,20 +85,24 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
-        self.qkv.fused = 3  # three d×d matrices in one: their fan-out is n_embd each (ds_init)
+        # q, k, v fused in one matmul: rows [q (n_head·hd), k (n_kv_head·hd), v (n_kv_head·hd)]
+        self.kv_dim = cfg.kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * self.kv_dim, bias=cfg.qkv_bias)
+        self.qkv.fused = 3  # three matrices in one: their fan-out is ~n_embd each (ds_init)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.proj.residual_out = True  # scaled at init under gpt2_scaled
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.cfg.n_head, self.cfg.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=2)
+        hd, kvh = self.cfg.head_dim, self.cfg.kv_heads
+        q = q.view(B, T, self.cfg.n_head, hd).transpose(1, 2)
+        k, v = (t.view(B, T, kvh, hd).transpose(1, 2) for t in (k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         drop = self.cfg.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, enable_gqa=kvh != self.cfg.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -126,6 +150,11 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def numel(p: torch.Tensor) -> int:
+    """Elements of a parameter, also when ZeRO-3 (`deepspeed.zero.Init`) has partitioned it away."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -162,13 +191,13 @@ class GPT(nn.Module):
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied matrix counts once). exclude_embeddings drops the token and position
         tables (but keeps an untied output head, which is a real matmul)."""
-        n = sum(p.numel() for p in self.parameters())
+        n = sum(numel(p) for p in self.parameters())
         if exclude_embeddings:
-            n -= self.wte.weight.numel()
+            n -= numel(self.wte.weight)
             if self.wpe is not None:
-                n -= self.wpe.weight.numel()
+                n -= numel(self.wpe.weight)
             if self.cfg.tie_embeddings:
-                n += self.lm_head.weight.numel()  # the tied table still does the output matmul
+                n += numel(self.lm_head.weight)  # the tied table still does the output matmul
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:

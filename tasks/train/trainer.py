@@ -278,7 +278,17 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = GPT(cfg.model)
+        base = self.launch.get("base_model")
+        if base and cfg.engine.zero_stage == 3:  # each rank holds only its partition of the base model's weights
+            with deepspeed.zero.Init(config_dict_or_path=ds_config(cfg)):
+                model = GPT(cfg.model)
+        else:
+            model = GPT(cfg.model)
+        if base:  # continue a Hugging Face checkpoint (a resume overwrites these with the checkpoint's)
+            from lifecycle.tasks.train import hf_import
+
+            hf_import.load_weights(model, base, gathered=cfg.engine.zero_stage == 3, rank=self.rank)
+            self.say(f"loaded the weights of {base}")
         if self.launch.get("init_weights"):  # warm start; a resume overwrites these with the checkpoint's
             from safetensors.torch import load_file
 

@@ -4,7 +4,8 @@ them into token shards.
 Output dataset (one `lifecycle.core.dataset` directory, manifest written last):
 
 - `tokenizer.json`: the HF `tokenizers` file; its sha256 is the tokenizer digest (`tokenizer_sha256`).
-  With `tokenizer_file` set it is a byte copy of that file (same digest) and no BPE is trained.
+  With `tokenizer_file` set it is a byte copy of that file (same digest) and no BPE is trained; with
+  `base_model` set, a copy of the base model's, and documents are framed BOS + text + EOS as its config says.
 - `tokenizer_config.json`: makes the directory loadable with `transformers`'
   `PreTrainedTokenizerFast.from_pretrained(dir)` (eos/pad tokens set); see `hf_tokenizer`.
 - `train-00000.bin`, `val-00000.bin`: flat little-endian token ids (uint16 when the vocabulary fits, else
@@ -33,6 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 from lifecycle.core.code import code_version
+from lifecycle.tasks.data.tokenize import base
+from lifecycle.tasks.data.tokenize.base import base_tokens, tokenizer_rows
 
 STAGE = "tokenize"
 SPLITS = ("train", "val")
@@ -74,8 +77,17 @@ class TokenizeConfig(BaseModel):
     """Path of an existing HF `tokenizer.json` to use instead of training one (vocab_size and min_frequency
     are then unused). It must know `eot_token`. Its sha256, not its path alone, is part of the fingerprint."""
 
+    base_model: str | None = None
+    """A Hugging Face checkpoint directory (set from `train.init_from: hf:<dir>`): encode with its own
+    `tokenizer.json` and train no BPE; every document gets the model's BOS (when its config has one) and EOS
+    (lifecycle.tasks.data.tokenize.base). vocab_size, min_frequency, special_tokens and eot_token are then
+    unused. The sha256 of its tokenizer.json, config.json and tokenizer_config.json is in the fingerprint."""
+
     @model_validator(mode="after")
     def _check(self) -> "TokenizeConfig":
+        if self.base_model is not None and self.tokenizer_file is not None:
+            raise ValueError("tokenize.tokenizer_file and tokenize.base_model are mutually exclusive: a base model "
+                             "brings its own tokenizer")
         if self.eot_token not in self.special_tokens:
             raise ValueError(f"eot_token {self.eot_token!r} must be one of special_tokens {self.special_tokens}")
         if len(set(self.special_tokens)) != len(self.special_tokens):
@@ -140,18 +152,41 @@ def shard_name(split: str, index: int = 0) -> str:
 # the stage
 
 
+def raw_file(path: Path) -> ds.RawFile:
+    return ds.RawFile(path=str(path), sha256=fs.sha256_file(path), bytes=path.stat().st_size)
+
+
 def given_tokenizer(cfg: TokenizeConfig) -> ds.RawFile | None:
-    """The configured `tokenizer_file` as a raw input (path + sha256), or None when the BPE is trained."""
+    """The configured `tokenizer_file` (or the base model's tokenizer.json) as a raw input (path + sha256), or
+    None when the BPE is trained."""
+    if cfg.base_model is not None:
+        return raw_file(Path(base_tokens(cfg.base_model).tokenizer))
     if cfg.tokenizer_file is None:
         return None
     path = Path(cfg.tokenizer_file).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"tokenize.tokenizer_file: {path} does not exist")
-    return ds.RawFile(path=str(path), sha256=fs.sha256_file(path), bytes=path.stat().st_size)
+    return raw_file(path)
 
 
-def hf_tokenizer_config(cfg: TokenizeConfig) -> dict:
+def given_inputs(cfg: TokenizeConfig) -> list[ds.RawFile]:
+    """Raw inputs of the stage (in its fingerprint): the given tokenizer, and a base model's config files, which
+    decide BOS and EOS."""
+    given = given_tokenizer(cfg)
+    if given is None:
+        return []
+    if cfg.base_model is None:
+        return [given]
+    d = Path(given.path).parent
+    return [given] + [raw_file(d / n) for n in (base.CONFIG, base.TOKENIZER_CONFIG) if (d / n).is_file()]
+
+
+def hf_tokenizer_config(cfg: TokenizeConfig, tok=None, framing: base.BaseTokens | None = None) -> dict:
     """tokenizer_config.json for `PreTrainedTokenizerFast.from_pretrained` (no transformers import needed)."""
+    if framing is not None:  # a base model's own BOS/EOS
+        bos = tok.id_to_token(framing.bos_id) if framing.bos_id is not None else None
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.id_to_token(framing.eos_id),
+                "bos_token": bos, "pad_token": None, "clean_up_tokenization_spaces": False}
     pad = next((t for t in cfg.special_tokens if "pad" in t), None)
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": cfg.eot_token, "bos_token": cfg.eot_token,
             "pad_token": pad, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
@@ -173,11 +208,17 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
         tok.save(str(tok_path))
     writer.add_file("tokenizer.json", kind="extra")
     tok = Tokenizer.from_file(str(tok_path))  # encode with exactly what was saved
-    fs.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg))
+    framing = base_tokens(cfg.base_model) if cfg.base_model is not None else None
+    fs.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg, tok, framing))
     writer.add_file("tokenizer_config.json", kind="extra")
 
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    eot_id = tok.token_to_id(cfg.eot_token)
+    bos = []
+    if framing is not None:
+        eot_id, bos = framing.eos_id, [framing.bos_id] if framing.bos_id is not None else []
+        vocab_size = max(vocab_size, tokenizer_rows(Path(framing.tokenizer)))
+    else:
+        eot_id = tok.token_to_id(cfg.eot_token)
     if eot_id is None:
         raise ValueError(f"tokenize.tokenizer_file {cfg.tokenizer_file} has no token {cfg.eot_token!r} (eot_token)")
     dtype = token_dtype(vocab_size)
@@ -211,12 +252,12 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
                     stats.rejected["empty_after_tokenize"] += 1
                     continue
                 split = split_of(doc_id, cfg)
-                arr = np.asarray(enc.ids + [eot_id], dtype=dtype)
+                arr = np.asarray(bos + enc.ids + [eot_id], dtype=dtype)
                 arr.tofile(outs[split])
-                start = offsets[split]
+                start = offsets[split] + len(bos)  # a BOS sits just before token_start
                 offsets[split] += arr.size
                 docs[split] += 1
-                row = (doc_id, source_id, split, shards[split], start, start + arr.size - 1)
+                row = (doc_id, source_id, split, shards[split], start, offsets[split] - 1)
                 for name, value in zip(SIDE_SCHEMA.names, row):
                     rows[name].append(value)
             if len(rows["doc_id"]) >= SIDE_ROWS_PER_FILE:
@@ -249,9 +290,8 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
 def run_tokenize(parent: ds.DatasetRef, cfg: TokenizeConfig, workdir: str) -> ds.DatasetRef:
     """Return the committed token dataset for (parent, cfg, this code), building it if needed."""
     code = code_version(__package__)
-    given = given_tokenizer(cfg)
     return ds.materialize(workdir, STAGE, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent],
-                          inputs=[given] if given else [])
+                          inputs=given_inputs(cfg))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -58,6 +58,10 @@ def package_model(train, tokens: DatasetRef, workdir: str) -> DatasetRef:
         writer.add_file(MARKER)
         shutil.copyfile(tokens.dir / "tokenizer.json", writer.path("tokenizer.json"))
         writer.add_file("tokenizer.json")
+        base = getattr(train, "base_model", None)
+        if base:  # a base model's own BOS/EOS tokens (the export reads them)
+            shutil.copyfile(tokens.dir / "tokenizer_config.json", writer.path("tokenizer_config.json"))
+            writer.add_file("tokenizer_config.json")
         lineage = {
             "checkpoint_dir": str(ckpt),
             "checkpoint_step": marker.get("step"),
@@ -65,6 +69,9 @@ def package_model(train, tokens: DatasetRef, workdir: str) -> DatasetRef:
             "tokenizer_sha256": tok_manifest.get("tokenizer_sha256"),
             "datasets": dataset_chain(tokens),
         }
+        if base:  # the Hugging Face checkpoint the run continued: a parent above the data
+            lineage["base_model"] = {"dir": base, "files": [{"name": n, "sha256": h}
+                                                            for n, h in sorted(train.base_model_files.items())]}
         writer.path("lineage.json").write_text(json.dumps(lineage, indent=2))
         writer.add_file("lineage.json")
         return {"num_rows": 0, "extra": {"checkpoint_marker_sha256": marker_sha,
@@ -80,7 +87,8 @@ def warm_start(package_dir: str | Path, train_cfg) -> tuple[Path | None, str]:
     package_dir = Path(package_dir)
     if train_cfg.model_size == "auto":
         return None, "model_size is auto: the architecture is chosen per run, so it cannot be compared"
-    theirs = json.loads((package_dir / "model_config.json").read_text())
+    # a package written before ModelConfig gained fields reads as their defaults
+    theirs = type(train_cfg.model).model_validate_json((package_dir / "model_config.json").read_text()).model_dump(mode="json")
     ours = train_cfg.model.model_dump(mode="json")
     if ours.get("vocab_size") is None:
         ours["vocab_size"] = theirs.get("vocab_size")
