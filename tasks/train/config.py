@@ -374,7 +374,7 @@ class TrainConfig(BaseModel):
         where our model cannot compute it exactly) now, before any work starts."""
         if not isinstance(data, dict) or not str(data.get("init_from", "")).startswith("hf:"):
             return data
-        from lifecycle.tasks.train.hf_import import base_dir, check_base
+        from lifecycle.tasks.train.hf_config import base_dir, check_base
 
         given = data.get("model") or {}
         given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else dict(given)
@@ -382,8 +382,7 @@ class TrainConfig(BaseModel):
             raise ValueError("train.model_size must be 'fixed' with train.init_from hf:<dir> (the checkpoint fixes "
                              "the architecture)")
         seq_len = given.get("seq_len", ModelConfig.model_fields["seq_len"].default)
-        base = check_base(base_dir(data["init_from"]), seq_len)
-        base = base.model_copy(update={"dropout": given.get("dropout", 0.0)})
+        base = ModelConfig(**{**check_base(base_dir(data["init_from"]), seq_len), "dropout": given.get("dropout", 0.0)})
         theirs = base.model_dump()
         if clash := [f"train.model.{k}={v!r} (config.json gives {theirs[k]!r})" for k, v in given.items()
                      if theirs.get(k) != v and not (k == "init")]:
