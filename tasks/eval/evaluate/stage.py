@@ -30,6 +30,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, materialize
 from lifecycle.core.fs import sha256_file
+from lifecycle.tasks.eval.evaluate import gate, metrics_text
+from lifecycle.tasks.eval.evaluate.robustness import RobustnessConfig, robustness
+from lifecycle.tasks.eval.evaluate.safety import SafetyConfig, safety
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.data.tokenize.stage import token_shards
 
@@ -62,6 +66,13 @@ class EvaluateConfig(BaseModel):
     """Word n-gram length of the contamination check (13, as in GPT-3 and lm-eval's decontamination)."""
     max_contamination: float = Field(0.1, ge=0.0, le=1.0)
     """Fail the run when more than this share of val documents shares an n-gram with the training documents."""
+    meteor_synonyms: Literal["wordnet", "none"] = "wordnet"
+    """METEOR's synonym pass: "wordnet" (WordNet 3.0 from Debian's wordnet-base; an error names the package when
+    it is absent) or "none" (exact + stem matches only, logged as gen_meteor_nosyn)."""
+    robustness: RobustnessConfig = RobustnessConfig()
+    """Held-out text and prompts scored clean and perturbed (typos, case, whitespace)."""
+    safety: SafetyConfig = SafetyConfig()
+    """Toxicity share and count-based bias of the generations."""
 
 
 class ContaminationError(RuntimeError):
@@ -120,8 +131,9 @@ def contamination(eval_texts: list[str], train_texts: list[str], n: int) -> dict
             "contamination_eval_docs": len(eval_texts), "contamination_dirty_docs": dirty}
 
 
-def text_scores(generated: list[str], references: list[str]) -> dict[str, float]:
-    """sacrebleu corpus BLEU (0-100) and mean rouge-score F1 of ROUGE-1, ROUGE-2 and ROUGE-L (0-1)."""
+def text_scores(generated: list[str], references: list[str], synonyms: str = "wordnet") -> dict[str, float]:
+    """sacrebleu corpus BLEU (0-100), mean rouge-score F1 of ROUGE-1, ROUGE-2 and ROUGE-L (0-1) and mean
+    nltk METEOR (0-1; `metrics_text.meteor`)."""
     import sacrebleu
     from rouge_score import rouge_scorer
 
@@ -130,7 +142,7 @@ def text_scores(generated: list[str], references: list[str]) -> dict[str, float]
     out = {"gen_bleu": sacrebleu.corpus_bleu(generated, [references]).score}
     for k in ("rouge1", "rouge2", "rougeL"):
         out[f"gen_{k}"] = float(np.mean([p[k].fmeasure for p in per])) if per else 0.0
-    return out
+    return out | metrics_text.meteor(generated, references, synonyms)
 
 
 def greedy_continue(model, prompts, n_new: int):
@@ -192,7 +204,7 @@ def _loss(model, data: np.ndarray, nbytes: np.ndarray, cfg: EvaluateConfig) -> d
             "val_tokens": n, "val_bytes": n_bytes, "val_windows": sum(len(b) for b in batches)}
 
 
-def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: EvaluateConfig) -> tuple[dict, list]:
+def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: EvaluateConfig) -> tuple[dict, list, tuple]:
     import torch
 
     P, K = cfg.prompt_tokens, cfg.continuation_tokens
@@ -203,21 +215,22 @@ def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: Evalua
             if len(picked) == cfg.num_prompts:
                 break
     if not picked:
-        return {"gen_prompts": 0}, []
+        return {"gen_prompts": 0}, [], ([], [], [])
     seqs = np.stack([shards[r["shard"]][r["token_start"] : r["token_start"] + P + K] for r in picked]).astype(np.int64)
     out = greedy_continue(model, torch.from_numpy(seqs[:, :P]), K).numpy()
     gen = [tokenizer.decode(o.tolist()) for o in out]
     ref = [tokenizer.decode(s[P:].tolist()) for s in seqs]
     prompts = [tokenizer.decode(s[:P].tolist()) for s in seqs]
-    scores = text_scores(gen, ref) | {"gen_prompts": len(picked)}
+    scores = text_scores(gen, ref, cfg.meteor_synonyms) | {"gen_prompts": len(picked)}
     examples = [{"doc_id": r["doc_id"], "source_id": r["source_id"], "prompt": p, "reference": rf, "generated": g}
                 for r, p, rf, g in list(zip(picked, prompts, ref, gen))[: cfg.num_examples]]
-    return scores, examples
+    return scores, examples, (prompts, ref, gen)
 
 
 def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -> dict:
-    """{"metrics": {val_loss, val_perplexity, val_bpb, gen_bleu, gen_rouge*, contamination_*, step, ...},
-    "examples": [{doc_id, prompt, reference, generated}, ...]} for a committed checkpoint."""
+    """{"metrics": {val_loss, val_perplexity, val_bpb, gen_bleu, gen_rouge*, gen_meteor, robust_*, tox_*,
+    bias_*, contamination_*, step, ...}, "examples": [{doc_id, prompt, reference, generated}, ...],
+    "bias": {...}, "eval_set": [(doc_id, text), ...], "eval_set_sha256": ...} for a committed checkpoint."""
     from tokenizers import Tokenizer
 
     marker = ckpt.read_marker(checkpoint_dir)
@@ -232,16 +245,23 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
     metrics = _loss(model, data, token_byte_lengths(tokenizer), cfg)
     side = _side_table(tokens)
     examples: list = []
+    prompts, refs, gen = [], [], []
     if cfg.num_prompts:
         shards = {Path(p).name: np.memmap(p, dtype=meta.dtype, mode="r") for p in meta.val if Path(p).stat().st_size}
-        scores, examples = _generate(model, tokenizer, side, shards, cfg)
+        scores, examples, (prompts, refs, gen) = _generate(model, tokenizer, side, shards, cfg)
         metrics.update(scores)
     texts = _doc_texts(tokens)
     split = dict(zip(side.column("doc_id").to_pylist(), side.column("split").to_pylist()))
+    eval_set = [(d, texts[d]) for d, s in split.items() if s == "val"]
+    metrics.update(robustness(model, tokenizer, meta.eot_id, [t for _, t in eval_set], prompts, refs,
+                              cfg.continuation_tokens, cfg.robustness))
+    safety_metrics, bias = safety(model, tokenizer, gen, cfg.safety)
+    metrics.update(safety_metrics)
     metrics.update(contamination([texts[d] for d, s in split.items() if s == "val"],
                                  [texts[d] for d, s in split.items() if s == "train"], cfg.contamination_ngram))
     metrics["step"] = marker["step"]
-    return {"metrics": metrics, "examples": examples}
+    digest = gate.eval_set_digest(eval_set, meta.tokenizer_sha256, cfg.max_batches, cfg.batch_size)
+    return {"metrics": metrics, "examples": examples, "bias": bias, "eval_set": eval_set, "eval_set_sha256": digest}
 
 
 def check_contamination(metrics: dict, cfg: EvaluateConfig) -> None:
@@ -267,10 +287,13 @@ def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str)
 
     def build(writer) -> dict:
         result = run_evaluate(checkpoint_dir, tokens, cfg)
-        for name in ("metrics", "examples"):
+        for name in ("metrics", "examples", "bias"):
             writer.path(f"{name}.json").write_text(json.dumps(result[name], indent=2, sort_keys=True))
             writer.add_file(f"{name}.json")
-        return {"num_rows": 0, "extra": {"metrics": result["metrics"], "checkpoint_dir": checkpoint_dir}}
+        gate.write_eval_set(writer.path(gate.EVAL_SET_FILE), result["eval_set"])
+        writer.add_file(gate.EVAL_SET_FILE)
+        return {"num_rows": 0, "extra": {"metrics": result["metrics"], "checkpoint_dir": checkpoint_dir,
+                                         "eval_set_sha256": result["eval_set_sha256"]}}
 
     return materialize(workdir, STAGE, config, code_version(__package__), build, parents=[tokens])
 
