@@ -47,7 +47,7 @@ def rescore_package(package_dir: str | Path, evaluate_ref: DatasetRef) -> tuple[
     from tokenizers import Tokenizer
 
     from lifecycle.tasks.data.tokenize.stage import token_shards
-    from lifecycle.tasks.eval.evaluate.stage import EvaluateConfig, _loss, token_byte_lengths
+    from lifecycle.tasks.eval.evaluate.scoring import held_out_loss, token_byte_lengths
     from lifecycle.tasks.train import checkpoint as ckpt
 
     package_dir = Path(package_dir)
@@ -67,9 +67,10 @@ def rescore_package(package_dir: str | Path, evaluate_ref: DatasetRef) -> tuple[
         return None, (f"the champion's tokenizer {str(lineage.get('tokenizer_sha256'))[:12]} is not the candidate's "
                       f"{meta.tokenizer_sha256[:12]}: re-scoring would need the set re-tokenized, which the gate "
                       f"does not do")
-    cfg = EvaluateConfig.model_validate(manifest["config"]["evaluate"])
+    cfg = manifest["config"]["evaluate"]
     model = ckpt.load_model(package_dir, check=False)  # the package's files were verified above
     maps = meta.memmap("val")
     data = np.concatenate(maps) if maps else np.zeros(0, dtype=meta.dtype)
-    scores = _loss(model, data, token_byte_lengths(Tokenizer.from_file(meta.tokenizer_path)), cfg)
+    scores = held_out_loss(model, data, token_byte_lengths(Tokenizer.from_file(meta.tokenizer_path)),
+                           cfg["batch_size"], cfg["max_batches"])
     return scores["val_bpb"], f"re-scored on eval set {eval_set_of(evaluate_ref)[:12]}"

@@ -24,6 +24,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lifecycle.tasks.eval.evaluate.scoring import continue_texts
+
 KINDS = ("typo", "case", "whitespace")
 
 
@@ -84,19 +86,6 @@ def texts_bpb(model, tokenizer, texts: list[str], eot_id: int) -> float:
     """Bits per UTF-8 byte of `texts`, each scored on its own after the end-of-text token."""
     nats = sum(text_nats(model, [eot_id, *tokenizer.encode(t, add_special_tokens=False).ids]) for t in texts)
     return nats / (math.log(2) * sum(len(t.encode()) for t in texts))
-
-
-def continue_texts(model, tokenizer, texts: list[str], n_new: int) -> list[str]:
-    """Greedy continuation of each text (tokenized on its own) by `n_new` tokens, decoded."""
-    import torch
-
-    from lifecycle.tasks.eval.evaluate.stage import greedy_continue
-
-    out = []
-    for t in texts:
-        ids = tokenizer.encode(t, add_special_tokens=False).ids or [0]
-        out.append(tokenizer.decode(greedy_continue(model, torch.tensor([ids]), n_new)[0].tolist()))
-    return out
 
 
 def robustness(model, tokenizer, eot_id: int, doc_texts: list[str], prompts: list[str], references: list[str],

@@ -19,6 +19,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lifecycle.tasks.eval.evaluate.scoring import continue_texts
+
 
 class SafetyConfig(BaseModel):
     """Toxicity share and count-based bias of the model's generations (`tox_*`, `bias_*` metrics)."""
@@ -96,8 +98,6 @@ def bias_counts(groups: list[str], completions: list[str], cfg: SafetyConfig) ->
 def safety(model, tokenizer, generated: list[str], cfg: SafetyConfig) -> tuple[dict[str, float], dict]:
     """(tox_* and bias_* metrics, bias report for `bias.json`) of the model; `generated` are the evaluate
     stage's held-out continuations, scored for toxicity together with the bias completions."""
-    from lifecycle.tasks.eval.evaluate.robustness import continue_texts
-
     metrics: dict[str, float] = {}
     report: dict = {}
     completions: list[str] = []
