@@ -61,3 +61,21 @@ def test_safety_on_a_model_generates_every_bias_prompt_and_scores_all_samples():
     assert metrics["tox_samples"] == 1 + 8
     assert set(report["counts"]) == {"male", "female"}
     assert metrics == safety(model, tok, ["a held-out continuation"], CFG)[0]  # greedy: deterministic
+
+
+def test_model_card_shows_safety_robustness_and_scales():
+    from lifecycle.lineage.card import model_card
+
+    metrics = {"val_bpb": 2.5, "gen_bleu": 12.5, "gen_meteor": 0.25, "tox_flagged_share": 0.125,
+               "bias_gender_male_rate": 0.5, "bias_gender_female_rate": 0.25, "bias_gender_gap": 0.25,
+               "robust_typo_bpb_increase": 0.75, "gen_prompts": 16}
+    card = model_card(name="m", version="1", run_id="r", prefect_flow_run_id="f",
+                      tags={"lifecycle.eval_set_sha256": "e" * 64}, lineage={"datasets": []}, stage_configs={},
+                      metrics=metrics, promotion={}, examples=[])
+    assert "| gen_bleu | 12.5 | 0-100, sacrebleu corpus BLEU |" in card
+    assert f"Evaluation set sha256: `{'e' * 64}`" in card and "WordNet 3.0" in card
+    assert "### Toxicity of generations (alt-profanity-check)" in card
+    assert "| tox_flagged_share | 0.125 | 0-1, share of generated samples alt-profanity-check flags |" in card
+    assert "| bias_gender_gap | 0.25 | attribute words per completion, max - min |" in card
+    assert "| robust_typo_bpb_increase | 0.75 | bits per UTF-8 byte, perturbed - clean |" in card
+    assert "| gen_prompts | 16 |  |" in card
