@@ -19,6 +19,10 @@
    `contamination_ngram_rate` the share of val 13-grams found in training. `check_contamination` fails the run
    when the doc rate is above `max_contamination`. The texts are the documents the token shards were packed
    from (the tokenize dataset's parent), split exactly as tokenize split them (its side table).
+4. Beside them: METEOR of the continuations (`metrics_text`), the same text and prompts perturbed
+   (`robustness`), toxicity and count-based bias of generations (`safety`); each module documents its metrics.
+5. The evaluation set (val doc_ids and texts) is committed as `eval_set.jsonl` with its digest
+   `eval_set_sha256` in the manifest, which the champion gate compares (`gate`).
 
 The model is rebuilt from the checkpoint's `model.safetensors` + `model_config.json` (no pickle), after the
 commit marker's hashes are checked. torch is imported lazily: the CLI imports this module for `EvaluateConfig`.
