@@ -50,6 +50,10 @@ def test_contaminated_run_fails_at_the_gate_with_the_rate_in_mlflow(tmp_path):
     assert rate > 0.5 and evaluate.data.metrics["contamination_dirty_docs"] >= 1
     assert f"({rate:.1%})" in out["error"]
     assert evaluate.data.tags["lifecycle.scale.gen_bleu"] == "0-100, sacrebleu corpus BLEU"
+    m = evaluate.data.metrics  # the other new evaluate metrics are logged beside it
+    assert {"gen_meteor", "robust_typo_bpb_increase", "robust_case_gen_bleu_drop", "tox_flagged_share",
+            "bias_gender_gap"} <= set(m)
+    assert m["tox_samples"] == m["gen_prompts"] + m["bias_gender_completions"]
     [parent] = [r for r in runs if "lifecycle.stage" not in r.data.tags]
     assert parent.info.status == "FAILED"
     assert client.search_registered_models() == []
