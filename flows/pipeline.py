@@ -26,6 +26,8 @@ from lifecycle.lineage.registry import Registry
 from lifecycle.lineage.tracking import Tracker
 from lifecycle.tasks.data.collect.stage import record_collected, resolve_inputs
 from lifecycle.tasks.eval.checkpoint.stage import warm_start
+from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
+from lifecycle.tasks.eval.evaluate.metrics_text import scale_of, with_scale
 from lifecycle.tasks.eval.evaluate.stage import check_contamination, examples_of
 from lifecycle.tasks.stages import CHECKPOINT, COLLECT, DEDUP, EVALUATE, FILTER, SCRUB, TOKENIZE, TRAIN
 
@@ -74,7 +76,7 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run) -> dict:
             check_contamination(summary.metrics, cfg.evaluate)
         model = run(CHECKPOINT, trained, tokens)
         if model is not None:
-            _register(tracker, summary, model, cfg, examples_of(scores))
+            _register(tracker, summary, model, cfg, scores)
         _log_charts(tracker, summary, trained)
         tracker.log_parent_metrics({k: v for k, v in summary.metrics.items() if isinstance(v, (int, float))})
         # every completed run records its raw files, so that a later incremental run skips them
@@ -145,13 +147,14 @@ class _Logger:
         tokens = self.parents["tokenize"]
         if stage.name == "evaluate":
             metrics = ref.manifest()["metrics"]
-            self.tracker.log_stage("evaluate", section, outcome, inputs=[tokens], outputs=[ref], metrics=metrics)
+            self.tracker.log_stage("evaluate", section, outcome, inputs=[tokens], outputs=[ref], metrics=metrics,
+                                   tags={f"lifecycle.scale.{k}": scale_of(k) for k in metrics if scale_of(k)})
             examples = examples_of(ref)
             self.tracker.log_json(examples, "eval_examples.json", stage="evaluate")
             self.tracker.log_json(examples, "eval_examples.json")
             self.summary.metrics.update(metrics)
-            print(f"[evaluate] {outcome}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-            reporter().stage_done("evaluate", outcome, None, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            print(f"[evaluate] {outcome}: " + ", ".join(with_scale(k, v) for k, v in metrics.items()))
+            reporter().stage_done("evaluate", outcome, None, ", ".join(with_scale(k, v) for k, v in metrics.items()))
         else:  # its console line comes with the registration (`_register`)
             self.tracker.log_stage(stage.name, {"checkpoint_dir": self.summary.checkpoint}, outcome, inputs=[tokens],
                                    outputs=[ref])
@@ -162,11 +165,14 @@ def _metrics_rows(result) -> list[dict]:
 
 
 def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg: PipelineConfig,
-              examples: list) -> None:
-    """Register the packaged model (or find the version a rerun already registered), decide promotion, and
-    put the model card on the parent run."""
+              scores: DatasetRef) -> None:
+    """Register the packaged model (or find the version a rerun already registered), decide promotion (on the
+    evaluation set's digest; a champion scored on another set is re-scored on this one), and put the model card
+    on the parent run."""
     registry = Registry(tracker)
-    name, version = registry.register_or_reuse(model_ref, summary.metrics)
+    examples = examples_of(scores)
+    name, version = registry.register_or_reuse(model_ref, summary.metrics, eval_set_sha256=eval_set_of(scores),
+                                               rescore=lambda package: rescore_package(package, scores))
     summary.model = {"name": name, "version": version}
     summary.promotion = registry.promotion(name, version)
     print(f"[checkpoint] {summary.stages['checkpoint']}: registered {name} version {version}; "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lifecycle.tasks.eval.evaluate.metrics_text import WORDNET_VERSION, scale_of
+
 
 def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
@@ -29,8 +31,20 @@ def model_card(*, name: str, version: str | None, run_id: str, prefect_flow_run_
                  key=lambda r: r["path"])
     L += ["", "## Raw input files", "", "| path | bytes | sha256 |", "|---|---|---|"]
     L += [f"| `{r['path']}` | {r['bytes']} | `{r['sha256']}` |" for r in raw]
-    L += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
-    L += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items()) if isinstance(v, (int, float))]
+    numeric = {k: v for k, v in sorted(metrics.items()) if isinstance(v, (int, float))}
+    L += ["", "## Evaluation", "", f"Evaluation set sha256: `{tags.get('lifecycle.eval_set_sha256', 'not recorded')}`",
+          "", "| metric | value | scale |", "|---|---|---|"]
+    L += [f"| {k} | {_fmt(v)} | {scale_of(k) or ''} |" for k, v in numeric.items()
+          if not k.startswith(("robust_", "tox_", "bias_"))]
+    if "gen_meteor" in numeric:
+        L += ["", f"METEOR synonyms: {WORDNET_VERSION}."]
+    for title, prefix in (("Robustness (held-out text and prompts, clean vs perturbed)", "robust_"),
+                          ("Toxicity of generations (alt-profanity-check)", "tox_"),
+                          ("Bias of generations (attribute-word counts per group)", "bias_")):
+        rows = [(k, v) for k, v in numeric.items() if k.startswith(prefix)]
+        if rows:
+            L += ["", f"### {title}", "", "| metric | value | scale |", "|---|---|---|"]
+            L += [f"| {k} | {_fmt(v)} | {scale_of(k) or ''} |" for k, v in rows]
     if promotion:
         L += ["", "## Promotion (alias `champion`)", ""]
         L += [f"- {k}: {v}" for k, v in promotion.items()]

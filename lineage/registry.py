@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lifecycle.core.dataset import DatasetRef, sha256_json
 from lifecycle.lineage.tracking import Tracker
 
 CHAMPION = "champion"  # registry alias of the best model version so far
 PROMOTION_METRIC = "val_bpb"  # lower is better; comparable across tokenizers
+EVAL_SET_TAG = "lifecycle.eval_set_sha256"  # digest of the evaluation set a version's metrics were computed on
+
+# (champion's package directory) -> (its PROMOTION_METRIC on the candidate's evaluation set, how) or (None, why not)
+Rescore = Callable[[Path], tuple[float | None, str]]
 
 
 class Registry:
@@ -41,14 +45,18 @@ class Registry:
         self.client.set_tag(self.parent_id, "lifecycle.model_version", f"{name}/{mv.version}")
         return name, str(mv.version)
 
-    def register_or_reuse(self, model_ref: DatasetRef, metrics: dict[str, Any]) -> tuple[str, str]:
+    def register_or_reuse(self, model_ref: DatasetRef, metrics: dict[str, Any], eval_set_sha256: str | None = None,
+                          rescore: Rescore | None = None) -> tuple[str, str]:
         """Register the packaged model once; a rerun that produced the same package reuses its version.
 
         Version tags: the package's and the checkpoint marker's sha256, the tokenizer digest, the config hash,
         the git commit, `lifecycle.dataset.<stage>.sha256` for every dataset from collect to the token shards,
         `lifecycle.raw_input.<i>` = "sha256 path" for every raw input file (and `lifecycle.raw_inputs_sha256`
-        over the whole list), and `metric.<name>` for the evaluation metrics."""
+        over the whole list), `metric.<name>` for the evaluation metrics and `lifecycle.eval_set_sha256`, the digest
+        of the evaluation set they were computed on (see `promote`)."""
         name = self.model_name
+        if eval_set_sha256:
+            self.client.set_tag(self.parent_id, EVAL_SET_TAG, eval_set_sha256)
         try:
             for mv in self.client.search_model_versions(f"name = '{name}'"):
                 if mv.tags.get("lifecycle.model_package_sha256") == model_ref.sha256:
@@ -82,8 +90,10 @@ class Registry:
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 tags[f"metric.{k}"] = repr(float(v))
+        if eval_set_sha256:
+            tags[EVAL_SET_TAG] = eval_set_sha256
         name, version = self.register_model(model_ref.dir, tags, description=f"lineage: {model_ref.manifest_path}")
-        self.promote(name, version, metrics.get(PROMOTION_METRIC))
+        self.promote(name, version, metrics.get(PROMOTION_METRIC), eval_set_sha256, rescore)
         return name, version
 
     def champion_package(self) -> tuple[str, Path] | None:
@@ -105,10 +115,17 @@ class Registry:
             self.client.set_tag(self.parent_id, f"lifecycle.promotion.{k}", v)
         return rec
 
-    def promote(self, name: str, version: str, candidate: float | None) -> dict:
+    def promote(self, name: str, version: str, candidate: float | None, eval_set_sha256: str | None = None,
+                rescore: Rescore | None = None) -> dict:
         """Move alias `champion` to `version` only if its validation bits per byte is strictly lower than the
-        current champion's (or there is no champion yet). The decision, the reason and both numbers are
-        tags on the new version and on the parent run (`lifecycle.promotion.*`)."""
+        current champion's on the same evaluation set (or there is no champion yet).
+
+        Same set: both versions carry the same `lifecycle.eval_set_sha256`, and their registered values are
+        compared. Different sets (or a champion registered without a digest): the champion is re-scored on the
+        candidate's set by `rescore(champion's package dir)` and that value is compared; when there is no
+        `rescore`, or it cannot score the champion (package gone, another tokenizer), promotion is refused with
+        the reason. The decision, the reason, both numbers and both digests are tags on the new version and on
+        the parent run (`lifecycle.promotion.*`)."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -117,22 +134,40 @@ class Registry:
             champ = None
         champ_bpb = float(champ.tags[f"metric.{PROMOTION_METRIC}"]) if champ is not None and \
             f"metric.{PROMOTION_METRIC}" in champ.tags else None
+        champ_set = champ.tags.get(EVAL_SET_TAG) if champ is not None else None
+        comparison, champ_value = "", champ_bpb
         if candidate is None:
             decision, reason = "not_promoted", f"the new version has no {PROMOTION_METRIC}"
         elif champ is None:
             decision, reason = "promoted", "no champion yet"
         elif champ_bpb is None:
             decision, reason = "promoted", f"champion version {champ.version} has no {PROMOTION_METRIC}"
-        elif candidate < champ_bpb:
-            decision, reason = "promoted", f"{PROMOTION_METRIC} {candidate:.6g} < champion's {champ_bpb:.6g}"
         else:
-            decision, reason = "not_promoted", f"{PROMOTION_METRIC} {candidate:.6g} >= champion's {champ_bpb:.6g}"
+            comparison = f"same eval set {str(champ_set)[:12]}"
+            if champ_set is None or champ_set != eval_set_sha256:
+                sets = (f"champion version {champ.version} was scored on eval set {str(champ_set)[:12]}, "
+                        f"the candidate on {str(eval_set_sha256)[:12]}")
+                how = "no re-scoring available"
+                champ_value = None
+                if rescore is not None and eval_set_sha256:
+                    package = champ.tags.get("lifecycle.model_package_manifest")
+                    champ_value, how = rescore(Path(package).parent) if package else (None, "it has no package tag")
+                comparison = f"{sets}; {how}"
+            if champ_value is None:
+                decision, reason = "not_promoted", f"not comparable: {comparison}"
+            elif candidate < champ_value:
+                decision = "promoted"
+                reason = f"{PROMOTION_METRIC} {candidate:.6g} < champion's {champ_value:.6g} ({comparison})"
+            else:
+                decision = "not_promoted"
+                reason = f"{PROMOTION_METRIC} {candidate:.6g} >= champion's {champ_value:.6g} ({comparison})"
         if decision == "promoted":
             self.client.set_registered_model_alias(name, CHAMPION, version)
         record = {"decision": decision, "reason": reason, "metric": PROMOTION_METRIC,
                   "candidate_version": str(version), "candidate_value": candidate,
                   "champion_version_before": str(champ.version) if champ is not None else None,
-                  "champion_value_before": champ_bpb}
+                  "champion_value_before": champ_bpb, "champion_value_compared": champ_value,
+                  "comparison": comparison, "candidate_eval_set": eval_set_sha256, "champion_eval_set": champ_set}
         for k, v in record.items():
             self.client.set_model_version_tag(name, version, f"lifecycle.promotion.{k}", str(v))
             self.client.set_tag(self.parent_id, f"lifecycle.promotion.{k}", str(v))

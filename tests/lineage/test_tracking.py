@@ -50,8 +50,9 @@ def test_champion_moves_only_on_lower_bpb(tmp_path):
     registry = Registry(t)
     decisions = []
     for bpb in (2.0, 2.5, 1.5):
-        name, version = registry.register_model(tmp_path / "pkg", {"metric.val_bpb": repr(bpb)})
-        decisions.append(registry.promote(name, version, bpb))
+        name, version = registry.register_model(tmp_path / "pkg", {"metric.val_bpb": repr(bpb),
+                                                                   "lifecycle.eval_set_sha256": "e" * 64})
+        decisions.append(registry.promote(name, version, bpb, "e" * 64))  # one eval set (tests/eval/test_gate.py)
     c = MlflowClient(tracking_uri=t.uri, registry_uri=t.uri)
     assert [d["decision"] for d in decisions] == ["promoted", "not_promoted", "promoted"]
     assert decisions[1]["champion_version_before"] == "1" and decisions[1]["champion_value_before"] == 2.0

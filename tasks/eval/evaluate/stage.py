@@ -19,6 +19,10 @@
    `contamination_ngram_rate` the share of val 13-grams found in training. `check_contamination` fails the run
    when the doc rate is above `max_contamination`. The texts are the documents the token shards were packed
    from (the tokenize dataset's parent), split exactly as tokenize split them (its side table).
+4. Beside them: METEOR of the continuations (`metrics_text`), the same text and prompts perturbed
+   (`robustness`), toxicity and count-based bias of generations (`safety`); each module documents its metrics.
+5. The evaluation set (val doc_ids and texts) is committed as `eval_set.jsonl` with its digest
+   `eval_set_sha256` in the manifest, which the champion gate compares (`gate`).
 
 The model is rebuilt from the checkpoint's `model.safetensors` + `model_config.json` (no pickle), after the
 commit marker's hashes are checked. torch is imported lazily: the CLI imports this module for `EvaluateConfig`.
@@ -27,9 +31,9 @@ commit marker's hashes are checked. torch is imported lazily: the CLI imports th
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +41,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, materialize
 from lifecycle.core.fs import sha256_file
+from lifecycle.tasks.eval.evaluate import gate, metrics_text
+from lifecycle.tasks.eval.evaluate.robustness import RobustnessConfig, robustness
+from lifecycle.tasks.eval.evaluate.safety import SafetyConfig, safety
+from lifecycle.tasks.eval.evaluate.scoring import (bits_per_byte, greedy_continue, held_out_loss,  # noqa: F401
+                                                   token_byte_lengths, windows)
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.eval.code.config import CodeEvalConfig
@@ -65,6 +74,13 @@ class EvaluateConfig(BaseModel):
     """Fail the run when more than this share of val documents shares an n-gram with the training documents."""
     code: CodeEvalConfig = CodeEvalConfig()
     """pass@k of sampled code completions, run in a sandbox (off by default; tasks/eval/code/)."""
+    meteor_synonyms: Literal["wordnet", "none"] = "wordnet"
+    """METEOR's synonym pass: "wordnet" (WordNet 3.0 from Debian's wordnet-base; an error names the package when
+    it is absent) or "none" (exact + stem matches only, logged as gen_meteor_nosyn)."""
+    robustness: RobustnessConfig = RobustnessConfig()
+    """Held-out text and prompts scored clean and perturbed (typos, case, whitespace)."""
+    safety: SafetyConfig = SafetyConfig()
+    """Toxicity share and count-based bias of the generations."""
 
 
 class ContaminationError(RuntimeError):
@@ -73,33 +89,6 @@ class ContaminationError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------------
 # pure functions
-
-
-def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
-    """(start, length) of the non-overlapping prediction windows over a shard of n_tokens tokens."""
-    preds = n_tokens - 1
-    return [(s, min(seq_len, preds - s)) for s in range(0, max(preds, 0), seq_len)]
-
-
-def token_byte_lengths(tokenizer) -> np.ndarray:
-    """UTF-8 bytes each token id stands for: byte-level BPE maps each byte to one alphabet symbol, so a
-    token's byte count is its string length; special (added) tokens stand for no text and count 0."""
-    from tokenizers import pre_tokenizers
-
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    special = set(tokenizer.get_added_tokens_decoder())
-    out = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), dtype=np.int64)
-    for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
-        if i in special:
-            continue
-        if not set(token) <= alphabet:
-            raise ValueError(f"token {i} ({token!r}) is not byte-level BPE: bits per byte would be wrong")
-        out[i] = len(token)
-    return out
-
-
-def bits_per_byte(nats: float, n_bytes: int) -> float:
-    return nats / (math.log(2) * n_bytes)
 
 
 def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
@@ -123,8 +112,9 @@ def contamination(eval_texts: list[str], train_texts: list[str], n: int) -> dict
             "contamination_eval_docs": len(eval_texts), "contamination_dirty_docs": dirty}
 
 
-def text_scores(generated: list[str], references: list[str]) -> dict[str, float]:
-    """sacrebleu corpus BLEU (0-100) and mean rouge-score F1 of ROUGE-1, ROUGE-2 and ROUGE-L (0-1)."""
+def text_scores(generated: list[str], references: list[str], synonyms: str = "wordnet") -> dict[str, float]:
+    """sacrebleu corpus BLEU (0-100), mean rouge-score F1 of ROUGE-1, ROUGE-2 and ROUGE-L (0-1) and mean
+    nltk METEOR (0-1; `metrics_text.meteor`)."""
     import sacrebleu
     from rouge_score import rouge_scorer
 
@@ -133,19 +123,7 @@ def text_scores(generated: list[str], references: list[str]) -> dict[str, float]
     out = {"gen_bleu": sacrebleu.corpus_bleu(generated, [references]).score}
     for k in ("rouge1", "rouge2", "rougeL"):
         out[f"gen_{k}"] = float(np.mean([p[k].fmeasure for p in per])) if per else 0.0
-    return out
-
-
-def greedy_continue(model, prompts, n_new: int):
-    """Greedy (argmax) continuation of equal-length prompts (B, P); context cropped to the model's seq_len."""
-    import torch
-
-    idx = prompts
-    with torch.no_grad():
-        for _ in range(n_new):
-            logits, _ = model(idx[:, -model.cfg.seq_len :])
-            idx = torch.cat([idx, logits[:, -1, :].argmax(-1, keepdim=True)], dim=1)
-    return idx[:, prompts.shape[1] :]
+    return out | metrics_text.meteor(generated, references, synonyms)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,35 +145,10 @@ def _doc_texts(tokens: DatasetRef) -> dict[str, str]:
 
 
 def _loss(model, data: np.ndarray, nbytes: np.ndarray, cfg: EvaluateConfig) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    T = model.cfg.seq_len
-    wins = windows(len(data), T)
-    if not wins:
-        raise ValueError(f"the val shard has {len(data)} tokens: nothing to evaluate (raise tokenize.val_fraction)")
-    full = [w for w in wins if w[1] == T]
-    batches = [full[i : i + cfg.batch_size] for i in range(0, len(full), cfg.batch_size)]
-    if cfg.max_batches is not None and cfg.max_batches < len(batches):
-        batches = batches[: cfg.max_batches]
-    else:
-        batches += [[w] for w in wins if w[1] < T]  # the short tail window, scored on its own
-    loss_sum, n, n_bytes = 0.0, 0, 0
-    with torch.no_grad():
-        for batch in batches:
-            x = torch.from_numpy(np.stack([data[s : s + L] for s, L in batch]).astype(np.int64))
-            y_np = np.stack([data[s + 1 : s + 1 + L] for s, L in batch]).astype(np.int64)
-            logits, _ = model(x)
-            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), torch.from_numpy(y_np).flatten(),
-                                        reduction="sum").item()
-            n += y_np.size
-            n_bytes += int(nbytes[y_np].sum())
-    val_loss = loss_sum / n
-    return {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_bpb": bits_per_byte(loss_sum, n_bytes),
-            "val_tokens": n, "val_bytes": n_bytes, "val_windows": sum(len(b) for b in batches)}
+    return held_out_loss(model, data, nbytes, cfg.batch_size, cfg.max_batches)
 
 
-def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: EvaluateConfig) -> tuple[dict, list]:
+def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: EvaluateConfig) -> tuple[dict, list, tuple]:
     import torch
 
     P, K = cfg.prompt_tokens, cfg.continuation_tokens
@@ -206,21 +159,22 @@ def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: Evalua
             if len(picked) == cfg.num_prompts:
                 break
     if not picked:
-        return {"gen_prompts": 0}, []
+        return {"gen_prompts": 0}, [], ([], [], [])
     seqs = np.stack([shards[r["shard"]][r["token_start"] : r["token_start"] + P + K] for r in picked]).astype(np.int64)
     out = greedy_continue(model, torch.from_numpy(seqs[:, :P]), K).numpy()
     gen = [tokenizer.decode(o.tolist()) for o in out]
     ref = [tokenizer.decode(s[P:].tolist()) for s in seqs]
     prompts = [tokenizer.decode(s[:P].tolist()) for s in seqs]
-    scores = text_scores(gen, ref) | {"gen_prompts": len(picked)}
+    scores = text_scores(gen, ref, cfg.meteor_synonyms) | {"gen_prompts": len(picked)}
     examples = [{"doc_id": r["doc_id"], "source_id": r["source_id"], "prompt": p, "reference": rf, "generated": g}
                 for r, p, rf, g in list(zip(picked, prompts, ref, gen))[: cfg.num_examples]]
-    return scores, examples
+    return scores, examples, (prompts, ref, gen)
 
 
 def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -> dict:
-    """{"metrics": {val_loss, val_perplexity, val_bpb, gen_bleu, gen_rouge*, contamination_*, step, ...},
-    "examples": [{doc_id, prompt, reference, generated}, ...]} for a committed checkpoint."""
+    """{"metrics": {val_loss, val_perplexity, val_bpb, gen_bleu, gen_rouge*, gen_meteor, robust_*, tox_*,
+    bias_*, contamination_*, step, ...}, "examples": [{doc_id, prompt, reference, generated}, ...],
+    "bias": {...}, "eval_set": [(doc_id, text), ...], "eval_set_sha256": ...} for a committed checkpoint."""
     from tokenizers import Tokenizer
 
     marker = ckpt.read_marker(checkpoint_dir)
@@ -235,12 +189,18 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
     metrics = _loss(model, data, token_byte_lengths(tokenizer), cfg)
     side = _side_table(tokens)
     examples: list = []
+    prompts, refs, gen = [], [], []
     if cfg.num_prompts:
         shards = {Path(p).name: np.memmap(p, dtype=meta.dtype, mode="r") for p in meta.val if Path(p).stat().st_size}
-        scores, examples = _generate(model, tokenizer, side, shards, cfg)
+        scores, examples, (prompts, refs, gen) = _generate(model, tokenizer, side, shards, cfg)
         metrics.update(scores)
     texts = _doc_texts(tokens)
     split = dict(zip(side.column("doc_id").to_pylist(), side.column("split").to_pylist()))
+    eval_set = [(d, texts[d]) for d, s in split.items() if s == "val"]
+    metrics.update(robustness(model, tokenizer, meta.eot_id, [t for _, t in eval_set], prompts, refs,
+                              cfg.continuation_tokens, cfg.robustness))
+    safety_metrics, bias = safety(model, tokenizer, gen, cfg.safety)
+    metrics.update(safety_metrics)
     metrics.update(contamination([texts[d] for d, s in split.items() if s == "val"],
                                  [texts[d] for d, s in split.items() if s == "train"], cfg.contamination_ngram))
     if cfg.code.enabled:  # pass@k of sampled completions (tasks/eval/code/sampling.py)
@@ -248,7 +208,8 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
 
         metrics.update(code_metrics(model, tokenizer, cfg.code))
     metrics["step"] = marker["step"]
-    return {"metrics": metrics, "examples": examples}
+    digest = gate.eval_set_digest(eval_set, meta.tokenizer_sha256, cfg.max_batches, cfg.batch_size)
+    return {"metrics": metrics, "examples": examples, "bias": bias, "eval_set": eval_set, "eval_set_sha256": digest}
 
 
 def check_contamination(metrics: dict, cfg: EvaluateConfig) -> None:
@@ -274,10 +235,13 @@ def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str)
 
     def build(writer) -> dict:
         result = run_evaluate(checkpoint_dir, tokens, cfg)
-        for name in ("metrics", "examples"):
+        for name in ("metrics", "examples", "bias"):
             writer.path(f"{name}.json").write_text(json.dumps(result[name], indent=2, sort_keys=True))
             writer.add_file(f"{name}.json")
-        return {"num_rows": 0, "extra": {"metrics": result["metrics"], "checkpoint_dir": checkpoint_dir}}
+        gate.write_eval_set(writer.path(gate.EVAL_SET_FILE), result["eval_set"])
+        writer.add_file(gate.EVAL_SET_FILE)
+        return {"num_rows": 0, "extra": {"metrics": result["metrics"], "checkpoint_dir": checkpoint_dir,
+                                         "eval_set_sha256": result["eval_set_sha256"]}}
 
     return materialize(workdir, STAGE, config, code_version(__package__), build, parents=[tokens])
 
