@@ -130,6 +130,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
 
     `on_metrics(record)` is called from this process for each new metrics record while the ranks run.
     `init_weights`: a consolidated `model.safetensors` to start from instead of a fresh initialisation."""
+    timing = {"stage_start": time.time()}  # with the ranks' launch-timing-rank<r>.json: bench/launch_overhead.py
     meta = token_shards(tokens)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
@@ -176,7 +177,9 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()), "LIFECYCLE_SUPERVISOR_START": str(start_time(os.getpid()))}
         tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
+        timing["supervisor_setup"] = time.time()
         prebuild_shm_op(cfg.engine.accelerator, env)  # no rank waits on a stale build lock, nor races a build
+        timing["op_build_check"] = time.time()
         owner = Ownership(port)
         owner.claim()  # and release the buffers of supervisors that died before they could
         beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
@@ -185,8 +188,10 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             log.flush()
             # its own session: a ^C or a SIGTERM to our group reaches only us, and we stop the ranks (below);
             # SIGKILL when we die, however we die
+            timing["launcher_popen"] = time.time()
             proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=die_with_parent)
+            fs.atomic_write_json(run_dir / "launch-timing.json", timing)
             start = time.monotonic()
             try:
                 while proc.poll() is None:
