@@ -2,8 +2,9 @@
 
 `python -m bench.audit_latency [--workdir runs/demo] [--before main] [--repeat 3]`
 
-Each command runs as a user runs it, `python -m lifecycle.cli ...` in a new process, on a copy of the work dir
-(the "after" code writes its catalog, `catalog/`, into the copy; the work dir given is never changed). The
+Each command runs as a user runs it, `python -m lifecycle.cli ...` in a new process, on the work dir given (not a
+copy: the registry's tags name files by absolute path, and a copy's would lie outside it). The "after" code adds
+its catalog, `<workdir>/catalog/`, as any run of this version does; the "before" code does not read it. The
 "before" code is `git archive <ref>` laid out as the installed package (`lifecycle`, `lifecycle.flows`, ...) in a
 temporary folder put first on PYTHONPATH; both use this checkout's environment. Per command: the first call
 (the "after" code builds its catalog there), then the median of `--repeat` further calls, and after/before as a
@@ -54,7 +55,7 @@ def commands(workdir: Path) -> dict[str, list[str]]:
 
     kept = sorted(workdir.glob("datasets/collect/*/*.parquet")) + sorted(workdir.glob("datasets/collect/*/*/*.parquet"))
     kept = [p for p in kept if "rejected" not in p.name]
-    sid = duckdb.sql(f"SELECT source_id FROM read_parquet('{kept[0]}') LIMIT 1").fetchone()[0]
+    sid = duckdb.sql(f"SELECT source_id FROM read_parquet('{kept[0]}') LIMIT 1").fetchall()[0][0]
     out = {"sql": ["sql", "SELECT stage, count(*) AS n, sum(num_rows) AS rows FROM datasets GROUP BY ALL ORDER BY 1"],
            "sql rejected": ["sql", "SELECT stage, reason, count(*) AS n FROM rejected GROUP BY ALL ORDER BY ALL"],
            "lineage doc": ["lineage", "doc", sid]}
@@ -88,12 +89,10 @@ def main(argv: list[str] | None = None) -> dict:
         old_path = checkout(args.before, tmp / "before")
         envs = {}
         for side in ("before", "after"):
-            wd = tmp / f"wd-{side}"
-            shutil.copytree(src, wd, symlinks=True, ignore=shutil.ignore_patterns("catalog", ".prefect"))
             env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
             if side == "before":
                 env["PYTHONPATH"] = str(old_path)
-            envs[side] = (env, wd)
+            envs[side] = (env, src)
         # the same code is imported either way: check it
         for side, (env, _) in envs.items():
             where = subprocess.run([sys.executable, "-c", "import lifecycle.lineage.cli as m; print(m.__file__)"],
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, cmd in cmds.items():
             row = {}
             for side, (env, wd) in envs.items():
-                argv = [a.replace(str(envs["after"][1]), str(wd)) for a in cmd]
+                argv = cmd
                 first, rc, tail = timed(argv, env, tmp)
                 if rc != 0:
                     raise SystemExit(f"{side}: {' '.join(argv)} exited {rc}: {tail}")

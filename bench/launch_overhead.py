@@ -28,7 +28,7 @@ PHASES = [  # (label, what it measures)
     ("supervisor setup", "token shard metadata, run fingerprint, launch config (stage start -> op check)"),
     ("op build check", "shm op already built? (stale-lock check under the build lock)"),
     ("supervisor launch prep", "memory tier, port ownership, heartbeats, launcher command"),
-    ("launcher start", "deepspeed runner + launch.py interpreters until the rank process exists"),
+    ("launcher start", "DeepSpeed's launch.py interpreter (and the deepspeed runner, with a hostfile) until the rank exists"),
     ("rank interpreter start", "rank process created -> trainer module starts (python, runpy, parent watch)"),
     ("imports", "torch, numpy and the project's train modules"),
     ("import deepspeed", "deepspeed (and its accelerator detection)"),

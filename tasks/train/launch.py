@@ -1,4 +1,4 @@
-"""Train task: write a launch config, run `deepspeed --module lifecycle.tasks.train.trainer` on CPU ranks, supervise it.
+"""Train task: write a launch config, start DeepSpeed's launcher with `--module lifecycle.tasks.train.trainer` on CPU ranks, supervise it.
 
 One run directory `<workdir>/train/<fingerprint[:20]>/` per trajectory: config.json (read by every rank),
 ds_config.json, train.log (appended per launch), metrics.jsonl (rank 0), checkpoints/step_<8 digits>/.
@@ -15,6 +15,7 @@ No torch here (the CLI imports this module for its config): the ranks import it.
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import json
 import logging
@@ -167,11 +168,8 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                                            "token_dataset": tokens.path, "init_weights": init_weights,
                                            "memory_tier": str(tier) if tier is not None else None, **init})
         port = cfg.launch.master_port or free_port()
-        launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
-        if launcher is None:
-            raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
         threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.batch.num_ranks)
-        cmd = [launcher, *launch_args(cfg, port, run_dir, threads), "--module", "--no_local_rank",
+        cmd = [*launcher_cmd(cfg, port, run_dir, threads), "--module", "--no_local_rank",
                "lifecycle.tasks.train.trainer", "--config", str(config_path)]
         # the ranks watch this process (pid + start time) and die with it: see lifecycle.core.procs.watch_parent_run
         env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
@@ -271,6 +269,21 @@ def select_hosts(hosts: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
         left = {h: hosts[h] - (drop[h] or hosts[h]) if h in drop else hosts[h] for h in hosts}
         return {h: n for h, n in left.items() if n > 0}
     return dict(list(hosts.items())[: cfg.num_nodes or len(hosts)])
+
+
+def launcher_cmd(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:
+    """The DeepSpeed launcher command before the module. Ranks on this machine only (no hostfile): DeepSpeed's
+    per-node launcher, `python -m deepspeed.launcher.launch`, with the world info the `deepspeed` runner would
+    give it; the runner itself would only compute that, after importing torch and DeepSpeed once more (a third of
+    the launch overhead on a loaded 2-core machine: bench/launch_overhead.py). With a hostfile: the runner."""
+    if cfg.launch.hostfile is None:
+        world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(cfg.batch.num_ranks))}).encode()).decode()
+        return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+                "--master_addr=127.0.0.1", f"--master_port={port}"]
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+    if launcher is None:
+        raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
+    return [launcher, *launch_args(cfg, port, run_dir, threads)]
 
 
 def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:

@@ -276,9 +276,11 @@ class Trainer:
     # set-up
 
     def _init_distributed(self) -> tuple[torch.device, str]:
-        import deepspeed
-        import deepspeed.comm.torch as ds_comm
+        import importlib
 
+        import deepspeed
+
+        ds_comm = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` gives torch itself here
         phase("import deepspeed")
         build = ds_comm.build_shm_op
 
