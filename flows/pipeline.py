@@ -13,18 +13,21 @@ import tempfile
 from pathlib import Path
 
 from prefect import flow
+from prefect import get_run_logger
 from prefect.context import get_run_context
 
-from lifecycle.config import PipelineConfig
-from lifecycle.core.dataset import DatasetRef, RawFile
+from lifecycle.config import PipelineConfig, load_config
+from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
+from lifecycle.core.fs import sha256_file
 from lifecycle.core.latest import latest_targets, point_latest
 from lifecycle.core.locking import workdir_lock
 from lifecycle.flows.runner import RunSummary, StageRunner, interrupt_of, note_interrupted, plain_task, reporter
+from lifecycle.lineage import catalog
 from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
 from lifecycle.lineage.registry import Registry
 from lifecycle.lineage.tracking import Tracker
-from lifecycle.tasks.data.collect.stage import record_collected, resolve_inputs
+from lifecycle.tasks.data.collect.stage import new_inputs, record_collected, resolve_inputs
 from lifecycle.tasks.eval.checkpoint.stage import warm_start
 from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
 from lifecycle.tasks.eval.evaluate.metrics_text import scale_of, with_scale
@@ -37,31 +40,44 @@ log = logging.getLogger(__name__)
 # No `from __future__ import annotations` in this module: Prefect builds the flow's parameter model from the
 # annotations, and a served deployment cannot resolve `PipelineConfig` from a string.
 @flow(name="lifecycle", log_prints=True)
-def lifecycle_flow(config: PipelineConfig, until: str | None = None) -> dict:
+def lifecycle_flow(config: PipelineConfig | None = None, until: str | None = None, config_file: str | None = None,
+                   overrides: list[str] | None = None) -> dict:
+    """`config`: the resolved config (`lifecycle run` passes it). Or `config_file` and `overrides` (`--set`
+    KEY=VALUE): a YAML file read when the run starts, which is what `lifecycle serve` deploys, so that an edited
+    YAML applies to the next scheduled run; its sha256 goes on the flow run's log and the MLflow parent run."""
     flow_run = get_run_context().flow_run
+    tags = {}
+    if (config is None) == (config_file is None):
+        raise ValueError("lifecycle_flow takes either `config` or `config_file` (with `overrides`), not both or neither")
+    if config_file is not None:
+        config = load_config(config_file, overrides or [])
+        tags = {"lifecycle.config_file": str(config_file), "lifecycle.config_file_sha256": sha256_file(config_file)}
+        get_run_logger().info(f"config read at run start: {config_file} (file sha256 {tags['lifecycle.config_file_sha256'][:16]}, "
+                              f"resolved config sha256 {sha256_json(config.model_dump(mode='json'))[:16]}"
+                              + (f", overrides {' '.join(overrides)}" if overrides else "") + ")")
     # one run per work dir: a run `lifecycle serve` starts on its schedule refuses while a manual `lifecycle run`
     # holds the work dir, and the other way round (`lifecycle run` holds it already in this process)
     with workdir_lock(config.workdir, holder=f"flow run {flow_run.name} ({flow_run.id})", reentrant=True):
-        return _pipeline(config, until, flow_run)
+        return _pipeline(config, until, flow_run, tags)
 
 
-def _pipeline(cfg: PipelineConfig, until: str | None, flow_run) -> dict:
+def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, str]) -> dict:
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
+    inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
+    if cfg.collect.incremental and not new_inputs(inputs, cfg.workdir):
+        # a scheduled tick with nothing new: no dataset, no MLflow run, one line on the flow run
+        note = f"no new input files: all {len(inputs)} were collected by earlier runs; nothing to do"
+        get_run_logger().info(f"[collect] {note}")
+        reporter().note(note)
+        return RunSummary(status="no_new_inputs", workdir=cfg.workdir, prefect_flow_run_id=str(flow_run.id)).model_dump()
     tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
     summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri, prefect_flow_run_id=str(flow_run.id))
     summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={
-        "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end"})
+        "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
+        **tags})
     run = StageRunner(cfg, summary, until, on_done=_Logger(tracker, summary).stage_done)
     try:
-        inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
         docs = run(COLLECT, inputs=inputs)
-        if cfg.collect.incremental and not docs.manifest()["inputs"]:
-            note = f"no new input files: all {len(inputs)} were collected by earlier runs; nothing to do"
-            print(f"[collect] {note}")
-            reporter().note(note)
-            summary.status = "no_new_inputs"
-            tracker.end("FINISHED")
-            return summary.model_dump()
         init_weights, tokenize_cfg = None, None
         if cfg.train.init_from == "champion" and run.wants(TOKENIZE):
             init_weights, tokenize_cfg = _warm_start(tracker, cfg, summary)
@@ -85,6 +101,7 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run) -> dict:
         point_latest(cfg.workdir, latest_targets(summary.datasets, summary.checkpoint))  # <workdir>/latest/<stage>
         summary.status = "completed"
         tracker.end("FINISHED")
+        _update_catalog(cfg.workdir, with_models=True)  # the registry as this run left it
     except BaseException as e:
         signame = interrupt_of(e)
         try:
@@ -125,6 +142,7 @@ class _Logger:
         self.tracker.log_stage(stage.name, section, outcome, inputs=parents, outputs=[ref], raw_inputs=raw,
                                metrics={**funnel_metrics(stats or {}), **extra})
         self.parents[stage.name] = ref
+        _update_catalog(self.summary.workdir, with_models=False)
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
         reporter().stage_done(stage.name, outcome, stats, "" if stats else f"{ref.num_rows:,} rows")
 
@@ -158,6 +176,16 @@ class _Logger:
         else:  # its console line comes with the registration (`_register`)
             self.tracker.log_stage(stage.name, {"checkpoint_dir": self.summary.checkpoint}, outcome, inputs=[tokens],
                                    outputs=[ref])
+
+
+def _update_catalog(workdir: str, with_models: bool) -> None:
+    """The audit catalog (`<workdir>/catalog/`) learns each commit as it happens, so `lifecycle sql` and
+    `lifecycle lineage` read no manifest twice and import no MLflow. Not the run's business to fail on: a
+    catalog that could not be updated is brought up to date by the next audit command."""
+    try:
+        catalog.update(workdir, with_models=with_models)
+    except Exception as e:
+        log.warning("audit catalog of %s not updated (the next audit command updates it): %s", workdir, e)
 
 
 def _metrics_rows(result) -> list[dict]:

@@ -10,6 +10,11 @@ heartbeat event every `PREFECT_RUNNER_HEARTBEAT_FREQUENCY` seconds (30 here unle
 installs, once per server, the automation `lifecycle-zombie-runs`: a running flow run whose heartbeats
 stop for 90 s without a terminal state is marked Crashed. A rerun then resumes from what was committed.
 
+Each run reads the YAML when it starts: the deployment's parameters are the config file's path and the `--set`
+overrides, not the resolved config, so an edited YAML applies to the next run without a new `serve` (the run logs
+the file's sha256 on the Prefect flow run and tags it on the MLflow parent run). A run with no new input files
+commits nothing, opens no MLflow run and logs one line on its flow run.
+
 Scheduled runs are incremental (`collect.incremental=true` unless `--full`): each collects only the input
 files that no earlier completed run collected, and dedup (with its persistent index) drops new documents
 that duplicate anything kept before.
@@ -18,6 +23,9 @@ that duplicate anything kept before.
 from __future__ import annotations
 
 import os
+import shlex
+import sys
+from pathlib import Path
 
 from lifecycle.config import DEFAULT_CONFIG, load_config
 from lifecycle.core.errors import UsageError
@@ -40,7 +48,8 @@ def register(sub) -> None:
 
 def cmd_serve(args) -> int:
     # scheduled runs are incremental unless --full (a later --set may still override it); a bad config is one line
-    cfg = load_config(args.config, ([] if args.full else ["collect.incremental=true"]) + (args.set or []))
+    overrides = ([] if args.full else ["collect.incremental=true"]) + (args.set or [])
+    cfg = load_config(args.config, overrides)
     from lifecycle.flows import servers
 
     live = servers.active(cfg.workdir)
@@ -57,15 +66,36 @@ def cmd_serve(args) -> int:
 
     from lifecycle.flows.pipeline import lifecycle_flow
 
+    name = args.name or cfg.name
+    print(serve_message(args.config, name, os.environ["PREFECT_API_URL"]), flush=True)
     lifecycle_flow.serve(
-        name=args.name or cfg.name,
+        name=name,
         schedule=CronSchedule(cron=args.cron, timezone=args.timezone),
-        parameters={"config": cfg.model_dump(mode="json"), "until": args.until},
+        # the YAML's path, not its contents: each run reads it when it starts (cfg above only checks it now)
+        parameters=deployment_parameters(args.config, overrides, args.until),
         global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
-        description=f"lifecycle pipeline {cfg.name} on {args.cron} ({args.timezone}); work dir {cfg.workdir}",
+        description=f"lifecycle pipeline {cfg.name} on {args.cron} ({args.timezone}); work dir {cfg.workdir}; "
+                    f"config read from {Path(args.config).resolve()} at each run",
         tags=["lifecycle"],
+        print_starting_message=False,  # its `prefect deployment run` hint lacks PREFECT_API_URL: ours has it
     )
     return 0
+
+
+def deployment_parameters(config: str, overrides: list[str], until: str | None) -> dict:
+    """The served deployment's parameters: the config file (absolute) and the overrides, read at each run."""
+    return {"config_file": str(Path(config).resolve()), "overrides": overrides, "until": until}
+
+
+def serve_message(config: str, name: str, api_url: str) -> str:
+    """What `serve` prints: that the YAML is read at each run, and a `prefect deployment run` command that works
+    pasted into any shell (it names the server; Prefect's own hint assumes PREFECT_API_URL is exported)."""
+    prefect = Path(sys.executable).parent / "prefect"
+    cmd = f"PREFECT_API_URL={shlex.quote(api_url)} {shlex.quote(str(prefect))} deployment run " \
+          f"{shlex.quote(f'lifecycle/{name}')}"
+    return (f"serving deployment lifecycle/{name}; each run reads {Path(config).resolve()} when it starts (edits apply "
+            f"to the next run; --set, --until and --cron are fixed until serve restarts)\n"
+            f"start a run now with:\n  {cmd}")
 
 
 ZOMBIE_AUTOMATION = "lifecycle-zombie-runs"

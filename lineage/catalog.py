@@ -28,15 +28,18 @@ the catalog's own Parquet files, so `lifecycle sql` cannot read, list, attach or
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from lifecycle.core.dataset import MANIFEST
-
-from lifecycle.core.fs import sha256_file
+from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.core.paths import resolve_within
 from lifecycle.tasks.stages import DOCUMENT_STAGES
 
@@ -50,32 +53,17 @@ def inside(workdir: str | Path, path: str | Path, what: str) -> Path:
     return resolve_within(path, [workdir], f"{what} is not inside the work dir")
 
 
-def manifests(workdir: str | Path) -> list[tuple[Path, dict]]:
-    out = []
-    for mp in sorted(Path(workdir).glob(f"datasets/*/*/{MANIFEST}")):
-        mp = inside(workdir, mp, "manifest")
-        try:
-            out.append((mp, json.loads(mp.read_text())))
-        except (OSError, ValueError):
-            continue  # a manifest is written atomically; an unreadable one is not ours to interpret
-    return out
-
-
-def checkpoint_rows(workdir: str | Path) -> list[dict]:
-    rows = []
-    for cfg_path in sorted(Path(workdir).glob("train/*/config.json")):
-        run = json.loads(inside(workdir, cfg_path, "training run config").read_text())
-        for marker in sorted(cfg_path.parent.glob("checkpoints/step_*/COMMITTED.json")):
-            m = json.loads(inside(workdir, marker, "checkpoint marker").read_text())
-            rows.append({"run_dir": str(cfg_path.parent), "step": m["step"], "tag_dir": str(marker.parent),
-                         "token_dataset": run.get("token_dataset"),
-                         "token_dataset_sha256": m.get("dataset_sha256") or run.get("tokens", {}).get("dataset_sha256"),
-                         "tokenizer_sha256": m.get("tokenizer_sha256"), "marker_sha256": sha256_file(marker),
-                         "time": m.get("time")})
-    return rows
+def _checkpoint_row(workdir: str | Path, cfg_path: Path, run: dict, marker: Path) -> dict:
+    m = json.loads(inside(workdir, marker, "checkpoint marker").read_text())
+    return {"run_dir": str(cfg_path.parent), "step": m["step"], "tag_dir": str(marker.parent),
+            "token_dataset": run.get("token_dataset"),
+            "token_dataset_sha256": m.get("dataset_sha256") or run.get("tokens", {}).get("dataset_sha256"),
+            "tokenizer_sha256": m.get("tokenizer_sha256"), "marker_sha256": sha256_file(marker),
+            "time": m.get("time")}
 
 
 def model_rows(tracking_uri: str | None) -> list[dict]:
+    """Every registered model version, read from MLflow (imports it: seconds; `models` caches the answer)."""
     if not tracking_uri:
         return []
     from mlflow import MlflowClient
@@ -97,8 +85,176 @@ def model_rows(tracking_uri: str | None) -> list[dict]:
                          "checkpoint_marker_sha256": t.get("lifecycle.checkpoint_marker_sha256"),
                          "val_bpb": float(t["metric.val_bpb"]) if "metric.val_bpb" in t else None,
                          "promotion": t.get("lifecycle.promotion.decision"),
-                         "created": mv.creation_timestamp})
+                         "created": mv.creation_timestamp,
+                         "source": mv.source, "description": mv.description, "tags": json.dumps(dict(t))})
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# the persisted catalog: <workdir>/catalog/ (index.json and one Parquet file per table), built once, then updated with what changed
+
+
+CATALOG = "catalog"  # <workdir>/catalog/: index.json (what was read, and its rows), one Parquet file per table
+CATALOG_VERSION = 1
+VIEWS = ("rejected", "kept", "tokens", "signatures")
+S, I = pa.string(), pa.int64()
+TABLES = {  # catalog table -> its columns
+    "datasets": {"stage": S, "fingerprint": S, "sha256": S, "num_rows": I, "num_rejected": I, "created_at": S,
+                 "code_version": S, "path": S, "manifest": S, "config": S, "rows_in": I, "rows_kept": I,
+                 "rows_rejected": I, "bytes_in": I, "bytes_out": I},
+    "parents": {"dataset_sha256": S, "manifest": S, "parent_sha256": S, "parent_manifest": S, "parent_stage": S},
+    "raw_inputs": {"dataset_sha256": S, "path": S, "sha256": S, "bytes": I},
+    "drops": {"dataset_sha256": S, "stage": S, "created_at": S, "reason": S, "n": I},
+    "checkpoints": {"run_dir": S, "step": I, "tag_dir": S, "token_dataset": S, "token_dataset_sha256": S,
+                    "tokenizer_sha256": S, "marker_sha256": S, "time": S},
+    "models": {"name": S, "version": I, "aliases": S, "run_id": S, "package_sha256": S, "package_manifest": S,
+               "tokenize_sha256": S, "checkpoint_dir": S, "checkpoint_marker_sha256": S, "val_bpb": pa.float64(),
+               "promotion": S, "created": I},
+}
+_scratch: list = []  # temporary folders holding the tables of a work dir this process cannot write to
+
+
+def _stamp(path: Path) -> list:
+    """What changes when a file is replaced, moved behind a symlink or rewritten: real path, inode, size, mtime."""
+    st = path.stat()
+    return [os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _dataset_entry(workdir: Path, mp: Path, m: dict) -> dict:
+    """One committed manifest's rows for the catalog tables, and the files of its views."""
+    d, st = mp.parent, m.get("stats") or {}
+    listed = lambda kind: [str(inside(workdir, d / f["path"], f"{mp}: file")) for f in m.get(kind, [])]
+    files = {v: [] for v in VIEWS}
+    files["rejected"] = listed("rejected")
+    if m["stage"] in DOC_STAGES:
+        files["kept"] = listed("files")
+    elif m["stage"] == "tokenize":
+        files["tokens"] = listed("files")
+    elif m["stage"] == SIG_STAGE:
+        files["signatures"] = listed("files")
+    if m["stage"] == "dedup":
+        files["signatures"] += [p for p in listed("extra") if p.endswith("/" + INDEX_FILE)]
+    return {
+        "dataset": {"stage": m["stage"], "fingerprint": m["fingerprint"], "sha256": m["sha256"],
+                    "num_rows": m["num_rows"], "num_rejected": m.get("num_rejected", 0),
+                    "created_at": m.get("created_at"), "code_version": m.get("code_version"), "path": str(d),
+                    "manifest": str(mp), "config": json.dumps(m.get("config")),
+                    **{k: st.get(k) for k in ("rows_in", "rows_kept", "rows_rejected", "bytes_in", "bytes_out")}},
+        "parents": [{"dataset_sha256": m["sha256"], "manifest": str(mp), "parent_sha256": p["sha256"],
+                     "parent_manifest": p["manifest"], "parent_stage": p["stage"]} for p in m.get("parents", [])],
+        "raw_inputs": [{"dataset_sha256": m["sha256"], **r} for r in m.get("inputs", [])],
+        "drops": [{"dataset_sha256": m["sha256"], "stage": m["stage"], "created_at": m.get("created_at"),
+                   "reason": k, "n": v} for k, v in st.get("rejected_by_reason", {}).items()],
+        "files": files,
+    }
+
+
+def registry_stamp(tracking_uri: str | None) -> str | None:
+    """A digest of a SQLite store's model registry (versions, their tags, aliases), read with sqlite3 in
+    milliseconds, so that a catalog knows when its `models` rows are stale without importing MLflow. None when
+    it cannot be read that way (a server URI, a schema this does not know): then the registry is asked."""
+    from lifecycle.lineage.tracking import sqlite_path
+
+    db = sqlite_path(tracking_uri) if tracking_uri else None
+    if db is None or not db.is_file():
+        return None
+    h = hashlib.sha256()
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as con:
+            for table in ("registered_models", "model_versions", "model_version_tags", "registered_model_aliases"):
+                h.update(table.encode())
+                for row in con.execute(f"SELECT * FROM {table} ORDER BY 1, 2"):
+                    h.update(repr(row).encode())
+    except sqlite3.Error:
+        return None
+    return h.hexdigest()
+
+
+def models(tracking_uri: str | None, saved: dict | None = None) -> dict:
+    """{"uri", "stamp", "rows"}: `saved` when the registry has not changed since, else read from MLflow."""
+    stamp = registry_stamp(tracking_uri)
+    if saved and stamp is not None and saved.get("uri") == tracking_uri and saved.get("stamp") == stamp:
+        return saved
+    return {"uri": tracking_uri, "stamp": stamp, "rows": model_rows(tracking_uri)}
+
+
+def update(workdir: str | Path, tracking_uri: str | None = None, with_models: bool = True) -> dict:
+    """The work dir's catalog, brought up to date and saved in `<workdir>/catalog/`: a manifest or checkpoint
+    marker already in it (same real path, inode, size and mtime) is not read again, and the model registry is
+    read only when its digest changed. The flow calls this after each commit and after registering a model, so an
+    audit command finds it current; anything committed otherwise (a stage run by hand) is picked up here."""
+    workdir = Path(workdir).expanduser().resolve()
+    if not (workdir / "datasets").is_dir():
+        raise FileNotFoundError(f"{workdir} has no datasets/ directory: not a lifecycle work dir")
+    path = workdir / CATALOG / "index.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    if old.get("version") != CATALOG_VERSION or old.get("workdir") != str(workdir):
+        old = {}
+    old_ds, old_ck = old.get("datasets", {}), old.get("checkpoints", {})
+    datasets, checkpoints = {}, {}
+    for mp in sorted(workdir.glob(f"datasets/*/*/{MANIFEST}")):
+        mp = inside(workdir, mp, "manifest")
+        stamp = _stamp(mp)
+        if mp.as_posix() in old_ds and old_ds[mp.as_posix()]["stamp"] == stamp:
+            datasets[mp.as_posix()] = old_ds[mp.as_posix()]
+            continue
+        try:
+            m = json.loads(mp.read_text())
+        except (OSError, ValueError):
+            continue  # a manifest is written atomically; an unreadable one is not ours to interpret
+        datasets[mp.as_posix()] = {"stamp": stamp, **_dataset_entry(workdir, mp, m)}
+    for cfg_path in sorted(workdir.glob("train/*/config.json")):
+        cfg_path = inside(workdir, cfg_path, "training run config")
+        run = None
+        for marker in sorted(cfg_path.parent.glob("checkpoints/step_*/COMMITTED.json")):
+            stamp = _stamp(marker) + _stamp(cfg_path)
+            if marker.as_posix() in old_ck and old_ck[marker.as_posix()]["stamp"] == stamp:
+                checkpoints[marker.as_posix()] = old_ck[marker.as_posix()]
+                continue
+            run = run if run is not None else json.loads(cfg_path.read_text())
+            checkpoints[marker.as_posix()] = {"stamp": stamp, "row": _checkpoint_row(workdir, cfg_path, run, marker)}
+    new = {"version": CATALOG_VERSION, "workdir": str(workdir), "datasets": datasets, "checkpoints": checkpoints,
+           "index_parts": [str(inside(workdir, p, "dedup index part"))
+                           for p in sorted(workdir.glob("dedup-index/*/part-*.parquet"))],
+           "models": old.get("models") or {}}
+    uri = tracking_uri or default_tracking_uri(workdir)
+    if with_models:
+        new["models"] = models(uri, old.get("models"))
+    new["tables"] = {t: str(path.parent / f"{t}.parquet") for t in TABLES}
+    if new != old or not all(Path(p).is_file() for p in new["tables"].values()):
+        try:
+            inside(workdir, path.parent, "catalog directory").mkdir(exist_ok=True)
+            _write_tables(new, path.parent)
+            atomic_write_json(inside(workdir, path, "catalog index"), new)  # last: the tables are in place
+        except OSError:  # a read-only work dir: this answer's tables go to a temporary folder
+            import tempfile
+
+            _scratch.append(tempfile.TemporaryDirectory(prefix="lifecycle-catalog-"))
+            new["tables"] = {t: str(Path(_scratch[-1].name) / f"{t}.parquet") for t in TABLES}
+            new["scratch"] = True
+            _write_tables(new, Path(_scratch[-1].name))
+    return new
+
+
+def _write_tables(state: dict, folder: Path) -> None:
+    """The catalog's tables as Parquet files, so that a query reads them with DuckDB alone (registering Python
+    objects with DuckDB imports pandas: a second or more per call)."""
+    import pyarrow.parquet as pq
+
+    entries = list(state["datasets"].values())
+    rows = {"datasets": [e["dataset"] for e in entries],
+            "parents": [r for e in entries for r in e["parents"]],
+            "raw_inputs": [r for e in entries for r in e["raw_inputs"]],
+            "drops": [r for e in entries for r in e["drops"]],
+            "checkpoints": [c["row"] for c in state["checkpoints"].values()],
+            "models": state["models"].get("rows", [])}
+    for name, columns in TABLES.items():
+        buf = pa.BufferOutputStream()
+        pq.write_table(_table(rows[name], columns), buf)
+        atomic_write_bytes(folder / f"{name}.parquet", buf.getvalue().to_pybytes())
 
 
 def _table(rows: list[dict], columns: dict[str, pa.DataType]) -> pa.Table:
@@ -132,70 +288,45 @@ def lock_down(con, readable: list[str]) -> None:
 
 
 def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: bool = True):
-    """An in-memory DuckDB connection with the catalog's tables and views registered."""
+    """An in-memory DuckDB connection with the catalog's tables and views (from `update`), locked down."""
     import duckdb
 
     workdir = Path(workdir).expanduser().resolve()
     if not (workdir / "datasets").is_dir():
         raise FileNotFoundError(f"{workdir} has no datasets/ directory: not a lifecycle work dir")
     tracking_uri_inside(workdir, tracking_uri)
+    state = update(workdir, tracking_uri, with_models)
+    files: dict[str, list[str]] = {v: [] for v in VIEWS}
+    for e in state["datasets"].values():  # checked again: the index is a file in the work dir like any other
+        for view, paths in e["files"].items():
+            files[view] += [str(inside(workdir, p, f"{e['dataset']['manifest']}: file")) for p in paths]
+    files["signatures"] += [str(inside(workdir, p, "dedup index part")) for p in state["index_parts"]]
+    tables = state["tables"] if state.get("scratch") else \
+        {t: str(inside(workdir, p, "catalog table")) for t, p in state["tables"].items()}
     con = duckdb.connect()
-    ds_rows, parent_rows, raw_rows, drop_rows = [], [], [], []
-    files: dict[str, list[str]] = {"rejected": [], "kept": [], "tokens": [], "signatures": []}
-    for mp, m in manifests(workdir):
-        d, st = mp.parent, m.get("stats") or {}
-        ds_rows.append({"stage": m["stage"], "fingerprint": m["fingerprint"], "sha256": m["sha256"],
-                        "num_rows": m["num_rows"], "num_rejected": m.get("num_rejected", 0),
-                        "created_at": m.get("created_at"), "code_version": m.get("code_version"), "path": str(d),
-                        "manifest": str(mp), "config": json.dumps(m.get("config")),
-                        **{k: st.get(k) for k in ("rows_in", "rows_kept", "rows_rejected", "bytes_in", "bytes_out")}})
-        parent_rows += [{"dataset_sha256": m["sha256"], "manifest": str(mp), "parent_sha256": p["sha256"],
-                         "parent_manifest": p["manifest"], "parent_stage": p["stage"]} for p in m.get("parents", [])]
-        raw_rows += [{"dataset_sha256": m["sha256"], **r} for r in m.get("inputs", [])]
-        drop_rows += [{"dataset_sha256": m["sha256"], "stage": m["stage"], "created_at": m.get("created_at"),
-                       "reason": k, "n": v} for k, v in st.get("rejected_by_reason", {}).items()]
-        listed = lambda kind: [str(inside(workdir, d / f["path"], f"{mp}: file")) for f in m.get(kind, [])]
-        files["rejected"] += listed("rejected")
-        if m["stage"] in DOC_STAGES:
-            files["kept"] += listed("files")
-        elif m["stage"] == "tokenize":
-            files["tokens"] += listed("files")
-        elif m["stage"] == SIG_STAGE:
-            files["signatures"] += listed("files")
-        if m["stage"] == "dedup":
-            files["signatures"] += [p for p in listed("extra") if p.endswith("/" + INDEX_FILE)]
-    files["signatures"] += [str(inside(workdir, p, "dedup index part"))
-                            for p in sorted(workdir.glob("dedup-index/*/part-*.parquet"))]
-    s, i = pa.string(), pa.int64()
-    con.register("datasets", _table(ds_rows, {"stage": s, "fingerprint": s, "sha256": s, "num_rows": i,
-                                              "num_rejected": i, "created_at": s, "code_version": s, "path": s,
-                                              "manifest": s, "config": s, "rows_in": i, "rows_kept": i,
-                                              "rows_rejected": i, "bytes_in": i, "bytes_out": i}))
-    con.register("parents", _table(parent_rows, {"dataset_sha256": s, "manifest": s, "parent_sha256": s,
-                                                 "parent_manifest": s, "parent_stage": s}))
-    con.register("raw_inputs", _table(raw_rows, {"dataset_sha256": s, "path": s, "sha256": s, "bytes": i}))
-    con.register("drops", _table(drop_rows, {"dataset_sha256": s, "stage": s, "created_at": s, "reason": s, "n": i}))
-    con.register("checkpoints", _table(checkpoint_rows(workdir), {
-        "run_dir": s, "step": i, "tag_dir": s, "token_dataset": s, "token_dataset_sha256": s,
-        "tokenizer_sha256": s, "marker_sha256": s, "time": s}))
-    models = model_rows(tracking_uri or default_tracking_uri(workdir)) if with_models else []
-    con.register("models", _table(models, {"name": s, "version": i, "aliases": s, "run_id": s,
-                                           "package_sha256": s, "package_manifest": s, "tokenize_sha256": s,
-                                           "checkpoint_dir": s, "checkpoint_marker_sha256": s,
-                                           "val_bpb": pa.float64(), "promotion": s, "created": i}))
+    for name, path in tables.items():
+        if name == "models" and not with_models:
+            cols = ", ".join(f"NULL::{'BIGINT' if t == I else 'DOUBLE' if t == pa.float64() else 'VARCHAR'} AS {c}"
+                             for c, t in TABLES["models"].items())
+            con.execute(f"CREATE VIEW models AS SELECT {cols} WHERE false")
+        else:
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({_quote(path)})")
     fallback = {"rejected": "doc_id, source_id, stage, reason, detail",
                 "kept": "doc_id, source_id", "signatures": "doc_id", "tokens": "doc_id, source_id, split, shard, token_start, token_end"}
     for view, paths in files.items():
         if paths:
-            lst = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
             con.execute(f"CREATE VIEW {view} AS SELECT * EXCLUDE (filename), "
                         f"regexp_replace(filename, '(/shard-[0-9]+)?/[^/]*$', '') AS dataset_path "
-                        f"FROM read_parquet([{lst}], union_by_name=true, filename=true)")
+                        f"FROM read_parquet([{', '.join(map(_quote, paths))}], union_by_name=true, filename=true)")
         else:  # an empty view with the shared columns, so queries still bind
             cols = ", ".join(f"NULL::VARCHAR AS {c}" for c in fallback[view].split(", "))
             con.execute(f"CREATE VIEW {view} AS SELECT {cols}, NULL::VARCHAR AS dataset_path WHERE false")
-    lock_down(con, [p for paths in files.values() for p in paths])
+    lock_down(con, [p for paths in files.values() for p in paths] + list(tables.values()))
     return con
+
+
+def _quote(path: str) -> str:
+    return "'" + path.replace("'", "''") + "'"
 
 
 def query(con, sql: str, params: list[Any] | None = None) -> list[dict]:

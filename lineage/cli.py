@@ -44,40 +44,48 @@ def _uri(args) -> str | None:
     return cat.tracking_uri_inside(wd, args.tracking_uri) or cat.default_tracking_uri(wd)
 
 
-def _client(args):
-    from mlflow import MlflowClient
-
+def _models(args) -> list[dict]:
+    """The registered model versions, from the work dir's catalog (MLflow is read only when its registry changed)."""
+    wd = _workdir(args)
     uri = _uri(args)
     if uri is None:
         raise LookupError(f"{args.workdir} has no mlflow.db; pass --tracking-uri")
     open_server(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    if not (wd / "datasets").is_dir():  # a registry without datasets: nothing to catalogue but the models
+        return cat.models(uri)["rows"]
+    return cat.update(wd, uri)["models"]["rows"]
 
 
 # --------------------------------------------------------------------------------------------------
 # lineage model
 
 
-def resolve_version(client, spec: str):
-    """NAME (latest version), NAME/VERSION or NAME@ALIAS -> ModelVersion."""
+def resolve_version(versions: list[dict], spec: str) -> dict:
+    """NAME (latest version), NAME/VERSION or NAME@ALIAS -> that version's catalog row."""
     if "@" in spec:
         name, alias = spec.split("@", 1)
-        return client.get_model_version_by_alias(name, alias)
+        found = [v for v in versions if v["name"] == name and alias in (v["aliases"] or "").split(",")]
+        if not found:
+            raise LookupError(f"registered model {name!r} has no alias {alias!r}")
+        return found[0]
     if "/" in spec:
         name, version = spec.rsplit("/", 1)
-        return client.get_model_version(name, version)
-    versions = client.search_model_versions(f"name = '{spec}'")
-    if not versions:
+        found = [v for v in versions if v["name"] == name and str(v["version"]) == version]
+        if not found:
+            raise LookupError(f"registered model {name!r} has no version {version!r}")
+        return found[0]
+    found = [v for v in versions if v["name"] == spec]
+    if not found:
         raise LookupError(f"no registered model named {spec!r}")
-    return max(versions, key=lambda v: int(v.version))
+    return max(found, key=lambda v: int(v["version"]))
 
 
-def model_lineage(client, spec: str, workdir: str | Path) -> dict:
+def model_lineage(versions: list[dict], spec: str, workdir: str | Path) -> dict:
     """The version's chain, read from its package's lineage.json and the manifests it names, all of which must
     lie in `workdir` (the registry's tags name them; a tag pointing elsewhere is refused)."""
-    mv = resolve_version(client, spec)
-    t = mv.tags
-    manifest = t.get("lifecycle.model_package_manifest") or (mv.description or "").removeprefix("lineage: ").strip()
+    mv = resolve_version(versions, spec)
+    t = json.loads(mv["tags"])
+    manifest = t.get("lifecycle.model_package_manifest") or (mv["description"] or "").removeprefix("lineage: ").strip()
     pkg = Path(manifest).parent
     lineage = json.loads(cat.inside(workdir, pkg / "lineage.json", "model package lineage").read_text())
     chain = []
@@ -90,8 +98,9 @@ def model_lineage(client, spec: str, workdir: str | Path) -> dict:
                       "raw_inputs": m.get("inputs", []),
                       **({"tokenizer_sha256": m["tokenizer_sha256"]} if "tokenizer_sha256" in m else {})})
     return {
-        "model": {"name": mv.name, "version": str(mv.version), "aliases": list(mv.aliases or []), "run_id": mv.run_id,
-                  "source": mv.source},
+        "model": {"name": mv["name"], "version": str(mv["version"]),
+                  "aliases": [a for a in (mv["aliases"] or "").split(",") if a], "run_id": mv["run_id"],
+                  "source": mv["source"]},
         "checkpoint": {"dir": lineage["checkpoint_dir"], "step": lineage.get("checkpoint_step"),
                        "marker_sha256": lineage["checkpoint_marker_sha256"], "package_manifest": manifest,
                        "package_sha256": t.get("lifecycle.model_package_sha256")},
@@ -269,8 +278,8 @@ def _fail(args, e: Exception) -> int:
 
 def cmd_model(args) -> int:
     try:
-        return _emit(args, model_lineage(_client(args), args.spec, _workdir(args)), print_model)
-    except Exception as e:  # unknown model/version/alias: MlflowException, LookupError; PathEscape
+        return _emit(args, model_lineage(_models(args), args.spec, _workdir(args)), print_model)
+    except Exception as e:  # unknown model/version/alias (LookupError), PathEscape, an MLflow error
         return _fail(args, e)
 
 

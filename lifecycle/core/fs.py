@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob as _glob
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -51,7 +52,10 @@ def open_bytes(path: str | Path) -> BinaryIO:
     if not is_url(str(path)):
         return open(path, "rb")
     fs, p = _fs(path)
-    return fs.open(p, "rb")
+    f = fs.open(p, "rb")
+    # s3fs/gcsfs files (fsspec's AbstractBufferedFile) have no `readline(size)`, which the line readers need to
+    # bound a line; a BufferedReader over them has it (memory:// files are BytesIO and have it already)
+    return f if isinstance(f, io.BufferedIOBase) else io.BufferedReader(f, buffer_size=1 << 20)
 
 
 def size(path: str) -> int:

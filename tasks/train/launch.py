@@ -1,4 +1,4 @@
-"""Train task: write a launch config, run `deepspeed --module lifecycle.tasks.train.trainer` on CPU ranks, supervise it.
+"""Train task: write a launch config, start DeepSpeed's launcher with `--module lifecycle.tasks.train.trainer` on CPU ranks, supervise it.
 
 One run directory `<workdir>/train/<fingerprint[:20]>/` per trajectory: config.json (read by every rank),
 ds_config.json, train.log (appended per launch), metrics.jsonl (rank 0), checkpoints/step_<8 digits>/.
@@ -15,6 +15,7 @@ No torch here (the CLI imports this module for its config): the ranks import it.
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import json
 import logging
@@ -138,6 +139,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
 
     `on_metrics(record)` is called from this process for each new metrics record while the ranks run.
     `init_weights`: a consolidated `model.safetensors` to start from instead of a fresh initialisation."""
+    timing = {"stage_start": time.time()}  # with the ranks' launch-timing-rank<r>.json: bench/launch_overhead.py
     meta = token_shards(tokens)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
@@ -179,17 +181,16 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                                            "token_dataset": tokens.path, "init_weights": init_weights,
                                            "memory_tier": str(tier) if tier is not None else None, **init})
         port = cfg.launch.master_port or free_port()
-        launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
-        if launcher is None:
-            raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
         threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.batch.num_ranks)
-        cmd = [launcher, *launch_args(cfg, port, run_dir, threads), "--module", "--no_local_rank",
+        cmd = [*launcher_cmd(cfg, port, run_dir, threads), "--module", "--no_local_rank",
                "lifecycle.tasks.train.trainer", "--config", str(config_path)]
         # the ranks watch this process (pid + start time) and die with it: see lifecycle.core.procs.watch_parent_run
         env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()), "LIFECYCLE_SUPERVISOR_START": str(start_time(os.getpid()))}
         tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
+        timing["supervisor_setup"] = time.time()
         prebuild_shm_op(cfg.engine.accelerator, env)  # no rank waits on a stale build lock, nor races a build
+        timing["op_build_check"] = time.time()
         owner = Ownership(port)
         owner.claim()  # and release the buffers of supervisors that died before they could
         beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
@@ -198,8 +199,10 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             log.flush()
             # its own session: a ^C or a SIGTERM to our group reaches only us, and we stop the ranks (below);
             # SIGKILL when we die, however we die
+            timing["launcher_popen"] = time.time()
             proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=die_with_parent)
+            fs.atomic_write_json(run_dir / "launch-timing.json", timing)
             start = time.monotonic()
             try:
                 while proc.poll() is None:
@@ -279,6 +282,21 @@ def select_hosts(hosts: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
         left = {h: hosts[h] - (drop[h] or hosts[h]) if h in drop else hosts[h] for h in hosts}
         return {h: n for h, n in left.items() if n > 0}
     return dict(list(hosts.items())[: cfg.num_nodes or len(hosts)])
+
+
+def launcher_cmd(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:
+    """The DeepSpeed launcher command before the module. Ranks on this machine only (no hostfile): DeepSpeed's
+    per-node launcher, `python -m deepspeed.launcher.launch`, with the world info the `deepspeed` runner would
+    give it; the runner itself would only compute that, after importing torch and DeepSpeed once more (a third of
+    the launch overhead on a loaded 2-core machine: bench/launch_overhead.py). With a hostfile: the runner."""
+    if cfg.launch.hostfile is None:
+        world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(cfg.batch.num_ranks))}).encode()).decode()
+        return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+                "--master_addr=127.0.0.1", f"--master_port={port}"]
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+    if launcher is None:
+        raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
+    return [launcher, *launch_args(cfg, port, run_dir, threads)]
 
 
 def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:

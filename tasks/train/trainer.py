@@ -40,6 +40,15 @@ from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.supervise import write_heartbeat
 
+# This rank's launch timeline, (phase, time it ended), written after the first step to
+# <run_dir>/launch-timing-rank<r>.json (bench/launch_overhead.py reads it).
+LAUNCH = [("interpreter ready", T_START), ("imports", time.time())]
+OP_LOAD: list[float] = []  # start and end of loading DeepSpeed's CPU shm op (inside the process group init)
+
+
+def phase(name: str) -> None:
+    LAUNCH.append((name, time.time()))
+
 
 def ds_config(cfg: TrainConfig) -> dict:
     """DeepSpeed config. The optimizer (torch AdamW) and the LambdaLR schedule are built in `Trainer`."""
@@ -225,8 +234,10 @@ class Trainer:
         if self.world != cfg.batch.num_ranks:
             raise RuntimeError(f"launched with {self.world} ranks but train.batch.num_ranks={cfg.batch.num_ranks}")
         self.engine, self.scheduler = self._build_engine()
+        phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
         self.peak = cfg.logging.peak_flops_per_rank or measure_peak_flops(self.device, dtype=dtype)
+        phase("peak FLOPS probe")
         self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say,
                                               tier=launch.get("memory_tier"))
         torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
@@ -245,10 +256,12 @@ class Trainer:
         self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.first = self.step  # the first step of this launch is always logged
         self.window_start, self.window_steps = time.perf_counter(), 0  # the steps the next train record averages
+        phase("checkpointer and restore")
         self.loader = self.batches()
         self.recent: list[float] = []  # healthy losses for the spike test
         self.rollbacks = 0
         self.beat()
+        phase("data loader start")
 
     def beat(self, step_time: float | None = None) -> None:
         """This rank's heartbeat for the supervisor's stall watchdog (lifecycle.tasks.train.supervise.Heartbeats)."""
@@ -263,12 +276,26 @@ class Trainer:
     # set-up
 
     def _init_distributed(self) -> tuple[torch.device, str]:
+        import importlib
+
         import deepspeed
 
+        ds_comm = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` gives torch itself here
+        phase("import deepspeed")
+        build = ds_comm.build_shm_op
+
+        def timed_build():  # DeepSpeed loads its CPU comm op while it creates the process group: time it apart
+            OP_LOAD.append(time.time())
+            op = build()
+            OP_LOAD.append(time.time())
+            return op
+
+        ds_comm.build_shm_op = timed_build
         stub_muon()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device, backend = select_device(self.cfg)
         deepspeed.init_distributed(dist_backend=backend)
+        phase("process group init")
         return device, backend
 
     def _build_engine(self):
@@ -333,6 +360,12 @@ class Trainer:
             return
         self.recent = (self.recent + [loss])[-self.cfg.guard.spike_window:]
         self.step += 1
+        if self.step == self.first + 1:
+            phase("first step")
+            import psutil
+
+            atomic_write_json(self.run_dir / f"launch-timing-rank{self.rank}.json", {
+                "process_created": psutil.Process().create_time(), "phases": LAUNCH, "op_load": OP_LOAD})
         self.elapsed += time.perf_counter() - t0
         if self.step > self.first + 1:  # the launch's first step warms up
             self.schedule.step_time(time.perf_counter() - t0)
@@ -354,6 +387,8 @@ class Trainer:
         loss_sum = 0.0
         for micro in range(self.cfg.batch.grad_accum):
             x, y = (t.to(self.device, non_blocking=True) for t in self.loader.get((self.step, dstep, micro)))
+            if self.step == self.first and micro == 0:
+                phase("first batch")
             _, loss = self.engine(x, y)
             if dstep in self.faults:
                 loss = loss * float("nan")

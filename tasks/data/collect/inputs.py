@@ -103,3 +103,15 @@ def walk_glob(pattern: str) -> list[str]:
                     found.append(full)
         # symlinks to files appear in filenames; broken ones are skipped by isfile, as glob's is_file filter does
     return sorted(found)
+
+
+def remote_problem(pattern: str, e: Exception) -> str:
+    """One line for a remote pattern that could not be listed (no credentials, a wrong endpoint, no bucket),
+    naming the pattern and, for s3://, where the client reads its settings from."""
+    hint = ""
+    if pattern.startswith(("s3://", "s3a://")):
+        hint = (" (s3 credentials come from the environment: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                "AWS_PROFILE; an S3-compatible server's URL from AWS_ENDPOINT_URL)")
+    detail = " ".join(str(e).split()) or type(e).__name__
+    return f"collect.inputs: cannot list {shown(pattern)!r}: {type(e).__name__}: {detail}{hint}"
+

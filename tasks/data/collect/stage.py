@@ -54,8 +54,7 @@ from lifecycle.core.fs import atomic_write_bytes
 from lifecycle.core.fs import is_remote, is_url
 from lifecycle.core.paths import confine_matches
 from lifecycle.core import fs
-from lifecycle.tasks.data.collect import extract
-from lifecycle.tasks.data.collect.inputs import path_bytes, raw_name, shown, walk_glob
+from lifecycle.tasks.data.collect.inputs import path_bytes, raw_name, remote_problem, shown, walk_glob
 
 STAGE = "collect"
 KNOWN_FIELDS = ("id", "text", "source", "url")
@@ -159,7 +158,12 @@ def match_inputs(patterns: list[str]) -> list[str]:
     seen: set = set()
     for pattern in patterns:
         local = not is_url(pattern)
-        matched = walk_glob(pattern) if local and "**" in pattern else fs.glob_files(pattern)
+        try:
+            matched = walk_glob(pattern) if local and "**" in pattern else fs.glob_files(pattern)
+        except Exception as e:
+            if not is_remote(pattern):
+                raise
+            raise InputError(remote_problem(pattern, e)) from e
         if not matched:
             raise InputError(f"collect.inputs: pattern {shown(pattern)!r} matches no file")
         if not is_remote(pattern):  # local (file:// too): no symlink or `..` leads out of the pattern's dir
@@ -385,12 +389,19 @@ def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
     yield ("ok", _record({"text": text}, name, name))
 
 
+def _extract():
+    """HTML/WARC extraction (trafilatura, warcio: most of a second to import), loaded when such a file is read."""
+    from lifecycle.tasks.data.collect import extract
+
+    return extract
+
+
 READERS = {
     "jsonl": read_jsonl,
     "parquet": read_parquet,
     "txt": read_txt,
-    "html": lambda path, cfg: extract.read_html(path, cfg.max_doc_bytes),
-    "warc": lambda path, cfg: extract.read_warc(path, cfg.max_doc_bytes),
+    "html": lambda path, cfg: _extract().read_html(path, cfg.max_doc_bytes),
+    "warc": lambda path, cfg: _extract().read_warc(path, cfg.max_doc_bytes),
 }
 
 

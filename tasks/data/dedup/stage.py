@@ -54,7 +54,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from datasketch import LeanMinHash, MinHash
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.code import code_version
@@ -63,7 +62,6 @@ from lifecycle.core.dataset import (
 )
 from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
-from lifecycle.tasks.data.dedup import minhash as minhash_module
 
 STAGE = "dedup"
 SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
@@ -108,6 +106,8 @@ def shingles(text: str, n: int) -> set[bytes]:
 def signature(sh: set[bytes], cfg: DedupConfig) -> LeanMinHash:
     """datasketch's own per-document signature (SHA-1 shingle hashes): the reference the benchmark compares
     against. The stage itself uses `lifecycle.tasks.data.dedup.minhash.signatures`."""
+    from datasketch import LeanMinHash, MinHash  # here, not at the top: datasketch imports scipy (seconds)
+
     m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
     if sh:
         m.update_batch(list(sh))
@@ -151,6 +151,8 @@ _EXACT_HASH = r"md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g'))"  # lowe
 def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStats:
     """One signature file per parent file, rows in the parent's order: doc_id, source_id, exact_hash and,
     with `minhash`, the MinHash signature and its LSH band keys (`lifecycle.tasks.data.dedup.minhash`, one numba kernel)."""
+    from lifecycle.tasks.data.dedup import minhash as minhash_module  # numba: only where signatures are computed
+
     stats = StageStats()
     con = duckdb.connect()
     try:
@@ -216,10 +218,13 @@ class Index:
         return f"kept by an earlier run: datasets/{STAGE}/{self.parts[part]['dataset'][:20]}"
 
 
+MINHASH_SOURCE = Path(__file__).with_name("minhash.py")  # the signature code (not imported here: numba)
+
+
 def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
     """One index per signature-compatible configuration (shingles, permutations, banding, signature code)."""
     key = sha256_json({"ngram": cfg.ngram, "bands": cfg.bands, "rows": cfg.rows, "seed": cfg.seed,
-                       "minhash": hashlib.sha256(Path(minhash_module.__file__).read_bytes()).hexdigest()})
+                       "minhash": hashlib.sha256(MINHASH_SOURCE.read_bytes()).hexdigest()})
     return Path(workdir) / "dedup-index" / key[:16]
 
 

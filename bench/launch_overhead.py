@@ -1,0 +1,117 @@
+"""Train-stage launch overhead on the CPU demo: from the stage's start (`run_train` called) to the end of the first
+optimizer step, and where the time goes.
+
+`python -m bench.launch_overhead [--workdir runs/demo] [--repeat 2]`
+
+Needs a work dir with a committed tokenize dataset (`lifecycle run deploy/configs/demo.yaml --until tokenize`).
+Each round calls `run_train` on it with the demo's train config (2 DeepSpeed CPU ranks, ZeRO-2, fp32) and
+`max_steps=1`, a new seed each round so each is a fresh launch (its run directory in a temporary work dir). The
+supervisor writes `launch-timing.json` and every rank `launch-timing-rank<r>.json` (tasks/train/launch.py,
+tasks/train/trainer.py); phases are reported from rank 0 except the first step, which ends when the slowest rank
+ends it. DeepSpeed's CPU shm op must be built already (the first launch on a machine builds it: 1-2 min, not
+counted here; the "op build check" phase is the check that finds it built). Goal: <= 10 s with the op built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PHASES = [  # (label, what it measures)
+    ("supervisor setup", "token shard metadata, run fingerprint, launch config (stage start -> op check)"),
+    ("op build check", "shm op already built? (stale-lock check under the build lock)"),
+    ("supervisor launch prep", "memory tier, port ownership, heartbeats, launcher command"),
+    ("launcher start", "DeepSpeed's launch.py interpreter (and the deepspeed runner, with a hostfile) until the rank exists"),
+    ("rank interpreter start", "rank process created -> trainer module starts (python, runpy, parent watch)"),
+    ("imports", "torch, numpy and the project's train modules"),
+    ("import deepspeed", "deepspeed (and its accelerator detection)"),
+    ("process group init", "deepspeed.init_distributed over gloo, without the op load"),
+    ("op load", "loading the built shm op (DeepSpeed's JIT loader: ninja check + dlopen)"),
+    ("engine build", "model init, AdamW, deepspeed.initialize (ZeRO-2 partitioning)"),
+    ("peak FLOPS probe", "0.3 s matmul probe for MFU (skipped when logging.peak_flops_per_rank is set)"),
+    ("checkpointer and restore", "checkpointer, restore check (nothing to restore here)"),
+    ("data loader start", "prefetch thread started"),
+    ("first batch", "waiting for the first micro-batch"),
+    ("first step", "forward, backward, optimizer step, loss all-reduce (slowest rank)"),
+]
+
+
+def breakdown(run_dir: Path, world: int) -> dict[str, float]:
+    sup = json.loads((run_dir / "launch-timing.json").read_text())
+    ranks = [json.loads((run_dir / f"launch-timing-rank{r}.json").read_text()) for r in range(world)]
+    r0 = ranks[0]
+    t = dict(r0["phases"])
+    op = r0["op_load"][1] - r0["op_load"][0] if len(r0["op_load"]) == 2 else 0.0
+    first_step_end = max(dict(r["phases"])["first step"] for r in ranks)
+    out = {
+        "supervisor setup": sup["supervisor_setup"] - sup["stage_start"],
+        "op build check": sup["op_build_check"] - sup["supervisor_setup"],
+        "supervisor launch prep": sup["launcher_popen"] - sup["op_build_check"],
+        "launcher start": r0["process_created"] - sup["launcher_popen"],
+        "rank interpreter start": t["interpreter ready"] - r0["process_created"],
+        "imports": t["imports"] - t["interpreter ready"],
+        "import deepspeed": t["import deepspeed"] - t["imports"],
+        "process group init": t["process group init"] - t["import deepspeed"] - op,
+        "op load": op,
+        "engine build": t["engine build"] - t["process group init"],
+        "peak FLOPS probe": t["peak FLOPS probe"] - t["engine build"],
+        "checkpointer and restore": t["checkpointer and restore"] - t["peak FLOPS probe"],
+        "data loader start": t["data loader start"] - t["checkpointer and restore"],
+        "first batch": t["first batch"] - t["data loader start"],
+        "first step": first_step_end - t["first batch"],
+    }
+    out["total"] = first_step_end - sup["stage_start"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="runs/demo", help="work dir holding a committed tokenize dataset")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="train config override (e.g. logging.peak_flops_per_rank=1e11)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from lifecycle.config import load_config, parse_override, set_dotted
+    from lifecycle.core.dataset import DatasetRef
+    from lifecycle.tasks.train.config import TrainConfig
+    from lifecycle.tasks.train.launch import run_train
+
+    manifests = sorted(Path(args.workdir).glob("datasets/tokenize/*/_manifest.json"), key=lambda p: p.stat().st_mtime)
+    if not manifests:
+        raise SystemExit(f"{args.workdir}: no committed tokenize dataset (lifecycle run deploy/configs/demo.yaml "
+                         "--until tokenize)")
+    m = json.loads(manifests[-1].read_text())
+    tokens = DatasetRef(stage="tokenize", path=str(manifests[-1].parent.resolve()), fingerprint=m["fingerprint"],
+                        sha256=m["sha256"], num_rows=m["num_rows"])
+    base = load_config(ROOT / "deploy/configs/demo.yaml").train.model_dump(mode="json")
+    for item in ["max_steps=1", "optimizer.warmup_steps=0", "logging.eval_every=0", *args.set]:
+        set_dotted(base, *parse_override(item))
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="launch-overhead-") as tmp:
+        for i in range(args.repeat):
+            cfg = TrainConfig.model_validate({**base, "seed": 1000 + i})
+            result = run_train(tokens, cfg, tmp)
+            b = breakdown(Path(result.run_dir), cfg.batch.num_ranks)
+            rounds.append(b)
+            print(f"round {i + 1}: stage start -> first step {b['total']:.1f} s", flush=True)
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print(f"\nlaunch overhead, median of {len(rounds)} (seconds; phases of rank 0, first step of the slowest rank)")
+    for name, what in PHASES:
+        print(f"  {name:<26} {med[name]:>6.2f}   {what}")
+    print(f"  {'total':<26} {med['total']:>6.2f}   goal <= 10 s with the op built")
+    out = {"workdir": args.workdir, "rounds": rounds, "median": med, "overrides": args.set}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
