@@ -163,11 +163,11 @@ def test_a_deleted_dataset_is_rebuilt_on_rerun(tmp_path):
 
 
 def test_a_failing_tracking_store_does_not_hide_the_runs_own_error(tmp_path, monkeypatch):
-    """A run fails (its input pattern matches nothing) and marking its MLflow runs FAILED fails too (as on a full
-    disk, found by bench.chaos disk_full): the error the flow raises is the run's own, and the work dir's lock is
-    released. Without the guard in `_pipeline`, the OSError from the store replaced the InputError."""
+    """A stage fails after the MLflow runs are open, and marking them FAILED fails too (as on a full disk, found by
+    bench.chaos disk_full): the error the flow raises is the stage's own, and the work dir's lock is released.
+    Without the guard in `_pipeline`, the OSError from the store replaced the stage's error."""
     from lifecycle.config import load_config
-    from lifecycle.flows.pipeline import lifecycle_flow
+    from lifecycle.flows import pipeline
     from lifecycle.lineage.tracking import Tracker
 
     ends: list[str] = []
@@ -179,11 +179,18 @@ def test_a_failing_tracking_store_does_not_hide_the_runs_own_error(tmp_path, mon
             raise OSError(28, "No space left on device")
         return real_end(self, status)
 
+    class CollectFails(pipeline.StageRunner):
+        def __call__(self, stage, *args, **kw):
+            raise InputError("collect: corpus.jsonl: record 3: `text` is int")
+
     monkeypatch.setattr(Tracker, "end", failing_end)
-    cfg = load_config(None, [f"workdir={tmp_path / 'w'}", f"collect.inputs=[\"{tmp_path}/none/*.jsonl\"]"])
-    with pytest.raises(InputError, match="matches no file"):
-        lifecycle_flow(cfg)
+    monkeypatch.setattr(pipeline, "StageRunner", CollectFails)
+    src = tmp_path / "corpus.jsonl"
+    src.write_text(json.dumps({"text": "one document"}) + "\n")
+    cfg = load_config(None, [f"workdir={tmp_path / 'w'}", f"collect.inputs=[\"{src}\"]"])
+    with pytest.raises(InputError, match="record 3"):
+        pipeline.lifecycle_flow(cfg)
     assert ends == ["FAILED"]
     monkeypatch.setattr(Tracker, "end", real_end)
-    with pytest.raises(InputError):  # the lock was released: a second run fails the same way, not on the lock
-        lifecycle_flow(cfg)
+    with pytest.raises(InputError, match="record 3"):  # the lock was released: the rerun fails the same way
+        pipeline.lifecycle_flow(cfg)
