@@ -519,8 +519,6 @@ def describe_option(o: Option) -> str:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     m, _ = model_from_args(args)
-    if args.params:
-        raise UsageError("plan layout needs --model SHAPE (a preset such as 7b, or n_layer=...,n_embd=...)")
     hw = hardware_from_args(args)
     mem = parse_bytes(args.gpu_memory)
     if args.gpus < 1 or args.global_batch < 1:
