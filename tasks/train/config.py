@@ -336,6 +336,17 @@ class TrainConfig(BaseModel):
     """fixed: `model` as given. auto: keep `model`'s recipe (norm, mlp, pos, seq_len, ...) but pick n_layer,
     n_embd and n_head for the compute-optimal N = D/20 of the token dataset's actual train tokens D
     (lifecycle.tasks.train.sizing; Chinchilla's 20 tokens per parameter)."""
+    layout: Annotated[str, OPERATIONAL] = "fixed"
+    """How the ranks share the work. `fixed`: `batch` and `engine` as given. `auto`: keep the ranks and the global
+    batch, and let the planner (lifecycle.tasks.train.planner) pick the ZeRO stage, the micro-batch (grad_accum
+    follows) and activation checkpointing: the fastest layout its memory and step-time model says fits
+    `layout_memory` per rank; the run logs what it chose and why. `tp=T,pp=P,sp=S` names a layout: the trainer
+    runs data parallelism (ZeRO 0-3) only, so any degree above 1 is refused here. Operational: the fields it
+    resolves to are in the fingerprint."""
+    layout_memory: Annotated[str | None, OPERATIONAL] = None
+    """Memory per rank that `layout: auto` plans for (`8GiB`, `80GB`). Null: on cpu, half of MemAvailable divided
+    by the ranks (the async checkpoint's staging buffers and memory tier take host memory too); on cuda, the
+    GPU's memory (nvidia-smi)."""
     init_from: Annotated[str, Field(pattern=r"^(scratch|champion|hf:.+)$"), OPERATIONAL] = "scratch"
     """`champion`: start from the weights of the registry's champion version (and tokenize with its tokenizer)
     when its architecture equals `model`; otherwise from scratch, and the run says why. `hf:<dir>`: continue
@@ -390,8 +401,30 @@ class TrainConfig(BaseModel):
                              f"config.json; remove or match: " + "; ".join(clash))
         return {**data, "model": base}
 
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, v: str) -> str:
+        if v in ("fixed", "auto"):
+            return v
+        degrees = {}
+        for part in v.split(","):
+            key, _, value = part.partition("=")
+            if key.strip() not in ("tp", "pp", "sp", "dp") or not value.strip().isdigit() or int(value) < 1:
+                raise ValueError(f"must be 'fixed', 'auto' or degrees like 'tp=1,pp=1,sp=1', got {v!r}")
+            degrees[key.strip()] = int(value)
+        names = {"tp": "tensor", "pp": "pipeline", "sp": "sequence"}
+        if above := [f"{k}={n}" for k, n in degrees.items() if k in names and n > 1]:
+            raise ValueError(f"{', '.join(above)}: the trainer runs data parallelism (ZeRO 0-3) only; "
+                             f"{' and '.join(names[a[:2]] for a in above)} parallelism {'are' if len(above) > 1 else 'is'} not "
+                             "trainable yet "
+                             "(`lifecycle plan layout` plans it)")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.batch.num_ranks:
+            raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks "
+                             f"({self.batch.num_ranks}), the data-parallel ranks")
         if self.optimizer.warmup_steps >= self.horizon:
             raise ValueError(f"train.optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below the cosine "
                              f"horizon, train.optimizer.decay_steps or else train.max_steps ({self.horizon})")

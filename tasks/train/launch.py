@@ -83,7 +83,8 @@ def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bo
 
 
 def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple[TrainConfig, dict]:
-    """Fill vocab_size, size the model under `model_size: auto`, and warn about repeated data.
+    """Fill vocab_size, size the model under `model_size: auto`, pick the layout under `layout: auto`, and warn
+    about repeated data.
     Returns the resolved config and the sizing fields of TrainResult."""
     from lifecycle.tasks.train import sizing as plan
 
@@ -95,6 +96,11 @@ def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple
         log.info("model_size=auto: %s train tokens -> N = %.4g -> n_layer=%d n_embd=%d n_head=%d (N = %d)",
                  train_tokens, target, sized.n_layer, sized.n_embd, sized.n_head, plan.non_embedding_params(sized))
         cfg = cfg.model_copy(update={"model": sized})
+    if cfg.layout == "auto":
+        from lifecycle.tasks.train.planner import resolve_layout
+
+        cfg, why = resolve_layout(cfg)
+        log.info("%s", why)
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     epochs = cfg.max_steps * tokens_per_step / max(train_tokens, 1)
     if epochs > cfg.max_epochs:

@@ -1,4 +1,5 @@
-"""Compute-optimal sizing: `lifecycle plan --flops C` or `--tokens D`, and `train.model_size: auto`.
+"""Compute-optimal sizing: `lifecycle plan --flops C` or `--tokens D`, and `train.model_size: auto`
+(`lifecycle plan memory` and `plan layout` are in lifecycle.tasks.train.planner).
 
 Two rules of thumb from the scaling-law literature:
 
@@ -125,6 +126,9 @@ def describe(plan: Plan, m: ModelConfig) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.flops is None and args.tokens is None and args.dataset is None:
+        args.plan_parser.error("one of the arguments --flops --tokens --dataset is required "
+                               "(or a subcommand: memory, layout)")
     tokens = args.tokens
     for name in ("flops", "tokens"):
         if getattr(args, name) is not None and not math.isfinite(getattr(args, name)):
@@ -148,8 +152,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="Compute-optimal model size and token count (C = 6·N·D, D = 20·N).")
-    src = p.add_mutually_exclusive_group(required=True)
+    p = subparsers.add_parser("plan", help="Compute-optimal model size and token count (C = 6·N·D, D = 20·N); "
+                                           "`plan memory` and `plan layout`: memory per rank and the layout search.")
+    src = p.add_mutually_exclusive_group()  # one of them, unless a subcommand is given (checked in cmd_plan)
     src.add_argument("--flops", type=float, help="training compute budget C in FLOPs, e.g. 1e18")
     src.add_argument("--tokens", type=float, help="tokens available D, e.g. 2e9")
     src.add_argument("--dataset", help="a tokenize dataset (directory or _manifest.json): D = its train tokens")
@@ -157,4 +162,8 @@ def register(subparsers) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the model to shape (default 4096)")
     p.add_argument("--seq-len", type=int, default=128, help="context length of the model to shape (default 128)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_plan)
+    p.add_argument("-v", "--verbose", action="store_true", help="on an error, show its traceback")
+    p.set_defaults(func=cmd_plan, plan_parser=p)
+    from lifecycle.tasks.train import planner
+
+    planner.register(p)

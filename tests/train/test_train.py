@@ -118,7 +118,8 @@ def test_run_key_ignores_operational_sections_and_follows_the_others():
 
     fields = TrainConfig.model_fields
     operational = {name for name, f in fields.items() if is_operational(f)}
-    assert operational == {"checkpoint", "logging", "launch", "max_steps", "max_epochs", "init_from"}
+    assert operational == {"checkpoint", "logging", "launch", "max_steps", "max_epochs", "init_from",
+                           "layout", "layout_memory"}  # layout: the fields it resolves to are in the key
     assert set(CFG.run_key()) == set(fields) - operational
     # every field of an operational section may change without changing the run
     changed = {"checkpoint.every": 7, "checkpoint.keep_last": 9, "checkpoint.async_save": False,

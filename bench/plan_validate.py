@@ -1,0 +1,165 @@
+"""The memory planner's prediction against the peak memory of real 2-rank CPU training runs.
+
+`python -m bench.plan_validate` (a few minutes on 2 idle cores). For each layout (ZeRO 0/1/2/3, two
+micro-batch sizes, one with full activation checkpointing) it starts 2 ranks (gloo, one torch thread each) that
+build the project's model, torch AdamW and the DeepSpeed engine as the trainer does
+(`trainer.ds_config`, fp32) and run 2 optimizer steps on random tokens (no data loader, no checkpointing).
+
+What is measured, per rank and layout: the kernel's high-water mark of the resident set (VmHWM, reset with
+`/proc/self/clear_refs`) during the training steps, minus the resident set before the model was built (after the
+previous layout's objects are freed and `malloc_trim` has handed free heap pages back), so the imports, torch
+and DeepSpeed are not counted and every byte the layout holds is: tensors, allocator slack, gloo's buffers.
+glibc is told to map every allocation above 64 KiB on its own (MALLOC_MMAP_THRESHOLD_=65536), so a freed
+tensor's pages leave the resident set at once instead of staying in the heap. `init` is the same high-water
+mark during `deepspeed.initialize` (its one-time flattening and partitioning copies), not what the planner
+predicts (the steady state of training), shown beside it. Pages DeepSpeed reserves but never touches (its 5e8-element gradient bucket on a small model)
+do not count, which is what the planner assumes (`min(Ψ, bucket)`). The table prints the larger of the two
+ranks (they agree within a few MiB) next to `planner.memory(...)` for the same layout, precision fp32,
+fused attention (SDPA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODEL = dict(vocab_size=4096, n_layer=4, n_embd=512, n_head=8, seq_len=256)
+LAYOUTS = [  # (zero, micro_batch, activation checkpointing)
+    (0, 1, False), (0, 4, False), (1, 1, False), (1, 4, False), (2, 1, False), (2, 4, False),
+    (3, 1, False), (3, 4, False), (2, 4, True),
+]
+MiB = 2**20
+
+
+def status_bytes(field: str) -> int:
+    """VmRSS or VmHWM (the high-water mark) of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def settle() -> int:
+    """Free what the last layout left, hand free heap pages back to the kernel, reset the high-water mark
+    (`echo 5 > /proc/self/clear_refs`), and return the resident set size now: the baseline of the next layout."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
+
+
+def worker(steps: int, index: int) -> None:
+    """One rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) of layout LAYOUTS[index]: one JSON line.
+    One layout per process: a second layout in the same process starts from a baseline that still holds pages
+    the first one frees later (DeepSpeed's engine is collected late), which made the deltas meaningless."""
+    import deepspeed
+    import torch
+
+    from lifecycle.tasks.train.config import ModelConfig, TrainConfig
+    from lifecycle.tasks.train.model import GPT
+    from lifecycle.tasks.train.trainer import ds_config, stub_muon
+
+    torch.set_num_threads(1)
+    stub_muon()
+    deepspeed.init_distributed(dist_backend="gloo")
+    for zero, micro, ckpt in LAYOUTS[index:index + 1]:
+        base = settle()
+        cfg = TrainConfig(model=ModelConfig(**MODEL), batch={"micro_batch_size": micro, "grad_accum": 1, "num_ranks": 2},
+                          engine={"zero_stage": zero, "activation_checkpointing": ckpt})
+        torch.manual_seed(cfg.seed)
+        model = GPT(cfg.model)
+        model.activation_checkpointing = ckpt
+        n_params = model.num_params()
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-3)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
+        init_peak = status_bytes("VmHWM")  # DeepSpeed's set-up copies (flattening, partitioning) included
+        settle()  # reset the high-water mark: what follows is the training steps' own peak
+        g = torch.Generator().manual_seed(int(os.environ["RANK"]))
+        t0 = time.time()
+        for _ in range(steps):
+            x = torch.randint(0, MODEL["vocab_size"], (micro, MODEL["seq_len"] + 1), generator=g)
+            _, loss = engine(x[:, :-1], x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+        peak = status_bytes("VmHWM")
+        print(json.dumps({"zero": zero, "micro": micro, "ckpt": ckpt, "rank": int(os.environ["RANK"]), "base": base,
+                          "peak": peak, "delta": peak - base, "init_delta": init_peak - base, "params": n_params,
+                          "step_s": (time.time() - t0) / steps}), flush=True)
+        engine.destroy() if hasattr(engine, "destroy") else None
+        del engine, model, opt, decay, no_decay, loss, x
+
+
+def run_ranks(steps: int, index: int) -> list[dict]:
+    from lifecycle.core.procs import free_port
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "MALLOC_MMAP_THRESHOLD_": "65536"}  # every tensor its own mapping: freed pages leave the RSS at once
+    cmd = [sys.executable, "-m", "bench.plan_validate", "--worker", str(steps), str(index)]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=3000)
+        if p.returncode:
+            raise RuntimeError(f"a rank failed: {stderr[-3000:]}")
+        out += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return out
+
+
+def predict(zero: int, micro: int, ckpt: bool):
+    from lifecycle.tasks.train.config import ModelConfig
+    from lifecycle.tasks.train.planner import Layout, memory
+
+    return memory(ModelConfig(**MODEL), Layout(dp=2, zero=zero, micro_batch=micro,
+                                               recompute="full" if ckpt else "none"), precision="fp32")
+
+
+def main(steps: int = 2) -> list[dict]:
+    from lifecycle.tasks.train.supervise import prebuild_shm_op
+
+    prebuild_shm_op("cpu", {**os.environ, "DS_ACCELERATOR": "cpu"})  # once, as the trainer's launcher does
+    rows = []
+    print(f"model {MODEL}, 2 ranks, fp32, {steps} steps; MiB per rank (measured: the steps' peak RSS - RSS before "
+          "the model was built; init: the same during deepspeed.initialize)")
+    print(f"{'zero':>4} {'micro':>5} {'ckpt':>5} {'predicted':>9} {'states':>7} {'acts':>6} {'temp':>6} "
+          f"{'measured':>8} {'error':>6} {'init':>6}")
+    for i, (zero, micro, ckpt) in enumerate(LAYOUTS):
+        est = predict(zero, micro, ckpt)
+        ranks = run_ranks(steps, i)
+        peak = max(r["delta"] for r in ranks)
+        init = max(r["init_delta"] for r in ranks)
+        err = est.total_bytes / peak - 1
+        rows.append({"zero": zero, "micro_batch": micro, "activation_checkpointing": ckpt,
+                     "predicted_bytes": est.total_bytes, "measured_bytes": peak, "error": err, "init_bytes": init,
+                     "ranks": ranks, **{k: v for k, v in est.as_dict().items() if k.endswith("_bytes")}})
+        print(f"{zero:>4} {micro:>5} {str(ckpt):>5} {est.total_bytes / MiB:>9.1f} {est.model_states_bytes / MiB:>7.1f} "
+              f"{est.activation_bytes / MiB:>6.1f} {est.temp_bytes / MiB:>6.1f} {peak / MiB:>8.1f} {err:>+6.1%} {init / MiB:>6.1f}",
+              flush=True)
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst error {worst:.1%} (goal: within 15%); {sum(abs(r['error']) <= 0.15 for r in rows)} of {len(rows)} within")
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", type=int, nargs=2, metavar=("STEPS", "LAYOUT"), help="(internal) run as one rank")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--json", help="also write the rows to this file")
+    a = ap.parse_args()
+    if a.worker:
+        worker(*a.worker)
+    else:
+        result = main(a.steps)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)

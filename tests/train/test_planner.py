@@ -1,0 +1,163 @@
+"""The memory and layout planner on literal cases worked out by hand (lifecycle.tasks.train.planner)."""
+
+import json
+
+import pytest
+
+from lifecycle.tasks.train.config import ModelConfig
+from lifecycle.tasks.train.planner import (
+    ActivationModel, Hardware, Layout, PRECISIONS, activation_per_layer, memory, model_states,
+    paper_activation_per_layer, parse_bytes, parse_model, search, step_time, total_params,
+)
+from tests.conftest import lifecycle_in_process
+
+GB = 1e9
+BF16 = PRECISIONS["bf16"]
+
+
+def test_zero_paper_7_5b_example():
+    # ZeRO paper, figure 1: Ψ = 7.5B, Nd = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per GPU
+    psi = 7.5e9
+    per_stage = [sum(model_states(psi, z, 64, BF16).values()) / GB for z in range(4)]
+    assert per_stage[0] == pytest.approx(120.0)  # 16Ψ
+    assert per_stage[1] == pytest.approx(30 + 90 / 64)  # 4Ψ + 12Ψ/64 = 31.41
+    assert per_stage[2] == pytest.approx(15 + 105 / 64)  # 2Ψ + 14Ψ/64 = 16.64
+    assert per_stage[3] == pytest.approx(120 / 64)  # 1.875
+    assert round(per_stage[1], 1) == 31.4 and round(per_stage[2], 1) == 16.6 and round(per_stage[3], 1) == 1.9
+
+
+def test_fp32_model_states_with_deepspeeds_master_copy():
+    # fp32: 4 + 4 + 8 bytes; ZeRO-1/2's fp32 partition clone adds 4/Nd; ZeRO-3 shares the buffer
+    fp32 = PRECISIONS["fp32"]
+    assert sum(model_states(1e6, 0, 2, fp32).values()) == pytest.approx(16e6)
+    assert sum(model_states(1e6, 1, 2, fp32).values()) == pytest.approx(8e6 + 12e6 / 2)
+    assert sum(model_states(1e6, 2, 2, fp32).values()) == pytest.approx(4e6 + 16e6 / 2)
+    assert sum(model_states(1e6, 3, 2, fp32).values()) == pytest.approx(16e6 / 2)
+    off = model_states(1e6, 2, 2, BF16, offload=True)
+    assert off == {"params": 2e6, "grads": 0.0, "optimizer": 0.0}
+
+
+def test_korthikanti_formulas():
+    # GPT-3 175B of the paper: s=2048, h=12288, a=96, b=1; per layer 34·sbh + 5·a·s²·b bytes
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    assert activation_per_layer(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert sbh * (34 + 5 * a * s / h) == pytest.approx(sbh * 114)  # 5·96·2048/12288 = 80
+    for t in (1, 2, 8):
+        for sp in (True, False):
+            for rc in ("none", "selective", "full"):
+                assert activation_per_layer(s, b, h, a, t, sp, rc) == pytest.approx(
+                    paper_activation_per_layer(s, b, h, a, t, sp, rc)), (t, sp, rc)
+    assert activation_per_layer(s, b, h, a, 8, True, "selective") == pytest.approx(sbh * 34 / 8)
+    assert activation_per_layer(s, b, h, a, 8, False, "none") == pytest.approx(sbh * (10 + 3 + 80 / 8))
+    assert activation_per_layer(s, b, h, a, 1, True, "full") == pytest.approx(2 * sbh)
+
+
+def test_our_model_coefficients():
+    # fp32, no dropout, SwiGLU 8/3 h (here h=96 -> hidden 256), RoPE, SDPA: per s·b·h
+    m = ModelConfig(vocab_size=100, n_embd=96, n_head=4)
+    am = ActivationModel.for_model(m, 4)
+    replicated, split, scores = am.coefficients()
+    assert replicated == 16  # 2 norms + QKV input + MLP input, 4 bytes each, no masks
+    assert split == pytest.approx(4 * 4 + 2 * 4 + 4 + 4 * (256 / 96) * 4)  # Q,K,V,proj; rope; SDPA out; MLP
+    assert scores == 0
+    assert activation_per_layer(10, 2, 96, 4, am=am) == pytest.approx(10 * 2 * 96 * (replicated + split))
+
+
+def test_memory_sums_and_pipeline():
+    m = parse_model("7b")
+    assert total_params(m) == 32 * (2 * 4096 + 4 * 4096**2 + 3 * 4096 * 10944) + 4096 + 2 * 32000 * 4096
+    e = memory(m, Layout(dp=8, zero=3, micro_batch=1))
+    assert e.total_bytes == pytest.approx(e.model_states_bytes + e.activation_bytes + e.temp_bytes)
+    assert e.model_states_bytes == pytest.approx(16 * total_params(m) / 8)
+    # 1F1B: with pp micro-batches in flight the first stage holds L layers' worth, like pp=1
+    one = memory(m, Layout(dp=1, pp=1, micro_batch=1)).breakdown["activation_per_layer_bytes"]
+    p4 = memory(m, Layout(dp=1, pp=4, micro_batch=1), micro_batches=8)
+    assert p4.activation_bytes >= 32 * one and p4.model_states_bytes == pytest.approx(16 * total_params(m) / 4)
+    full = memory(m, Layout(dp=8, zero=3, micro_batch=1, recompute="full"))
+    assert full.activation_bytes < e.activation_bytes / 5
+
+
+def test_step_time_parts():
+    m = parse_model("7b")
+    hw = Hardware()
+    t = step_time(m, Layout(dp=8, zero=1, micro_batch=1), 64, hw)
+    from lifecycle.tasks.train.sizing import flops_per_token
+    assert t["compute_s"] == pytest.approx(64 * 4096 * flops_per_token(m) / (8 * hw.peak_flops * hw.mfu))
+    assert t["dp_comm_s"] == pytest.approx(2 * 7 / 8 * total_params(m) * 2 / hw.intra_node_bw)
+    assert t["bubble_s"] == 0 and t["tp_comm_s"] == 0
+    pp = step_time(m, Layout(dp=2, pp=4, micro_batch=1), 64, hw)
+    assert pp["bubble_s"] == pytest.approx(pp["compute_s"] * 3 / 32)  # (p-1)/m of the compute, m = 64/2
+    z3 = step_time(m, Layout(dp=8, zero=3, micro_batch=1), 64, hw)
+    assert z3["dp_comm_s"] == pytest.approx(3 * 8 * t["dp_comm_s"] / 2)  # 3Ψ per micro-batch, 8 micro-batches
+
+
+def test_search_7b_on_8_gpus():
+    opts = search(parse_model("7b"), 8, 80 * 2**30, 64)
+    best = opts[0]
+    assert best.fits and best.memory.total_bytes <= 78 * 2**30
+    assert best.layout.ranks == 8
+    assert all(not o.fits or o.time["step_s"] >= best.time["step_s"] for o in opts)
+    # ZeRO-0 replicas of 16Ψ = 107 GB cannot fit
+    assert not any(o.fits for o in opts if o.layout.dp == 8 and o.layout.zero == 0)
+
+
+def test_parse():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80GB") == 80e9
+    m = parse_model("n_layer=2,n_embd=64,n_head=2,vocab=1000")
+    assert (m.n_layer, m.n_embd, m.vocab_size) == (2, 64, 1000)
+    assert parse_model("7b,seq_len=2048").seq_len == 2048
+    from lifecycle.core.errors import UsageError
+    with pytest.raises(UsageError, match="unknown preset"):
+        parse_model("9b")
+    with pytest.raises(UsageError, match="not a model field"):
+        parse_model("layerz=3")
+
+
+def test_cli(capsys):
+    rc, got = lifecycle_in_process(capsys, "plan", "memory", "--params", "7.5e9", "--ranks", "64", "--zero", "3")
+    assert rc == 0 and got["model_states_bytes"] == pytest.approx(1.875e9, rel=1e-6)
+    assert got["total_bytes"] == got["model_states_bytes"] + got["activation_bytes"] + got["temp_bytes"]
+    rc, got = lifecycle_in_process(capsys, "plan", "layout", "--model", "7b", "--gpus", "8", "--global-batch", "64")
+    assert rc == 0 and got["best"]["fits"] and got["constants"]["mfu"] == 0.45 and got["runners_up"]
+    rc, got = lifecycle_in_process(capsys, "plan", "--flops", "1e18")  # the compute-optimal command still works
+    assert rc == 0 and "n_params" in got
+    rc, got = lifecycle_in_process(capsys, "plan", "memory", "--model", "7b", "--ranks", "3", "--tp", "2")
+    assert rc == 2 and "not a multiple of tp" in got["error"]
+
+
+def test_layout_auto_picks_what_fits():
+    from lifecycle.tasks.train.config import TrainConfig
+    from lifecycle.tasks.train.planner import resolve_layout
+
+    def cfg(mem):
+        return TrainConfig(model=ModelConfig(vocab_size=4096, n_layer=4, n_embd=512, n_head=8, seq_len=256),
+                           layout="auto", layout_memory=mem, batch={"micro_batch_size": 16, "num_ranks": 2})
+
+    roomy, why = resolve_layout(cfg("2GiB"))
+    assert (roomy.engine.zero_stage, roomy.batch.micro_batch_size, roomy.engine.activation_checkpointing) == (0, 16, False)
+    assert "zero_stage=0" in why and "fastest" in why and roomy.global_batch == 32
+    tight, why = resolve_layout(cfg("400MiB"))  # 16-sequence micro-batches do not fit: smaller ones or recompute
+    assert tight.global_batch == 32 and tight.batch.micro_batch_size * tight.batch.grad_accum == 16
+    assert (tight.batch.micro_batch_size < 16 or tight.engine.activation_checkpointing or tight.engine.zero_stage > 0)
+    assert "predicted" in why
+    with pytest.raises(ValueError, match="train.layout=auto: no data-parallel layout of 2 ranks fits"):
+        resolve_layout(cfg("100MiB"))
+    fixed = cfg(None).model_copy(update={"layout": "fixed"})
+    assert resolve_layout(fixed) == (fixed, None)
+
+
+def test_layout_the_trainer_cannot_run_is_refused():
+    from pydantic import ValidationError
+
+    from lifecycle.tasks.train.config import TrainConfig
+
+    assert TrainConfig(layout="tp=1,pp=1,sp=1").layout == "tp=1,pp=1,sp=1"
+    with pytest.raises(ValidationError, match="tp=2: the trainer runs data parallelism .* tensor parallelism is not"):
+        TrainConfig(layout="tp=2")
+    with pytest.raises(ValidationError, match="pipeline and sequence parallelism are not"):
+        TrainConfig(layout="pp=2,sp=4")
+    with pytest.raises(ValidationError, match="must be 'fixed', 'auto' or degrees"):
+        TrainConfig(layout="ep=2")
+    with pytest.raises(ValidationError, match="dp must equal train.batch.num_ranks"):
+        TrainConfig(layout="dp=4", batch={"num_ranks": 2})
