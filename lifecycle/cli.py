@@ -149,7 +149,7 @@ def metric_lines(metrics: dict) -> list[str]:
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
-COMMAND_MODULES: list[str] = ["lifecycle.flows.servers", "lifecycle.flows.serve", "lifecycle.tasks.train.sizing", "lifecycle.tasks.eval.export", "lifecycle.tasks.eval.code.cli", "lifecycle.lineage.cli"]
+COMMAND_MODULES: list[str] = ["lifecycle.flows.servers", "lifecycle.flows.serve", "lifecycle.tasks.train.planner", "lifecycle.tasks.eval.export", "lifecycle.tasks.eval.code.cli", "lifecycle.lineage.cli"]
 
 
 def register_run(sub) -> None:

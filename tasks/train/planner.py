@@ -549,8 +549,11 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(plan_parser: argparse.ArgumentParser) -> None:
-    """Adds `memory` and `layout` under `lifecycle plan` (lifecycle.tasks.train.sizing.register)."""
+def register(subparsers) -> None:
+    """`lifecycle plan` (lifecycle.tasks.train.sizing.register) with `memory` and `layout` under it."""
+    from lifecycle.tasks.train.sizing import register as register_plan
+
+    plan_parser = register_plan(subparsers)
     sub = plan_parser.add_subparsers(dest="plan_command", metavar="{memory,layout}")
 
     def model_args(p: argparse.ArgumentParser, params: bool) -> None:

@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="Compute-optimal model size and token count (C = 6·N·D, D = 20·N); "
                                            "`plan memory` and `plan layout`: memory per rank and the layout search.")
     src = p.add_mutually_exclusive_group()  # one of them, unless a subcommand is given (checked in cmd_plan)
@@ -164,6 +164,4 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-v", "--verbose", action="store_true", help="on an error, show its traceback")
     p.set_defaults(func=cmd_plan, plan_parser=p)
-    from lifecycle.tasks.train import planner
-
-    planner.register(p)
+    return p
