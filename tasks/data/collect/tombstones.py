@@ -26,7 +26,6 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.fs import atomic_write_bytes, sha256_file
-from lifecycle.tasks.data.dedup import minhash
 
 LEDGER = "tombstones.parquet"
 REASON = "forgotten"  # the collect rejection reason of a tombstoned document
@@ -64,7 +63,16 @@ def content_hash(text: str) -> str:
 
 
 def signatures(texts: list[str], p: MinHashParams) -> np.ndarray:
+    # imported here: numba and datasketch cost a collect process ~100 MiB, paid only when there are tombstones
+    from lifecycle.tasks.data.dedup import minhash
+
     return minhash.signatures(texts, p.ngram, p.num_perm, p.seed)
+
+
+def band_keys(sig: np.ndarray, p: MinHashParams) -> np.ndarray:
+    from lifecycle.tasks.data.dedup import minhash
+
+    return minhash.band_keys(sig, p.bands, p.rows)
 
 
 def read_ledger(workdir: str | Path) -> pa.Table:
@@ -145,14 +153,14 @@ class Matcher:
         self.f, self.p = f, f.minhash
         self.exact = {h: i for i, h in enumerate(f.content_hashes)}
         self.sig = np.array(f.signatures, np.uint32).reshape(len(f.signatures), self.p.num_perm)
-        self.keys = minhash.band_keys(self.sig, self.p.bands, self.p.rows)
+        self.keys = band_keys(self.sig, self.p)
 
     def match(self, text: str) -> tuple[str, str, float] | None:
         i = self.exact.get(content_hash(text))
         if i is not None:
             return self.f.tombstone_ids[i], "exact", 1.0
         sig = signatures([text], self.p)
-        keys = minhash.band_keys(sig, self.p.bands, self.p.rows)
+        keys = band_keys(sig, self.p)
         candidates = np.flatnonzero((self.keys == keys).any(axis=1))
         if not len(candidates):
             return None
