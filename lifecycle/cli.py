@@ -3,6 +3,7 @@
     lifecycle run [CONFIG] [--set KEY=VALUE ...] [--until STAGE] [--json] [-v]
     lifecycle verify [CONFIG] [--workdir DIR] [--json]
     lifecycle config show [CONFIG] [--defaults] [--json] | lifecycle config schema [-o FILE]
+    lifecycle forget ID... --reason TEXT [--retrain | --unlearn] [--config CONFIG] [--set KEY=VALUE ...]
 
 Every command that reads a run names it the same way (`resolve_workdir`): CONFIG and --set as `run` takes them,
 else --workdir, else $LIFECYCLE_WORKDIR, else the default config's work dir (said on stderr).
@@ -313,6 +314,73 @@ def register_config(sub) -> None:
     schema.set_defaults(func=cmd_config_schema)
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    """Tombstone the documents (lineage/forgetting.py), then retrain (`lifecycle run` with the same config) or
+    unlearn from the champion; neither flag only records the request (the next run honours it)."""
+    import yaml
+
+    from lifecycle.core.errors import UsageError
+    from lifecycle.core.locking import check_workdir, workdir_lock
+    from lifecycle.tasks.eval.unlearn import UnlearnConfig
+
+    if args.retrain and args.unlearn:
+        raise UsageError("choose one route: --retrain or --unlearn")
+    cfg = load_config(args.config, args.set or [])
+    knobs = {}
+    for item in args.unlearn_set or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UsageError(f"--unlearn-set {item!r}: expected FIELD=VALUE")
+        knobs[key] = yaml.safe_load(value)
+    ucfg = UnlearnConfig(**knobs)
+    check_workdir(cfg.workdir)
+    from lifecycle.lineage.forgetting import record_request, unlearn_champion
+
+    info = sys.stderr if args.json else sys.stdout
+    with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget"):
+        rows = record_request(cfg, args.ids, args.reason)
+    for r in rows:
+        print(f"tombstone {r['tombstone_id']}: doc_id {r['doc_id']} source_id {r['source_id']} ({r['reason']}, "
+              f"{r['created_at']}) in {cfg.workdir}/tombstones.parquet", file=info)
+    if args.retrain:
+        return cmd_run(argparse.Namespace(config=args.config, set=args.set, until=None, json=args.json,
+                                          verbose=args.verbose, wait=args.wait))
+    result = {"status": "recorded", "tombstones": rows}
+    if args.unlearn:
+        with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget --unlearn"):
+            result = {**unlearn_champion(cfg, rows, ucfg, log=lambda s: print(s, file=info)), "tombstones": rows}
+        if result["status"] == "registered":
+            m, p = result["model"], result["promotion"]
+            print(f"unlearned: registered {m['name']} version {m['version']} (from {result['champion']}); "
+                  f"champion: {p.get('decision')} ({p.get('reason')})", file=info)
+        else:
+            print(f"unlearning refused: {result['reason']}", file=info)
+    else:
+        print("recorded; the next `lifecycle run` rejects these documents at collect (reason `forgotten`)", file=info)
+    if args.json:
+        print(json.dumps(result, default=str))
+    return 0 if result["status"] != "refused" else 4
+
+
+def register_forget(sub) -> None:
+    p = sub.add_parser("forget", help="Remove documents for good (tombstone ledger), then retrain or unlearn.")
+    p.add_argument("ids", nargs="+", metavar="ID", help="doc_id or source_id of a collected document")
+    p.add_argument("--reason", required=True, help="why (kept in the ledger; never the document's text)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config of the runs (default {DEFAULT_CONFIG})")
+    route = p.add_mutually_exclusive_group()
+    route.add_argument("--retrain", action="store_true", help="rerun the lifecycle without the documents")
+    route.add_argument("--unlearn", action="store_true",
+                       help="gradient ascent on the champion (Jang et al. 2022); registers an unlearned version")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Override a config field (as `run`).")
+    p.add_argument("--unlearn-set", action="append", metavar="FIELD=VALUE",
+                   help="Override an unlearning field (lr, chunk_size, max_epochs, sequence_tokens, el_n, el_stride, "
+                        "never_seen, max_val_loss_increase, val_batches, seed: tasks/eval/unlearn.py).")
+    p.add_argument("--json", action="store_true", help="Print one JSON object as the last line of stdout.")
+    p.add_argument("-v", "--verbose", action="store_true", help="as `run -v`")
+    p.add_argument("--wait", action="store_true", help="If another run holds the work dir, wait for it.")
+    p.set_defaults(func=cmd_forget)
+
+
 # --------------------------------------------------------------------------------------------------
 # errors: what a user can get wrong is one line and exit 2; anything else is a bug (exit 1, traceback with -v)
 
@@ -393,6 +461,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     register_run(sub)
     register_verify(sub)
     register_config(sub)
+    register_forget(sub)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     for leaf in _leaves(parser):

@@ -107,11 +107,24 @@ def model_lineage(versions: list[dict], spec: str, workdir: str | Path) -> dict:
         "tokenizer_sha256": lineage.get("tokenizer_sha256"),
         "config_sha256": t.get("lifecycle.config_sha256"), "git_commit": t.get("lifecycle.git_commit"),
         "metrics": {k.removeprefix("metric."): float(v) for k, v in t.items() if k.startswith("metric.")},
+        "unlearning": lineage.get("unlearning"),
+        "tombstones_honoured": _honoured(lineage, workdir),
         "promotion": {k.removeprefix("lifecycle.promotion."): v for k, v in t.items()
                       if k.startswith("lifecycle.promotion.")},
         "base_model": lineage.get("base_model"),
         "datasets": chain,
     }
+
+
+def _honoured(lineage: dict, workdir: str | Path) -> list[str]:
+    """Tombstone ids the version's data honours: those its collect datasets rejected by (their config's
+    `forgotten`), and, for an unlearned version, those it was unlearned for."""
+    ids: set[str] = set((lineage.get("unlearning") or {}).get("tombstones", []))
+    for d in lineage["datasets"]:
+        if d["stage"] == "collect":
+            m = json.loads(cat.inside(workdir, d["manifest"], "dataset manifest").read_text())
+            ids |= set(((m.get("config") or {}).get("forgotten") or {}).get("tombstone_ids", []))
+    return sorted(ids)
 
 
 def print_model(r: dict) -> None:
@@ -122,6 +135,17 @@ def print_model(r: dict) -> None:
     print(f"  val_bpb {r['metrics'].get('val_bpb')}  promotion: {r['promotion'].get('decision')} "
           f"({r['promotion'].get('reason')})")
     print(f"  checkpoint step {c['step']}  marker {c['marker_sha256'][:16]}  {c['dir']}")
+    if r["tombstones_honoured"]:
+        print(f"  tombstones honoured: {', '.join(r['tombstones_honoured'])}")
+    if r["unlearning"]:
+        u, m = r["unlearning"], r["unlearning"]["metrics"]
+        el = next((k.removeprefix("never_seen_") for k in m if k.startswith("never_seen_el")), "el")
+        print(f"  unlearned from {u['unlearned_from']} (Jang et al. gradient ascent, {m['unlearn_steps']} steps, "
+              f"{m['forget_sequences']} sequence(s) of {m['sequence_tokens']} tokens)")
+        print(f"    forgotten  MA {m['forgotten_ma_before']:.3f} -> {m['forgotten_ma_after']:.3f}   "
+              f"{el.upper()} {m[f'forgotten_{el}_before']:.3f} -> {m[f'forgotten_{el}_after']:.3f}")
+        print(f"    never-seen MA {m['never_seen_ma']:.3f}            {el.upper()} {m[f'never_seen_{el}']:.3f}")
+        print(f"    val_loss   {m['val_loss_before']:.4f} -> {m['val_loss_after']:.4f} ({m['val_loss_increase']:+.2%})")
     if base := r.get("base_model"):  # the open model the run continued, above the data it continued on
         print(f"  <- base model  {base['dir']}")
         for f in base["files"]:
@@ -197,12 +221,78 @@ def print_doc(r: dict) -> None:
 # lineage forget
 
 
-def forget_report(con, source_ids: list[str]) -> dict:
-    """Every dataset, checkpoint, model package and model version that holds a document from these sources."""
+TOMBSTONES = "tombstones.parquet"  # lifecycle.tasks.data.collect.tombstones.LEDGER (not imported: no numba here)
+POSITIONS = "raw-positions.parquet"  # lifecycle.tasks.data.collect.stage.POSITIONS
+
+
+def raw_positions(workdir: Path, doc_ids: list[str]) -> list[dict]:
+    """Where each document came from: raw file, record (line or row) number and byte range, from the collect
+    datasets' per-row position files."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    want, out = pa_strings(doc_ids), []
+    for mp, m in cat.manifests(workdir):
+        if m["stage"] != "collect":
+            continue
+        for f in m.get("extra", []):
+            if f["path"].rsplit("/", 1)[-1] != POSITIONS:
+                continue
+            t = pq.read_table(cat.inside(workdir, mp.parent / f["path"], f"{mp}: file"))
+            out += [{**r, "dataset_sha256": m["sha256"]} for r in t.filter(pc.is_in(t["doc_id"], want)).to_pylist()]
+    return out
+
+
+def pa_strings(values: list[str]):
+    import pyarrow as pa
+
+    return pa.array(values, pa.string())
+
+
+def tombstones_of(workdir: Path, doc_ids: list[str]) -> list[dict]:
+    """The ledger rows (no signature) of these doc_ids: the request has been acted on."""
+    import pyarrow.parquet as pq
+
+    path = workdir / TOMBSTONES
+    if not path.exists():
+        return []
+    rows = pq.read_table(cat.inside(workdir, path, "tombstone ledger")).drop_columns(["signature"]).to_pylist()
+    return [r for r in rows if r["doc_id"] in set(doc_ids)]
+
+
+def clusters(con, doc_ids: list[str]) -> list[dict]:
+    """The near-duplicate clusters these documents belong to (dedup): the kept copy and the dropped copies, which
+    hold the same (or near) content and are not named by the request."""
+    rej_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE rejected")}
+    kept_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE kept")}
+    if "duplicate_of" not in rej_cols or "cluster_id" not in kept_cols:
+        return []
+    heads = cat.query(con, """
+        SELECT DISTINCT cluster_id AS kept_doc_id FROM kept WHERE doc_id IN (SELECT unnest(?)) AND cluster_id IS NOT NULL
+        UNION SELECT DISTINCT duplicate_of FROM rejected WHERE doc_id IN (SELECT unnest(?)) AND duplicate_of IS NOT NULL
+        """, [doc_ids, doc_ids])
+    out = []
+    for h in sorted(r["kept_doc_id"] for r in heads):
+        kept = cat.query(con, "SELECT DISTINCT doc_id, source_id FROM kept WHERE doc_id = ?", [h])
+        dropped = cat.query(con, "SELECT DISTINCT doc_id, source_id, duplicate_kind FROM rejected "
+                                 "WHERE duplicate_of = ? ORDER BY doc_id", [h])
+        if not dropped:
+            continue
+        out.append({"kept_doc_id": h, "kept_source_ids": sorted({r["source_id"] for r in kept}),
+                    "requested_is_kept_copy": h in doc_ids, "dropped_copies": dropped,
+                    "dropped_not_requested": [r for r in dropped if r["doc_id"] not in doc_ids]})
+    return out
+
+
+def forget_report(con, source_ids: list[str], workdir: Path | None = None) -> dict:
+    """Every dataset, checkpoint, model package and model version that holds a document with these source ids or
+    doc_ids; with `workdir`, also each document's raw file and record, its near-duplicate cluster and its
+    tombstone."""
     ids = cat.query(con, "SELECT DISTINCT doc_id, source_id FROM (SELECT doc_id, source_id FROM kept UNION ALL "
-                         "SELECT doc_id, source_id FROM rejected) WHERE source_id IN (SELECT unnest(?))", [source_ids])
+                         "SELECT doc_id, source_id FROM rejected) WHERE source_id IN (SELECT unnest(?)) "
+                         "OR doc_id IN (SELECT unnest(?))", [source_ids, source_ids])
     doc_ids = sorted({r["doc_id"] for r in ids if r["doc_id"]})
-    found = sorted({r["source_id"] for r in ids})
+    found = sorted({r["source_id"] for r in ids} | {r["doc_id"] for r in ids if r["doc_id"] in source_ids})
     holding = cat.query(con, """
         SELECT d.stage, d.sha256, d.path, count(*) AS documents, 'kept rows' AS held_as
         FROM kept k JOIN datasets d ON d.path = k.dataset_path WHERE k.doc_id IN (SELECT unnest(?)) GROUP BY ALL
@@ -237,9 +327,15 @@ def forget_report(con, source_ids: list[str]) -> dict:
                          "UNION SELECT DISTINCT r.path, r.sha256 FROM raw_inputs r JOIN datasets d ON d.sha256 = "
                          "r.dataset_sha256 JOIN rejected j ON j.dataset_path = d.path "
                          "WHERE j.doc_id IN (SELECT unnest(?))", [doc_ids, doc_ids])
+    tokens = cat.query(con, "SELECT t.doc_id, d.sha256 AS dataset_sha256, t.split, t.shard, t.token_start, "
+                            "t.token_end FROM tokens t JOIN datasets d ON d.path = t.dataset_path "
+                            "WHERE t.doc_id IN (SELECT unnest(?)) ORDER BY 2, 1", [doc_ids])
     return {"requested_source_ids": source_ids, "found_source_ids": found,
             "not_found": sorted(set(source_ids) - set(found)), "doc_ids": doc_ids, "raw_input_files": raw,
-            "datasets": holding, "checkpoints": checkpoints, "model_packages": packages, "model_versions": models,
+            "raw_positions": raw_positions(workdir, doc_ids) if workdir else [],
+            "datasets": holding, "token_ranges": tokens, "clusters": clusters(con, doc_ids),
+            "checkpoints": checkpoints, "model_packages": packages, "model_versions": models,
+            "tombstones": tombstones_of(workdir, doc_ids) if workdir else [],
             "note": "report only: nothing was changed"}
 
 
@@ -248,14 +344,29 @@ def print_forget(r: dict, path: Path) -> None:
           + (f"; not found: {', '.join(r['not_found'])}" if r["not_found"] else ""))
     for raw in r["raw_input_files"]:
         print(f"  raw input   {raw['sha256'][:12]}  {raw['path']}")
+    for p in r["raw_positions"]:
+        where = f"record {p['record']}" if p["record"] is not None else "record ?"
+        if p["byte_start"] is not None:
+            where += f", bytes {p['byte_start']}-{p['byte_end']}"
+        print(f"  raw record  {p['doc_id']}  {p['raw_path']}  {where}")
     for d in r["datasets"]:
         print(f"  dataset     {d['stage']:<9} {d['sha256'][:12]}  {d['documents']} doc(s) as {d['held_as']}  {d['path']}")
+    for t in r["token_ranges"]:
+        print(f"  tokens      {t['doc_id']}  {t['dataset_sha256'][:12]}  {t['split']} {t['shard']} "
+              f"[{t['token_start']}, {t['token_end']})")
+    for c in r["clusters"]:
+        role = "is the kept copy" if c["requested_is_kept_copy"] else f"was dropped as a copy of {c['kept_doc_id']}"
+        print(f"  cluster     {c['kept_doc_id']}: the document {role}; copies holding the same content: "
+              + (", ".join(f"{x['doc_id']} ({x['source_id']}, {x['duplicate_kind']})" for x in c["dropped_not_requested"])
+                 or "none beyond the request"))
     for c in r["checkpoints"]:
         print(f"  checkpoint  step {c['step']}  {c['tag_dir']}")
     for p in r["model_packages"]:
         print(f"  package     {p['sha256'][:12]}  {p['path']}")
     for m in r["model_versions"]:
         print(f"  model       {m['name']}/{m['version']}" + (f" @{m['aliases']}" if m["aliases"] else ""))
+    for t in r["tombstones"]:
+        print(f"  tombstone   {t['tombstone_id']}  {t['doc_id']}  {t['created_at']}  ({t['reason']})")
     print(f"report written to {path} (nothing was changed)")
 
 
@@ -295,7 +406,7 @@ def cmd_doc(args) -> int:
 def cmd_forget(args) -> int:
     try:
         wd = _workdir(args)
-        r = forget_report(cat.connect(wd, args.tracking_uri), args.source_ids)
+        r = forget_report(cat.connect(wd, args.tracking_uri), args.source_ids, wd)
         out = wd / "audit" / f"forget-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
         cat.inside(wd, out.parent, "report directory").mkdir(parents=True, exist_ok=True)
         out = cat.inside(wd, out, "report")  # `audit` may exist already: a symlink out of the work dir is refused
@@ -355,8 +466,9 @@ def register(sub) -> None:
     d.add_argument("id", metavar="ID", help="a doc_id or source_id")
     _common(d)
     d.set_defaults(func=cmd_doc)
-    f = lsub.add_parser("forget", help="Everything holding these sources' documents (a report; changes nothing).")
-    f.add_argument("source_ids", nargs="+", metavar="SOURCE_ID", help="the source_id of each document to forget")
+    f = lsub.add_parser("forget", help="Everything holding these documents (a report; changes nothing; "
+                                       "`lifecycle forget` acts on it).")
+    f.add_argument("source_ids", nargs="+", metavar="ID", help="a source_id or doc_id")
     _common(f)
     f.set_defaults(func=cmd_forget)
     s = sub.add_parser("sql", help="DuckDB over the catalog of manifests, stats and rows (see lineage/catalog.py).")

@@ -26,6 +26,11 @@ Incremental collection (`incremental: true`; `lifecycle serve` turns it on): fil
 is in the work dir's ledger `collected.parquet` are skipped, so a recurring run over a growing input
 directory collects only what is new (a file whose content changed is new). Every run appends its files
 to the ledger when it completes, so a run that crashed is redone in full by the next one.
+
+Forgotten documents (`lifecycle forget`): when the work dir has a tombstone ledger (`tasks/data/collect/
+tombstones.py`), every document that is an exact or near copy of a tombstoned one is rejected as `forgotten`
+(the detail names the tombstone, never the text); the ledger's digest is part of the fingerprint. With no ledger
+the stage is what it was: same rows, doc_ids and reasons.
 """
 
 from __future__ import annotations
@@ -55,9 +60,14 @@ from lifecycle.core.fs import is_remote, is_url
 from lifecycle.core.paths import confine_matches
 from lifecycle.core import fs
 from lifecycle.tasks.data.collect.inputs import path_bytes, raw_name, remote_problem, shown, walk_glob
+from lifecycle.tasks.data.collect.tombstones import REASON as FORGOTTEN, ForgetFilter
 
 STAGE = "collect"
 KNOWN_FIELDS = ("id", "text", "source", "url")
+WHERE = "_where"  # a reader's (record number, byte start, byte end) of a record in its raw file, beside the row
+POSITIONS = "raw-positions.parquet"  # per shard: where each kept row came from (an `extra` file)
+POSITIONS_SCHEMA = pa.schema([("doc_id", pa.string()), ("source_id", pa.string()), ("raw_path", pa.string()),
+                              ("record", pa.int64()), ("byte_start", pa.int64()), ("byte_end", pa.int64())])
 
 
 BASE_MEMORY = 192 << 20  # a collect process before its rows: the interpreter, pyarrow, trafilatura, warcio (~125 MiB)
@@ -124,6 +134,13 @@ class CollectConfig(BaseModel):
         if not v:
             raise ValueError("at least one input pattern is required")
         return v
+
+
+class CollectRun(CollectConfig):
+    """The config a collect plan runs with: the user's `CollectConfig` plus the work dir's tombstones (only when
+    there are some, so that an empty ledger leaves the fingerprint as it was)."""
+
+    forgotten: ForgetFilter | None = Field(None, description="Tombstones to reject (set by `plan_collect`).")
 
 
 class InputError(ValueError):
@@ -285,6 +302,7 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
     """Every line of `path` as ("ok", record) or ("bad", source_id, reason, detail); with `part`, only the lines
     of that byte range (line numbers, and so source ids, as in a read of the whole file)."""
     lineno = part.first_line - 1 if part else 0
+    pos = part.start if part else 0  # byte offset of the next line (in the decompressed stream of a .gz/.zst)
     records = 0
     left = part.end - part.start if part else None
     truncated = "truncated_zstd" if path.lower().endswith(".zst") else "truncated_gzip"
@@ -299,6 +317,7 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
                         break
                     left -= size
                 lineno += 1
+                start, pos = pos, pos + size
                 sid = f"{name}:{lineno}"
                 if raw is None:
                     records += 1
@@ -332,7 +351,7 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
                 if problem:
                     yield ("bad", str(obj.get("id", sid)), problem[0], f"line {lineno}: {problem[1]}")
                     continue
-                yield ("ok", _record(obj, sid, name))
+                yield ("ok", {**_record(obj, sid, name), WHERE: (lineno, start, start + size)})
     except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, OSError) as e:
         records += 1
         yield ("bad", f"{name}:{lineno + 1}", truncated, f"stream broke after line {lineno}: {e}")
@@ -363,7 +382,7 @@ def read_parquet(path: str, cfg: CollectConfig) -> Iterator[tuple]:
                 if problem:
                     yield ("bad", str(obj.get("id") or sid), *problem)
                     continue
-                yield ("ok", _record(obj, sid, name))
+                yield ("ok", {**_record(obj, sid, name), WHERE: (row, None, None)})
     except Exception as e:
         yield ("bad", f"{name}:{row + 1}", "unreadable_parquet", f"failed after row {row}: {str(e)[:200]}")
 
@@ -386,7 +405,7 @@ def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
     if problem:
         yield ("bad", name, *problem)
         return
-    yield ("ok", _record({"text": text}, name, name))
+    yield ("ok", {**_record({"text": text}, name, name), WHERE: (1, 0, size)})
 
 
 def _extract():
@@ -470,7 +489,9 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
     stats = StageStats()
     kept: list[dict] = []
     rejected: list[dict] = []
+    positions: dict[str, list] = {n: [] for n in POSITIONS_SCHEMA.names}
     budget = part_bytes(cfg)
+    forgotten = cfg.forgotten.matcher() if getattr(cfg, "forgotten", None) else None
     held = held_rejected = 0  # bytes of the strings buffered in `kept` / `rejected`
 
     def flush(final: bool = False) -> None:
@@ -503,6 +524,7 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
                 reject(make_doc_id(sid, ""), sid, reason, f"{name}: {detail}")
                 continue
             rec = item[1]
+            where = rec.pop(WHERE, (None, None, None))
             nbytes = len(rec["text"].encode("utf-8", "surrogatepass"))
             stats.bytes_in += nbytes
             reason = detail = None
@@ -510,16 +532,23 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
                 reason, detail = "nul_bytes", f"{name}: text holds NUL bytes"
             elif nbytes > cfg.max_doc_bytes:
                 reason, detail = "too_large", f"{name}: {nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}"
+            elif forgotten is not None and (hit := forgotten.match(rec["text"])):
+                reason = FORGOTTEN
+                detail = f"{name}: {hit[1]} copy of tombstone {hit[0]} (signature agreement {hit[2]:.2f})"
             if reason:
                 reject(make_doc_id(rec["source_id"], rec["text"]), rec["source_id"], reason, detail)
                 continue
             rec["doc_id"] = make_doc_id(rec["source_id"], rec["text"])
+            for k, v in zip(POSITIONS_SCHEMA.names, (rec["doc_id"], rec["source_id"], name, *where)):
+                positions[k].append(v)
             kept.append(rec)
             held += _ROW_OVERHEAD + sum(sys.getsizeof(v) for v in rec.values() if v is not None)
             stats.rows_kept += 1
             stats.bytes_out += nbytes
             flush()
     flush(final=True)
+    if positions["doc_id"]:
+        writer.write_table(pa.table(positions, schema=POSITIONS_SCHEMA), kind="extra", name=POSITIONS)
     return stats
 
 
@@ -582,6 +611,9 @@ def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None 
     inputs = resolve_inputs(cfg.inputs) if inputs is None else inputs
     if cfg.incremental:
         inputs = new_inputs(inputs, workdir)
+    forgotten = ForgetFilter.from_workdir(workdir)
+    if forgotten is not None:
+        cfg = CollectRun(**cfg.model_dump(), forgotten=forgotten)
     return plan_stage(workdir, STAGE, cfg, code_version(__package__), collect_shard,
                       shard_inputs(inputs, cfg.shard_bytes, cfg.split_bytes), inputs=inputs)
 

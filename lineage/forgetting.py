@@ -1,0 +1,112 @@
+"""`lifecycle forget`: act on a deletion request (the CLI is `lifecycle.cli`; the pieces are below it).
+
+1. `record_request`: the documents (by doc_id or source_id) are found in the work dir's collect datasets, hashed
+   and signed, and written to the tombstone ledger (`tasks/data/collect/tombstones.py`). Every later collect
+   rejects them and their near copies as `forgotten`.
+2. Then one of two routes:
+   - retrain: the CLI reruns the lifecycle; collect's fingerprint holds the ledger's digest, so collect and every
+     stage after it are recomputed and the new model's lineage (its collect dataset's config) names the tombstones.
+   - unlearn (`unlearn_champion`): the champion package is loaded, gradient ascent forgets the documents' training
+     token sequences (`tasks/eval/unlearn.py`, Jang et al. 2022), and the result is registered as a new version
+     tagged `lifecycle.unlearned=true` with the tombstones and the forgetting metrics; the champion gate
+     (`Registry.promote`, val_bpb) decides the alias as for any version. A refusal (validation loss rose beyond
+     the bound, or memorisation did not reach the never-seen level) registers nothing and is logged to MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from lifecycle.core.dataset import DatasetRef
+from lifecycle.lineage.registry import CHAMPION, Registry
+from lifecycle.lineage.tracking import Tracker
+from lifecycle.tasks.data.collect import tombstones as tb
+from lifecycle.tasks.eval import unlearn as ul
+
+
+def minhash_params(dedup) -> tb.MinHashParams:
+    return tb.MinHashParams(ngram=dedup.ngram, bands=dedup.bands, rows=dedup.rows, seed=dedup.seed,
+                            verify_jaccard=dedup.verify_jaccard)
+
+
+def record_request(cfg, ids: list[str], reason: str) -> list[dict]:
+    """Tombstones for the documents `ids` (doc_ids or source_ids) in `cfg.workdir`'s ledger; returns the ledger
+    rows of all of them (the ones recorded earlier too), without their signatures."""
+    if not reason.strip():
+        raise ValueError("--reason must say why the documents are forgotten (it is kept in the ledger)")
+    docs = tb.find_documents(cfg.workdir, ids)
+    rows = tb.tombstone_rows(docs, reason, minhash_params(cfg.dedup))
+    tb.add_tombstones(cfg.workdir, rows)
+    want = {r["tombstone_id"] for r in rows}
+    return [{k: v for k, v in r.items() if k != "signature"} for r in tb.read_ledger(cfg.workdir).to_pylist()
+            if r["tombstone_id"] in want]
+
+
+class UnlearnRequest(BaseModel):
+    """The MLflow parent run's config (and run key) of one unlearning."""
+
+    model_config = ConfigDict(frozen=True)
+    kind: str = "unlearn"
+    champion: str
+    tombstones: list[str]
+    doc_ids: list[str]
+    unlearn: ul.UnlearnConfig
+
+
+def unlearn_champion(cfg, tombstones: list[dict], ucfg: ul.UnlearnConfig, log=print) -> dict:
+    """Forget the tombstoned documents in the champion; register the result (see the module doc). Returns
+    {status: registered | refused, model, promotion, metrics, package}."""
+    tracker = Tracker(cfg.tracking, cfg.workdir, default_experiment=cfg.name)
+    registry = Registry(tracker)
+    found = registry.champion_package()
+    if found is None:
+        raise LookupError(f"model {tracker.cfg.model_name} has no @{CHAMPION} version to unlearn from "
+                          "(run the lifecycle first, or use --retrain)")
+    version, package = found
+    champion = DatasetRef.from_dir(package)
+    lineage = json.loads((package / "lineage.json").read_text())
+    tok = next(d for d in lineage["datasets"] if d["stage"] == "tokenize")
+    tokens = DatasetRef.from_dir(Path(tok["manifest"]).parent)
+    doc_ids = sorted({t["doc_id"] for t in tombstones})
+    ids = sorted({t["tombstone_id"] for t in tombstones})
+    request = UnlearnRequest(champion=f"{tracker.cfg.model_name}/{version}", tombstones=ids, doc_ids=doc_ids,
+                             unlearn=ucfg)
+    tracker.start(f"unlearn-{tracker.cfg.model_name}-v{version}", request,
+                  {"lifecycle.kind": "unlearn", "lifecycle.unlearned_from": request.champion,
+                   "lifecycle.tombstones": ",".join(ids)[:7900]})
+    try:
+        model, metrics = ul.unlearn(package, tokens, doc_ids, ucfg, log=log)
+    except ul.UnlearningRefused as e:
+        tracker.log_metrics("unlearn", {k: v for k, v in e.metrics.items() if isinstance(v, (int, float))})
+        tracker.set_parent_tag("lifecycle.unlearn.status", "refused")
+        tracker.set_parent_tag("lifecycle.unlearn.reason", str(e)[:5000])
+        tracker.end("FINISHED")
+        return {"status": "refused", "reason": str(e), "champion": request.champion, "metrics": e.metrics}
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    tracker.log_metrics("unlearn", metrics)
+    extra = {"unlearned_from": request.champion, "champion_package_sha256": champion.sha256,
+             "tombstones": ids, "doc_ids": doc_ids, "metrics": metrics, "config": ucfg.model_dump()}
+    ref = ul.write_package(cfg.workdir, champion, model, extra, request.model_dump(mode="json"))
+    # the champion's val_bpb is the evaluate stage's (evaluate.max_batches of the val split): compare like with like
+    gate = _val(model, tokens, package, cfg.evaluate.max_batches)
+    metrics_for_gate = {**metrics, "val_bpb": gate["val_bpb"], "val_loss": gate["val_loss"]}
+    name, new_version = registry.register_or_reuse(ref, metrics_for_gate)
+    for k, v in {"lifecycle.unlearned": "true", "lifecycle.unlearned_from": request.champion,
+                 "lifecycle.tombstones": ",".join(ids)[:7900]}.items():
+        tracker.client.set_model_version_tag(name, new_version, k, v)
+    promotion = registry.promotion(name, new_version)
+    tracker.set_parent_tag("lifecycle.unlearn.status", "registered")
+    tracker.end("FINISHED")
+    return {"status": "registered", "model": {"name": name, "version": new_version}, "champion": request.champion,
+            "promotion": promotion, "metrics": metrics, "package": str(ref.manifest_path)}
+
+
+def _val(model, tokens: DatasetRef, package: Path, batches: int | None) -> dict[str, float]:
+    from tokenizers import Tokenizer
+
+    return ul.val_loss(model, tokens, Tokenizer.from_file(str(package / "tokenizer.json")), batches)
