@@ -53,6 +53,19 @@ def inside(workdir: str | Path, path: str | Path, what: str) -> Path:
     return resolve_within(path, [workdir], f"{what} is not inside the work dir")
 
 
+def manifests(workdir: str | Path) -> list[tuple[Path, dict]]:
+    """(manifest path, manifest) of every committed dataset of the work dir, each path checked inside it; an
+    unreadable manifest is skipped (manifests are written atomically: one that does not parse is not ours)."""
+    out = []
+    for mp in sorted(Path(workdir).glob(f"datasets/*/*/{MANIFEST}")):
+        mp = inside(workdir, mp, "manifest")
+        try:
+            out.append((mp, json.loads(mp.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _checkpoint_row(workdir: str | Path, cfg_path: Path, run: dict, marker: Path) -> dict:
     m = json.loads(inside(workdir, marker, "checkpoint marker").read_text())
     return {"run_dir": str(cfg_path.parent), "step": m["step"], "tag_dir": str(marker.parent),

@@ -43,6 +43,13 @@ def glob_files(pattern: str) -> list[str]:
     """Files (not directories) matching a glob, sorted; URLs come back as URLs of the same protocol."""
     if not is_url(pattern):
         return sorted(p for p in _glob.glob(pattern, recursive=True) if Path(p).is_file())
+    from fsspec import get_filesystem_class
+    from fsspec.core import split_protocol
+
+    # fsspec caches a file system per protocol and options, with the credentials and endpoint it read from the
+    # environment when it was made: a run lists its inputs with what the environment says now (a long-lived
+    # `serve` process, a rotated key), and the files it then opens share that fresh instance
+    get_filesystem_class(split_protocol(pattern)[0]).clear_instance_cache()
     fs, path = _fs(pattern)
     found = fs.glob(path) if _glob.has_magic(path) else ([path] if fs.exists(path) else [])
     return sorted(fs.unstrip_protocol(p) for p in found if fs.isfile(p))

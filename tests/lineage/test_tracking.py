@@ -62,3 +62,16 @@ def test_champion_moves_only_on_lower_bpb(tmp_path):
     assert v2["lifecycle.promotion.decision"] == "not_promoted"
     assert v2["lifecycle.promotion.champion_value_before"] == "2.0" and v2["lifecycle.promotion.candidate_value"] == "2.5"
     assert c.get_run(t.parent_id).data.tags["lifecycle.promotion.decision"] == "promoted"  # the last decision
+
+
+def test_each_work_dir_logs_to_its_own_store_in_one_process(tmp_path, monkeypatch):
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; a second run in the same process (`serve`, or tests)
+    must not take the first run's store for the user's choice. A URI the user exported still wins."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first = Tracker(TrackingConfig(), str(tmp_path / "a"), "exp")
+    second = Tracker(TrackingConfig(), str(tmp_path / "b"), "exp")
+    assert first.uri == f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}"
+    assert second.uri == f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
+    user = f"sqlite:///{tmp_path / 'user.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", user)
+    assert Tracker(TrackingConfig(), str(tmp_path / "c"), "exp").uri == user

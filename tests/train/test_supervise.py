@@ -187,7 +187,7 @@ def test_a_planted_stale_build_lock_does_not_stop_a_run(tokens, tmp_path, extens
 def _port_of(log_path: str) -> int:
     import re
 
-    return int(re.findall(r"--master_port (\d+)", Path(log_path).read_text())[-1])
+    return int(re.findall(r"--master_port[= ](\d+)", Path(log_path).read_text())[-1])
 
 
 def test_ranks_die_with_a_sigkilled_supervisor_and_the_next_run_releases_its_buffers(tokens, tmp_path, extensions):  # noqa: F811
