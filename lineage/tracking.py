@@ -154,7 +154,6 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
-_URI_SET_BY_US: dict[str, str | None] = {}  # MLFLOW_TRACKING_URI as mlflow.set_tracking_uri exported it
 _HTTP_ENV_SET: dict[str, str] = {}  # MLFLOW_HTTP_* variable -> the value this process set (the user's are kept)
 
 
@@ -229,24 +228,17 @@ class Tracker:
     """Logs one lifecycle run. Runtime object: passed around, never part of the config."""
 
     def __init__(self, cfg: TrackingConfig, workdir: str, default_experiment: str):
-        import mlflow
         from mlflow import MlflowClient
 
         self.workdir = Path(workdir)
-        # explicit config, else the work dir's MLflow server (`lifecycle up` exports it), else SQLite in the work dir.
-        # `mlflow.set_tracking_uri` below also exports MLFLOW_TRACKING_URI: a value this process put there is a
-        # previous run's store (`serve` runs many flows in one process), not the user's choice.
-        env = os.environ.get("MLFLOW_TRACKING_URI")
-        if env is not None and env == _URI_SET_BY_US.get("uri"):
-            env = None
-        self.uri = cfg.tracking_uri or env or f"sqlite:///{self.workdir / 'mlflow.db'}"
+        # explicit config, else the user's MLFLOW_TRACKING_URI (`lifecycle up` exports it), else SQLite in the work
+        # dir. The Tracker only uses its own MlflowClient and never calls `mlflow.set_tracking_uri`, which would
+        # export MLFLOW_TRACKING_URI and make a later run in the same process (`serve`) log into this store.
+        self.uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.workdir / 'mlflow.db'}"
         self.cfg = cfg
         check_store(self.uri, self.workdir)
         if self.uri.startswith(("http://", "https://")):
             bound_http_requests(cfg)
-        mlflow.set_tracking_uri(self.uri)
-        if os.environ.get("MLFLOW_TRACKING_URI") != env:  # mlflow exported it: remember it was us
-            _URI_SET_BY_US["uri"] = os.environ.get("MLFLOW_TRACKING_URI")
         self.client = GuardedClient(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri), self.uri)
         name = cfg.experiment or default_experiment
         exp = self.client.get_experiment_by_name(name)

@@ -96,18 +96,6 @@ def lifecycle_in_process(capsys, *argv: str):
     return rc, last_json(capsys.readouterr().out)
 
 
-@pytest.fixture(autouse=True)
-def _tracking_uri_does_not_leak():
-    """An in-process run's `mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI; put it back after each test so
-    that a later `lifecycle run` subprocess of the same worker does not log into that test's store."""
-    before = os.environ.get("MLFLOW_TRACKING_URI")
-    yield
-    if before is None:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-    else:
-        os.environ["MLFLOW_TRACKING_URI"] = before
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long fault-injection runs; skipped unless LIFECYCLE_SLOW=1")
 

@@ -33,11 +33,8 @@ class Cfg(BaseModel):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """One MLflow SQLite store for the registry tests (creating one takes ~20 s here); each test its own model.
-    The Tracker honours MLFLOW_TRACKING_URI, which an earlier test's MLflow call may have exported."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", "")
-        yield tmp_path_factory.mktemp("store")
+    """One MLflow SQLite store for the registry tests (creating one takes ~20 s here); each test its own model."""
+    return tmp_path_factory.mktemp("store")
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
 """Tracker against a real MLflow SQLite store: resumed runs reuse their MLflow runs without duplicate metric
 steps, and the `champion` alias moves only to a version with lower validation bits per byte."""
 
+import os
+
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
@@ -65,10 +67,11 @@ def test_champion_moves_only_on_lower_bpb(tmp_path):
 
 
 def test_each_work_dir_logs_to_its_own_store_in_one_process(tmp_path, monkeypatch):
-    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; a second run in the same process (`serve`, or tests)
-    must not take the first run's store for the user's choice. A URI the user exported still wins."""
+    """A second run in the same process (`serve`, or tests) must not log into the first run's store: the Tracker
+    exports nothing (no `mlflow.set_tracking_uri`). A URI the user exported still wins."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     first = Tracker(TrackingConfig(), str(tmp_path / "a"), "exp")
+    assert "MLFLOW_TRACKING_URI" not in os.environ
     second = Tracker(TrackingConfig(), str(tmp_path / "b"), "exp")
     assert first.uri == f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}"
     assert second.uri == f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"

@@ -20,13 +20,6 @@ class Cfg(BaseModel):
     workdir: str
 
 
-@pytest.fixture(autouse=True)
-def own_store(monkeypatch):
-    """`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI, which the Tracker honours: without this, a test
-    would log into the store of the test before it."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")
-
-
 def finished_run(wd) -> Tracker:
     t = Tracker(TrackingConfig(model_name="m"), str(wd), "exp")
     t.start("run", Cfg(workdir=str(wd)), {"prefect.flow_run_id": "fr"})
