@@ -126,6 +126,9 @@ def print_summary(s: dict, file=None) -> None:
         p(f"  model:           {s['model']['name']} version {s['model']['version']}")
     for line in metric_lines(s["metrics"]):
         p(line)
+    if s["status"] == "no_new_inputs":  # a no-op scheduled tick: nothing was committed and no MLflow run opened
+        p("  nothing to do: every input file was collected by an earlier run (no MLflow run was opened)")
+        return
     p(f"  MLflow run:      {s['mlflow_run_id']}")
     for name, label in (("funnel", "funnel chart"), ("loss_curves", "loss curves"), ("model_card", "model card")):
         if s.get("artifacts", {}).get(name):

@@ -96,3 +96,10 @@ def test_the_run_summary_says_where_the_charts_and_model_card_are(capsys):
     assert "  funnel chart:    /w/mlartifacts/1/abc/artifacts/funnel.png" in out
     assert "  loss curves:     /w/mlartifacts/1/abc/artifacts/loss_curves.png" in out
     assert "  model card:      /w/mlartifacts/1/abc/artifacts/model_card.md" in out
+
+
+def test_a_no_op_run_summary_says_nothing_was_done_instead_of_mlflow_none(capsys):
+    print_summary({"status": "no_new_inputs", "elapsed_s": 0.4, "workdir": "/w", "stages": {}, "datasets": {},
+                   "metrics": {}, "mlflow_run_id": None, "mlflow_tracking_uri": None, "checkpoint": None})
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and "None" not in out and "mlflow ui" not in out
