@@ -8,8 +8,8 @@ files (a page holding one of the text-set paragraphs is left out, so "clean" mea
 a clean page with one eval item inserted at a random word boundary, in one of these forms:
 
 - whole: the item as it is;
-- partial-N: a random span of N consecutive words of the item (N = 13, 20, 50), lower-cased and re-punctuated
-  (commas between words), which normalisation must see through;
+- partial-N: a random span of N consecutive words of the item (N = 13, 20, 50; words as the step counts them,
+  `\\w+` runs), upper-cased and re-punctuated (commas between words), which normalisation must see through;
 - partial-12: 12 words only, below the 13-gram window: detection here is by design impossible (expected 0).
 
 Recall is the share of planted documents rejected as `contaminated` naming the planted item's set; the false-
@@ -55,11 +55,11 @@ def text_set(rng: random.Random, n: int = 150) -> list[str]:
 
 
 def plant(page: str, item: str, form: str, rng: random.Random) -> str:
-    w = item.split()
-    if form != "whole":
+    if form != "whole":  # N words as the step counts them (lower-cased \w+ runs), re-punctuated
+        w = words(item)
         n = int(form.split("-")[1])
         start = rng.randrange(0, max(1, len(w) - n + 1))
-        item = ", ".join(x.lower() for x in w[start:start + n])
+        item = ", ".join(w[start:start + n]).upper()
     pw = page.split(" ")
     at = rng.randrange(0, len(pw) + 1)
     return " ".join(pw[:at] + [item] + pw[at:])
@@ -92,6 +92,7 @@ def run(n_docs: int, seed: int = 0) -> dict:
     t0 = time.perf_counter()
     kept, rejected, stats = decontaminate_table(table, index)
     secs = time.perf_counter() - t0
+    mb = sum(len(t.encode()) for t in texts) / 1e6
     hit = {r["doc_id"]: json.loads(r["detail"])["set"] for r in rejected.to_pylist()}
     by_form = {}
     for form in FORMS:
@@ -107,7 +108,7 @@ def run(n_docs: int, seed: int = 0) -> dict:
             "clean_docs": len(controls), "false_positives": fp, "false_positive_rate": fp / len(controls),
             "false_positive_ngrams": [json.loads(r["detail"]) for r in rejected.to_pylist()
                                       if int(r["doc_id"][1:]) >= len(planted)][:5],
-            "docs_per_s": len(texts) / secs, "index_build_s": round(index_s, 3),
+            "docs_per_s": len(texts) / secs, "mb_per_s": mb / secs, "mean_doc_bytes": round(mb * 1e6 / len(texts)), "index_build_s": round(index_s, 3),
             "load_average": os.getloadavg()[0]}
 
 
@@ -127,7 +128,8 @@ def main(argv=None) -> None:
     print(f"recall (13+ words planted): {r['recall_planted_13plus']:.3f}")
     print(f"false positives: {r['false_positives']} of {r['clean_docs']} clean pages "
           f"({r['false_positive_rate']:.3%})")
-    print(f"throughput: {r['docs_per_s']:.0f} docs/s on one core (load average {r['load_average']:.2f})")
+    print(f"throughput: {r['docs_per_s']:.0f} docs/s, {r['mb_per_s']:.2f} MB/s on one core ({r['mean_doc_bytes']} B/doc; "
+          f"load average {r['load_average']:.2f})")
 
 
 if __name__ == "__main__":

@@ -10,17 +10,15 @@ Trained with one thread and a fixed seed, so a rerun gives the same model bytes.
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 
 LABEL_HQ, LABEL_LQ = "__label__hq", "__label__lq"
-_SPACE = re.compile(r"\s+")
 
 
 def line_of(text: str, max_chars: int) -> str:
     """fastText reads one example per line: whitespace collapsed (DCLM replaces newlines with spaces), cut to
     `max_chars` so one huge page costs no more than a long one."""
-    return _SPACE.sub(" ", text[:max_chars]).strip()
+    return " ".join(text[:max_chars].split())  # str.split: about 3x faster than a regex here
 
 
 def held_out(key: str, seed: int, fraction: float) -> bool:
