@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lifecycle.tasks.eval.evaluate.stage import (EvaluateConfig, bits_per_byte,
+from lifecycle.tasks.eval.evaluate.stage import (bits_per_byte,
                             text_scores, token_byte_lengths, windows)
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, new_bpe
 

@@ -22,10 +22,6 @@ from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.model import GPT
 from tests.conftest import corpus_records, docs_table, make_collect
 
-BOILERPLATE = ("This article is shared under the terms of the open community licence, version two, "
-               "as published by the foundation.")
-
-
 class Cfg(BaseModel):
     workdir: str
 

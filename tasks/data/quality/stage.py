@@ -44,8 +44,8 @@ class QualityConfig(BaseModel):
     """Share of positives and negatives kept out of training to measure precision, recall and F1."""
     seed: int = 0
     """Salt of the negative sample and the held-out split; also fastText's seed."""
-    epoch: int = Field(5, ge=1)
-    lr: float = Field(0.1, gt=0)
+    epoch: int = Field(20, ge=1)
+    lr: float = Field(0.5, gt=0)
     word_ngrams: int = Field(2, ge=1)
     """fastText wordNgrams (DCLM: 2)."""
     dim: int = Field(64, ge=1)

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lifecycle.core.code import code_version
-from lifecycle.core.dataset import DatasetRef, StageStats, read_parquet, rejected_table
+from lifecycle.core.dataset import DatasetRef, StageStats, rejected_table
 from lifecycle.core.shards import StagePlan, map_tables, plan_stage, run_plan
 
 STAGE = "select"
