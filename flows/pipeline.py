@@ -1,6 +1,7 @@
 """The lifecycle flow: the README's diagram, one registered stage per line. It computes nothing itself.
 
-collect -> filter -> dedup -> scrub -> tokenize -> train -> evaluate -> checkpoint (+ register)
+collect -> filter -> dedup -> scrub [-> decontaminate -> quality -> select] -> tokenize -> train -> evaluate
+-> checkpoint (+ register); the bracketed stages are off unless their config section turns them on.
 
 Each stage returns a small reference (a `DatasetRef`, or the train stage's `TrainResult`); rows stay in Parquet.
 Every stage is logged to its own nested MLflow run under one parent run per flow run (`lineage.tracking`).
@@ -31,8 +32,9 @@ from lifecycle.tasks.data.collect.stage import new_inputs, record_collected, res
 from lifecycle.tasks.eval.checkpoint.stage import warm_start
 from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
 from lifecycle.tasks.eval.evaluate.metrics_text import scale_of, with_scale
-from lifecycle.tasks.eval.evaluate.stage import check_contamination, examples_of
-from lifecycle.tasks.stages import CHECKPOINT, COLLECT, DEDUP, EVALUATE, FILTER, SCRUB, TOKENIZE, TRAIN
+from lifecycle.tasks.eval.evaluate.stage import examples_of
+from lifecycle.tasks.stages import (CHECKPOINT, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, QUALITY, SCRUB, SELECT,
+                                    TOKENIZE, TRAIN, enabled, input_of)
 
 
 log = logging.getLogger(__name__)
@@ -84,12 +86,13 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         kept = run(FILTER, docs)
         unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
         clean = run(SCRUB, unique)
+        for stage in (DECONTAMINATE, QUALITY, SELECT):  # optional, off by default: tokenize then reads scrub's output
+            if enabled(stage, cfg):
+                clean = run(stage, clean)
         tokens = run(TOKENIZE, clean, config=tokenize_cfg)
         trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None,
                       on_metrics=reporter().train_metrics)
-        scores = run(EVALUATE, trained, tokens)
-        if scores is not None:  # after logging, so a failed run still shows the rate
-            check_contamination(summary.metrics, cfg.evaluate)
+        scores = run(EVALUATE, trained, tokens)  # the data checks ran at tokenize, before training
         model = run(CHECKPOINT, trained, tokens)
         if model is not None:
             _register(tracker, summary, model, cfg, scores)
@@ -137,10 +140,13 @@ class _Logger:
     def _data(self, stage, ref: DatasetRef, outcome: str, extra: dict, section) -> None:
         manifest = ref.manifest()
         stats = manifest.get("stats") or None
-        parents = [self.parents[p] for p in stage.parents if p in self.parents]
-        raw = [RawFile(**r) for r in manifest["inputs"]] if not stage.parents else []
+        parent = input_of(stage.name, self.parents)  # an optional stage turned off is skipped over
+        parents = [self.parents[parent]] if parent in self.parents else []
+        raw = [RawFile(**r) for r in manifest["inputs"]] if not stage.parents or stage.optional else []
+        tags = {"lifecycle.quality_model_sha256": manifest["model_sha256"]} if "model_sha256" in manifest else None
         self.tracker.log_stage(stage.name, section, outcome, inputs=parents, outputs=[ref], raw_inputs=raw,
-                               metrics={**funnel_metrics(stats or {}), **extra})
+                               metrics={**funnel_metrics(stats or {}), **manifest.get("metrics", {}), **extra},
+                               tags=tags)
         self.parents[stage.name] = ref
         _update_catalog(self.summary.workdir, with_models=False)
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")

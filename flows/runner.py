@@ -29,7 +29,7 @@ from lifecycle.core.dataset import (
 from lifecycle.core.procs import Terminated
 from lifecycle.core.shards import SHARD_MARKER, StagePlan, commit_plan, run_shard_watched
 from lifecycle.tasks.data.collect.stage import InputError
-from lifecycle.tasks.eval.evaluate.stage import ContaminationError
+from lifecycle.tasks.data.decontaminate.ngrams import ContaminationError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,10 @@ from lifecycle.core.fs import is_remote
 from lifecycle.core.paths import PathEscape, pattern_root, resolve_within
 from lifecycle.lineage.tracking import TrackingConfig
 from lifecycle.tasks.data.collect.stage import CollectConfig
+from lifecycle.tasks.data.decontaminate.stage import DecontaminateConfig
 from lifecycle.tasks.data.dedup.stage import DedupConfig
+from lifecycle.tasks.data.quality.stage import QualityConfig
+from lifecycle.tasks.data.select.stage import SelectConfig
 from lifecycle.tasks.eval.evaluate.stage import EvaluateConfig
 from lifecycle.tasks.data.filter.stage import FilterConfig
 from lifecycle.tasks.data.scrub.stage import ScrubConfig
@@ -78,6 +81,13 @@ class PipelineConfig(BaseModel):
     dedup: DedupConfig = Field(DedupConfig(), description="Exact and MinHash near-duplicate removal "
                                "(tasks/data/dedup/stage.py).")
     scrub: ScrubConfig = Field(ScrubConfig(), description="PII placeholders (tasks/data/scrub/stage.py).")
+    decontaminate: DecontaminateConfig = Field(DecontaminateConfig(), description="Reject documents sharing an "
+                                               "n-gram with an eval set; off by default "
+                                               "(tasks/data/decontaminate/stage.py).")
+    quality: QualityConfig = Field(QualityConfig(), description="Per-document quality scores (a fastText "
+                                   "classifier), never dropping; off by default (tasks/data/quality/stage.py).")
+    select: SelectConfig = Field(SelectConfig(), description="The keep rule on the quality scores, run with "
+                                 "quality (tasks/data/select/stage.py).")
     tokenize: TokenizeConfig = Field(TokenizeConfig(), description="BPE tokenizer and token shards "
                                      "(tasks/data/tokenize/stage.py).")
     train: TrainConfig = Field(TrainConfig(), description="Model, optimizer, DeepSpeed and checkpoints "

@@ -60,7 +60,8 @@ def funnel_png(manifests: dict[str, dict], path: str | Path) -> Path:
     labels = ["raw records"] + [r["stage"] for r in rows]
     values = [rows[0]["rows_in"]] + [r["rows_kept"] for r in rows]
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    fig.subplots_adjust(left=0.1, right=0.6, top=0.88, bottom=0.13)  # the drop reasons go right of the axes
+    fig.subplots_adjust(left=0.12, right=0.6, top=0.88, bottom=0.13)  # the drop reasons go right of the axes;
+    # left: room for the longest stage name (decontaminate)
     bars = ax.barh(labels[::-1], values[::-1], color="#4c72b0")
     notes = [""] + ["; ".join(f"-{n:,} {k}" for k, n in r["top_reasons"]) for r in rows]
     beside = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)

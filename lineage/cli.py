@@ -172,7 +172,7 @@ def doc_lineage(con, ident: str) -> dict:
         params = [doc_ids, ident]
         kept_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE kept")}
         extra = [c for c in ("cluster_id", "cluster_size") if c in kept_cols] + \
-                sorted(c for c in kept_cols if c.startswith("pii_"))
+                sorted(c for c in kept_cols if c.startswith(("pii_", "quality_")))
         sel = ", ".join(["doc_id", "source_id", "dataset_path"] + extra)
         for r in cat.query(con, f"SELECT {sel} FROM kept WHERE {where}", params):
             events.append({"outcome": "kept", **{k: v for k, v in r.items() if v is not None}})
@@ -181,9 +181,13 @@ def doc_lineage(con, ident: str) -> dict:
                          [c for c in ("duplicate_of", "duplicate_kind", "cluster_id") if c in rej_cols])
         for r in cat.query(con, f"SELECT {rsel} FROM rejected WHERE {where}", params):
             events.append({"outcome": "rejected", **{k: v for k, v in r.items() if v is not None}})
-        for r in cat.query(con, f"SELECT doc_id, source_id, dataset_path, split, shard, token_start, token_end "
-                                f"FROM tokens WHERE {where}", params):
-            events.append({"outcome": "tokenized", **r})
+        scores = sorted(r["column_name"] for r in cat.query(con, "DESCRIBE tokens")
+                        if r["column_name"].startswith("quality_"))  # the quality step's scores, when it ran
+        for r in cat.query(con, "SELECT " + ", ".join(["doc_id", "source_id", "dataset_path", "split", "shard",
+                                                         "token_start", "token_end", *scores])
+                           + f" FROM tokens WHERE {where}", params):
+            events.append({"outcome": "tokenized", **{k: v for k, v in r.items() if v is not None or k in
+                                                      ("split", "shard", "token_start", "token_end")}})
     info = {r["path"]: r for r in cat.query(con, "SELECT stage, sha256, path, created_at FROM datasets")}
     for e in events:
         d = info.get(e["dataset_path"], {})

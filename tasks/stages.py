@@ -39,6 +39,8 @@ class Stage:
     """Whether `PipelineConfig` has a section of this name passed to the stage's functions."""
     documents: bool = False
     """Whether its rows are documents (doc_id, source_id, text): the lineage catalog indexes those."""
+    optional: bool = False
+    """Off unless its config turns it on (`enabled`); when off it does not run and its children read its parent."""
 
     def entry(self, which: Literal["plan", "run"]) -> Callable:
         spec = getattr(self, which)
@@ -59,15 +61,40 @@ DEDUP = Stage("dedup", f"{_D}.dedup", "data", ("filter",), plan=f"{_D}.dedup.sta
               run=f"{_D}.dedup.stage:run_dedup", sharded_name="dedup-signatures", sharded_arg="signatures",
               documents=True)
 SCRUB = Stage("scrub", f"{_D}.scrub", "data", ("dedup",), plan=f"{_D}.scrub.stage:plan_scrub", documents=True)
-TOKENIZE = Stage("tokenize", f"{_D}.tokenize", "data", ("scrub",), run=f"{_D}.tokenize.stage:run_tokenize")
+DECONTAMINATE = Stage("decontaminate", f"{_D}.decontaminate", "data", ("scrub",),
+                      plan=f"{_D}.decontaminate.stage:plan_decontaminate", documents=True, optional=True)
+QUALITY = Stage("quality", f"{_D}.quality", "data", ("decontaminate",), run=f"{_D}.quality.stage:run_quality",
+                documents=True, optional=True)
+SELECT = Stage("select", f"{_D}.select", "data", ("quality",), plan=f"{_D}.select.stage:plan_select",
+               documents=True, optional=True)
+TOKENIZE = Stage("tokenize", f"{_D}.tokenize", "data", ("select",), run=f"{_D}.tokenize.stage:run_tokenize")
 TRAIN = Stage("train", "lifecycle.tasks.train", "train", ("tokenize",), run="lifecycle.tasks.train.launch:run_train")
 EVALUATE = Stage("evaluate", "lifecycle.tasks.eval.evaluate", "eval", ("train", "tokenize"),
                  run="lifecycle.tasks.eval.evaluate.stage:evaluate_stage")
 CHECKPOINT = Stage("checkpoint", "lifecycle.tasks.eval.checkpoint", "eval", ("train", "tokenize"),
                    run="lifecycle.tasks.eval.checkpoint.stage:package_model", configured=False)
 
-STAGES: tuple[Stage, ...] = (COLLECT, FILTER, DEDUP, SCRUB, TOKENIZE, TRAIN, EVALUATE, CHECKPOINT)
+STAGES: tuple[Stage, ...] = (COLLECT, FILTER, DEDUP, SCRUB, DECONTAMINATE, QUALITY, SELECT, TOKENIZE, TRAIN, EVALUATE,
+                              CHECKPOINT)
 NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 DOCUMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.documents)
 DATA_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.group == "data")
+
+
+def enabled(stage: Stage, cfg) -> bool:
+    """Whether `stage` runs under the pipeline config `cfg` (an optional stage only when its section says so;
+    select runs with quality, whose scores it reads)."""
+    if not stage.optional:
+        return True
+    section = "quality" if stage.name == "select" else stage.name
+    return bool(getattr(getattr(cfg, section), "enabled", False))
+
+
+def input_of(name: str, ran) -> str | None:
+    """The stage whose output `name` reads: its registered parent, or, for a parent that did not run (an optional
+    stage turned off), that parent's own input, and so on up."""
+    parent = BY_NAME[name].parents[0] if BY_NAME[name].parents else None
+    while parent is not None and parent not in ran and BY_NAME[parent].optional:
+        parent = BY_NAME[parent].parents[0]
+    return parent

@@ -41,7 +41,9 @@ def corpus(n: int = 60) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(5, 40)))) + f" doc {i}." for i in range(n)]
 
 
-CFG = TokenizeConfig(vocab_size=300, min_frequency=2, val_fraction=0.2, seed=1, batch_size=16)  # several encode batches
+# several encode batches; no validation floor: these tests check the hash split itself (floor: test_data_checks.py)
+CFG = TokenizeConfig(vocab_size=300, min_frequency=2, val_fraction=0.2, seed=1, batch_size=16, min_val_docs=0,
+                     min_val_tokens=0)
 
 
 def test_tokenize_round_trip_shards_and_side_table(tmp_path):

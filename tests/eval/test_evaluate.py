@@ -1,10 +1,11 @@
-"""Evaluation metrics on literal inputs: exact byte counts for bits per byte, BLEU/ROUGE, 13-gram contamination."""
+"""Evaluation metrics on literal inputs: exact byte counts for bits per byte, BLEU/ROUGE (the 13-gram train/val overlap is a data check
+at tokenize now: tests/data/test_data_checks.py)."""
 
 import math
 
 import pytest
 
-from lifecycle.tasks.eval.evaluate.stage import (ContaminationError, EvaluateConfig, bits_per_byte, check_contamination, contamination,
+from lifecycle.tasks.eval.evaluate.stage import (bits_per_byte,
                             text_scores, token_byte_lengths, windows)
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, new_bpe
 
@@ -46,18 +47,3 @@ def test_text_scores_perfect_and_unrelated():
     assert other["gen_bleu"] < 1.0 and other["gen_rouge1"] == 0.0
 
 
-def test_contamination_counts_docs_sharing_a_13gram():
-    train = [" ".join(f"w{i}" for i in range(40))]
-    clean = " ".join(f"x{i}" for i in range(40))
-    dirty = "Intro words. " + " ".join(f"W{i}" for i in range(10, 23)) + " then other words"  # 13 words, any case
-    near = " ".join(f"w{i}" for i in range(10, 22))  # only 12 words in common: not a 13-gram
-    m = contamination([clean, dirty, near], train, 13)
-    assert m["contamination_dirty_docs"] == 1 and m["contamination_doc_rate"] == pytest.approx(1 / 3)
-    assert 0 < m["contamination_ngram_rate"] < 1
-
-
-def test_check_contamination_fails_above_threshold():
-    m = {"contamination_doc_rate": 0.25, "contamination_dirty_docs": 1, "contamination_eval_docs": 4}
-    check_contamination(m, EvaluateConfig(max_contamination=0.25))  # at the threshold: passes
-    with pytest.raises(ContaminationError, match="max_contamination=0.2"):
-        check_contamination(m, EvaluateConfig(max_contamination=0.2))

@@ -1,7 +1,7 @@
 """The champion gate compares like with like: val_bpb of two versions counts only on the same evaluation-set
 digest; on another digest the champion is re-scored on the candidate's set, or promotion is refused with the
-reason. Real MLflow SQLite registry; `rescore_package` on a real token dataset and model package. Plus the
-contamination gate on boilerplate-sharing documents (the construction the flow test uses)."""
+reason. Real MLflow SQLite registry; `rescore_package` on a real token dataset and model package. (The
+contamination gate on boilerplate-sharing documents is a data check at tokenize: tests/data/test_data_checks.py.)"""
 
 import json
 
@@ -16,16 +16,11 @@ from lifecycle.lineage.registry import CHAMPION, EVAL_SET_TAG, Registry
 from lifecycle.lineage.tracking import Tracker, TrackingConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize, token_shards
 from lifecycle.tasks.eval.evaluate.gate import eval_set_digest, rescore_package
-from lifecycle.tasks.eval.evaluate.stage import (ContaminationError, EvaluateConfig, _loss, check_contamination,
-                                                 contamination, token_byte_lengths)
+from lifecycle.tasks.eval.evaluate.stage import (EvaluateConfig, _loss, token_byte_lengths)
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.model import GPT
 from tests.conftest import corpus_records, docs_table, make_collect
-
-BOILERPLATE = ("This article is shared under the terms of the open community licence, version two, "
-               "as published by the foundation.")
-
 
 class Cfg(BaseModel):
     workdir: str
@@ -154,11 +149,3 @@ def test_rescore_package_scores_the_champion_exactly_as_evaluate_scores(scored):
     (ref.dir / "model.safetensors").write_bytes(b"damaged")
     value, why = rescore_package(ref.dir, evaluate)
     assert value is None and "does not verify" in why
-
-
-def test_contamination_gate_fails_on_shared_boilerplate():
-    docs = [f"{r['text']} {BOILERPLATE}" for r in corpus_records(10)]
-    m = contamination(docs[:3], docs[3:], 13)
-    assert m["contamination_doc_rate"] == 1.0
-    with pytest.raises(ContaminationError, match=r"3 of 3 val documents \(100.0%\) share a 13-gram"):
-        check_contamination(m, EvaluateConfig())

@@ -36,6 +36,7 @@ SETTINGS = [
     "train.optimizer.lr=0.003", "train.optimizer.min_lr=0.001",
     "train.model.n_layer=2", "train.model.n_embd=128", "train.model.n_head=4", "train.model.seq_len=64",
     "tokenize.vocab_size=512", "tokenize.val_fraction=0.25", "evaluate.max_batches=8", "evaluate.num_prompts=0",
+    "tokenize.min_val_docs=0", "tokenize.min_val_tokens=0",  # canary_id reads the split off val_fraction alone
     "orchestration.retry_backoff_s=0.1",
 ]
 UNLEARN = ["--unlearn-set", "sequence_tokens=48", "--unlearn-set", "el_n=5", "--unlearn-set", "el_stride=2",

@@ -22,7 +22,7 @@ from lifecycle.config import load_config
 from lifecycle.core import code
 from lifecycle.core.shards import run_plan
 from lifecycle.tasks.data.collect.stage import resolve_inputs
-from lifecycle.tasks.stages import BY_NAME, DATA_STAGES
+from lifecycle.tasks.stages import BY_NAME, DATA_STAGES, enabled, input_of
 from tests.conftest import ROOT, corpus_records
 
 PACKAGE_DIR: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -57,14 +57,18 @@ def inputs(tmp_path_factory) -> list[str]:
     return [str(src)]
 
 
-def run_data_stages(inputs: list[str], workdir: Path) -> dict[str, tuple[str, bool]]:
-    """collect..tokenize through the registry: stage -> (dataset folder, reused)."""
+def run_data_stages(inputs: list[str], workdir: Path, overrides: tuple[str, ...] = ()) -> dict[str, tuple[str, bool]]:
+    """collect..tokenize through the registry (optional stages when `overrides` turn them on): stage -> (dataset
+    folder, reused)."""
     cfg = load_config(None, [f"workdir={workdir}", f"collect.inputs={json.dumps(inputs)}",
-                             "tokenize.vocab_size=300", "tokenize.val_fraction=0.2"])
+                             "tokenize.vocab_size=300", "tokenize.val_fraction=0.2", *overrides])
     out, refs = {}, {}
     for name in DATA_STAGES:
         stage = BY_NAME[name]
-        args = (*(refs[p] for p in stage.parents), getattr(cfg, name), str(workdir))
+        if not enabled(stage, cfg):  # optional stages (decontaminate, quality, select) are off by default
+            continue
+        parent = input_of(name, refs)
+        args = (*([refs[parent]] if parent else []), getattr(cfg, name), str(workdir))
         kw = {"inputs": resolve_inputs(cfg.collect.inputs)} if name == "collect" else {}
         ref = None
         if stage.plan:

@@ -18,11 +18,19 @@ Output dataset (one `lifecycle.core.dataset` directory, manifest written last):
 The train/val split is by document and deterministic: sha256(seed, doc_id) mapped to [0, 1) is compared
 with `val_fraction`, so a document never straddles the split and reruns give the same split. The BPE is
 trained on the train split only, so validation text never shapes the vocabulary.
+
+The validation split has a floor (`min_val_docs`, `min_val_tokens`; `split.py`): below it the stage says so and
+takes the next documents in hash order until the floor is met (at most `max_val_fraction` of the documents),
+then trains the BPE on what is left. The data checks run here, before any training (`checks.py`): the share of
+val documents sharing a word n-gram with the train split is in the manifest (`contamination`), and above
+`max_contamination` the stage fails with `ContaminationError`, so a bad split costs no training time. Score
+columns of the parent (`quality_*`, from the quality step) are carried into the side table.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -34,10 +42,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 from lifecycle.core.code import code_version
-from lifecycle.tasks.data.tokenize import base
+from lifecycle.tasks.data.tokenize import base, checks
+from lifecycle.tasks.data.tokenize import split as valsplit
 from lifecycle.tasks.data.tokenize.base import base_tokens, tokenizer_rows
 
+log = logging.getLogger(__name__)
+
 STAGE = "tokenize"
+SCORE_PREFIX = "quality_"  # per-document score columns carried into the side table
 SPLITS = ("train", "val")
 SIDE_ROWS_PER_FILE = 1 << 17  # side-table rows per Parquet file
 
@@ -66,6 +78,18 @@ class TokenizeConfig(BaseModel):
     """Share of documents (not tokens) routed to the validation shard, by a hash of doc_id."""
     seed: int = 0
     """Salt of the split hash: change it to draw a different validation set."""
+    min_val_docs: int = Field(50, ge=0)
+    """Floor of the validation split in documents: below it, more documents (next in hash order) are moved there,
+    with a message. Not applied when val_fraction is 0 (no validation split asked for)."""
+    min_val_tokens: int = Field(10_000, ge=0)
+    """Floor of the validation split in tokens (counted with the stage's tokenizer), as `min_val_docs`."""
+    max_val_fraction: float = Field(0.5, gt=0.0, lt=1.0)
+    """The floors never take more than this share of the documents; a corpus too small says so in the manifest."""
+    contamination_ngram: int = Field(13, ge=1)
+    """Word n-gram length of the train/val overlap check (13, as in GPT-3 and lm-eval's decontamination)."""
+    max_contamination: float = Field(0.1, ge=0.0, le=1.0)
+    """Fail here, before training, when more than this share of val documents shares an n-gram with the train
+    split (boilerplate shared by every page, a split drawn from near-copies)."""
     special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|pad|>")
     """Special tokens, given the first ids in this order. Must contain `eot_token`."""
     eot_token: str = "<|endoftext|>"
@@ -101,10 +125,16 @@ class TokenizeConfig(BaseModel):
 # pure functions
 
 
-def split_of(doc_id: str, cfg: TokenizeConfig) -> str:
-    """'val' or 'train', stable for a doc_id and seed."""
+def split_key(doc_id: str, cfg: TokenizeConfig) -> float:
+    """sha256(seed, doc_id) mapped to [0, 1): the document's place in the split order."""
     h = hashlib.sha256(f"{cfg.seed}:{doc_id}".encode()).digest()
-    return "val" if int.from_bytes(h[:8], "big") / 2**64 < cfg.val_fraction else "train"
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+def split_of(doc_id: str, cfg: TokenizeConfig) -> str:
+    """'val' or 'train' by `val_fraction` alone, stable for a doc_id and seed (the floor may move more documents
+    to val: the side table's `split` column is the truth)."""
+    return "val" if split_key(doc_id, cfg) < cfg.val_fraction else "train"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -129,17 +159,17 @@ def new_bpe(cfg: TokenizeConfig):
     return tok, trainer
 
 
-def iter_docs(files: list[Path], batch_rows: int) -> Iterator[pa.RecordBatch]:
-    """Stream (doc_id, source_id, text) batches over Parquet files, one row group slice at a time."""
+def iter_docs(files: list[Path], batch_rows: int, extra: list[str] = ()) -> Iterator[pa.RecordBatch]:
+    """Stream (doc_id, source_id, text, *extra) batches over Parquet files, one row group slice at a time."""
     for path in files:
         pf = ds.open_parquet(path)  # pages checked against their CRCs
-        yield from pf.iter_batches(batch_size=batch_rows, columns=["doc_id", "source_id", "text"])
+        yield from pf.iter_batches(batch_size=batch_rows, columns=["doc_id", "source_id", "text", *extra])
 
 
-def train_texts(files: list[Path], cfg: TokenizeConfig) -> Iterator[list[str]]:
+def train_texts(files: list[Path], cfg: TokenizeConfig, val: set[str]) -> Iterator[list[str]]:
     for batch in iter_docs(files, cfg.batch_size):
         ids, texts = batch.column("doc_id").to_pylist(), batch.column("text").to_pylist()
-        chunk = [t for d, t in zip(ids, texts) if t and split_of(d, cfg) == "train"]
+        chunk = [t for d, t in zip(ids, texts) if t and d not in val]
         if chunk:
             yield chunk
 
@@ -192,23 +222,48 @@ def hf_tokenizer_config(cfg: TokenizeConfig, tok=None, framing: base.BaseTokens 
             "pad_token": pad, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
 
 
+def score_columns(parent: ds.DatasetRef) -> list[pa.Field]:
+    """The parent's per-document score columns (`quality_*`, written by the quality step), kept in the side table."""
+    files = parent.files()
+    if not files:
+        return []
+    schema = ds.open_parquet(files[0]).schema_arrow
+    return [f for f in schema if f.name.startswith(SCORE_PREFIX)]
+
+
+def _train_bpe(files: list[Path], cfg: TokenizeConfig, val: set[str], tok_path: Path):
+    tok, trainer = new_bpe(cfg)
+    tok.train_from_iterator(train_texts(files, cfg, val), trainer=trainer)
+    tok.save(str(tok_path))
+
+
 def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter) -> dict:
     from tokenizers import Tokenizer
 
     files = parent.files()
     tok_path = writer.path("tokenizer.json")
     given = given_tokenizer(cfg)
+    vs = valsplit.docs_floor(files, cfg, iter_docs, split_key)
     if given is not None:
         fs.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
         if fs.sha256_file(tok_path) != given.sha256:
             raise RuntimeError(f"tokenize.tokenizer_file {given.path} changed while it was being copied")
     else:
-        tok, trainer = new_bpe(cfg)
-        tok.train_from_iterator(train_texts(files, cfg), trainer=trainer)
-        tok.save(str(tok_path))
+        _train_bpe(files, cfg, vs.val, tok_path)
+    framing = base_tokens(cfg.base_model) if cfg.base_model is not None else None
+    framed = 1 + (framing is not None and framing.bos_id is not None)  # EOS (+ BOS) around every document
+
+    def count(texts: list[str]) -> list[int]:
+        encoder = Tokenizer.from_file(str(tok_path))
+        return [len(e.ids) + framed for e in encoder.encode_batch(texts, add_special_tokens=False)]
+
+    if valsplit.tokens_floor(vs, files, cfg, iter_docs, count) and given is None:
+        _train_bpe(files, cfg, vs.val, tok_path)  # the moved documents must not shape the vocabulary
+    for note in vs.notes:
+        log.warning("tokenize: %s", note)
+        print(f"[tokenize] {note}")
     writer.add_file("tokenizer.json", kind="extra")
     tok = Tokenizer.from_file(str(tok_path))  # encode with exactly what was saved
-    framing = base_tokens(cfg.base_model) if cfg.base_model is not None else None
     fs.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg, tok, framing))
     writer.add_file("tokenizer_config.json", kind="extra")
 
@@ -228,37 +283,42 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     docs = Counter()
     stats = ds.StageStats()
     rejected: list[dict] = []
-    rows = {name: [] for name in SIDE_SCHEMA.names}
+    scores = score_columns(parent)
+    side_schema = SIDE_SCHEMA
+    for f in scores:
+        side_schema = side_schema.append(f)
+    rows = {name: [] for name in side_schema.names}
 
     def flush_rows() -> None:
         if rows["doc_id"]:
-            writer.write_table(pa.table(rows, schema=SIDE_SCHEMA))
+            writer.write_table(pa.table(rows, schema=side_schema))
             stats.rows_kept += len(rows["doc_id"])
             for col in rows.values():
                 col.clear()
 
     try:
-        for batch in iter_docs(files, cfg.batch_size):
+        for batch in iter_docs(files, cfg.batch_size, [f.name for f in scores]):
             ids = batch.column("doc_id").to_pylist()
             sources = batch.column("source_id").to_pylist()
             texts = batch.column("text").to_pylist()
             stats.rows_in += len(ids)
             stats.bytes_in += sum(len(t.encode()) for t in texts if t)
             encodings = tok.encode_batch([t or "" for t in texts], add_special_tokens=False)
-            for doc_id, source_id, enc in zip(ids, sources, encodings):
+            extra = [batch.column(f.name).to_pylist() for f in scores]
+            for j, (doc_id, source_id, enc) in enumerate(zip(ids, sources, encodings)):
                 if not enc.ids:
                     rejected.append({"doc_id": doc_id, "source_id": source_id, "reason": "empty_after_tokenize",
                                      "detail": "text is null or encodes to zero tokens"})
                     stats.rejected["empty_after_tokenize"] += 1
                     continue
-                split = split_of(doc_id, cfg)
+                split = "val" if doc_id in vs.val else "train"
                 arr = np.asarray(bos + enc.ids + [eot_id], dtype=dtype)
                 arr.tofile(outs[split])
                 start = offsets[split] + len(bos)  # a BOS sits just before token_start
                 offsets[split] += arr.size
                 docs[split] += 1
-                row = (doc_id, source_id, split, shards[split], start, offsets[split] - 1)
-                for name, value in zip(SIDE_SCHEMA.names, row):
+                row = (doc_id, source_id, split, shards[split], start, offsets[split] - 1, *(c[j] for c in extra))
+                for name, value in zip(side_schema.names, row):
                     rows[name].append(value)
             if len(rows["doc_id"]) >= SIDE_ROWS_PER_FILE:
                 flush_rows()
@@ -272,6 +332,13 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
         writer.write_table(ds.rejected_table(rejected, STAGE), kind="rejected")
     stats.bytes_out = sum(offsets.values()) * dtype.itemsize
     stats.counters.update({f"tokens_{s}": offsets[s] for s in SPLITS} | {f"docs_{s}": docs[s] for s in SPLITS})
+    vs.tokens = offsets["val"]
+
+    def batches():
+        for b in iter_docs(files, cfg.batch_size):
+            yield b.column("doc_id").to_pylist(), b.column("text").to_pylist()
+
+    overlap = checks.train_val_overlap(batches, vs.val, cfg.contamination_ngram)
     return {
         "stats": stats,
         "extra": {
@@ -283,6 +350,8 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
             "num_tokens": dict(offsets),
             "num_docs": dict(docs),
             "shards": {s: [shards[s]] for s in SPLITS},
+            "val_split": vs.summary(),
+            "contamination": overlap | {"ngram": cfg.contamination_ngram},
         },
     }
 
@@ -290,8 +359,11 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
 def run_tokenize(parent: ds.DatasetRef, cfg: TokenizeConfig, workdir: str) -> ds.DatasetRef:
     """Return the committed token dataset for (parent, cfg, this code), building it if needed."""
     code = code_version(__package__)
-    return ds.materialize(workdir, STAGE, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent],
-                          inputs=given_inputs(cfg))
+    ref = ds.materialize(workdir, STAGE, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent],
+                         inputs=given_inputs(cfg))
+    # the data checks, on the committed result (a rerun of a failed check reuses the dataset and fails again)
+    checks.check_overlap(ref.manifest()["contamination"], cfg.contamination_ngram, cfg.max_contamination)
+    return ref
 
 
 # --------------------------------------------------------------------------------------------------

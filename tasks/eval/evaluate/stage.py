@@ -13,12 +13,13 @@
    (argmax, deterministic) for `continuation_tokens` tokens and scored against the document's true next
    tokens with sacrebleu's corpus BLEU and rouge-score's ROUGE-1/2/L F1 (mean over prompts). The first
    `num_examples` (prompt, reference, generated) triples are returned for the run's artifacts.
-3. Contamination (GPT-3 appendix C; lm-eval's decontamination): word 13-grams (lower-cased `\\w+` tokens) of
-   every val document are looked up in the set of 13-grams of all training documents. `contamination_doc_rate`
-   is the share of val documents with at least one colliding 13-gram ("dirty", GPT-3's definition),
-   `contamination_ngram_rate` the share of val 13-grams found in training. `check_contamination` fails the run
-   when the doc rate is above `max_contamination`. The texts are the documents the token shards were packed
-   from (the tokenize dataset's parent), split exactly as tokenize split them (its side table).
+3. Contamination (GPT-3 appendix C; lm-eval's decontamination), read, not recomputed: the train/val overlap is a
+   data check that tokenize ran before training (`tasks/data/tokenize/checks.py`, failing the run there above
+   `tokenize.max_contamination`); its `contamination_*` figures are copied from the token dataset's manifest.
+   `contamination_doc_rate` is the share of val documents with at least one word n-gram found in the train split
+   ("dirty", GPT-3's definition), `contamination_ngram_rate` the share of val n-grams found there. When the
+   decontamination step ran (`tasks/data/decontaminate/`), `decontam_rejected.<set>` is how many training
+   documents it removed for overlapping each eval set, and `decontam_sets` how many sets it checked.
 4. Beside them: METEOR of the continuations (`metrics_text`), the same text and prompts perturbed
    (`robustness`), toxicity and count-based bias of generations (`safety`); each module documents its metrics.
 5. The evaluation set (val doc_ids and texts) is committed as `eval_set.jsonl` with its digest
@@ -31,7 +32,6 @@ commit marker's hashes are checked. torch is imported lazily: the CLI imports th
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +47,8 @@ from lifecycle.tasks.eval.evaluate.safety import SafetyConfig, safety
 from lifecycle.tasks.eval.evaluate.scoring import (bits_per_byte, greedy_continue, held_out_loss,  # noqa: F401
                                                    token_byte_lengths, windows)
 from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.data.decontaminate.ngrams import ContaminationError  # noqa: F401  (raised by tokenize)
+from lifecycle.tasks.data.decontaminate.sets import resolve_set
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.eval.code.config import CodeEvalConfig
 
@@ -68,10 +70,6 @@ class EvaluateConfig(BaseModel):
     """Tokens generated (greedy) and compared with the document's true next tokens."""
     num_examples: int = Field(5, ge=0)
     """(prompt, reference, generated) examples kept for the run's artifacts."""
-    contamination_ngram: int = Field(13, ge=1)
-    """Word n-gram length of the contamination check (13, as in GPT-3 and lm-eval's decontamination)."""
-    max_contamination: float = Field(0.1, ge=0.0, le=1.0)
-    """Fail the run when more than this share of val documents shares an n-gram with the training documents."""
     code: CodeEvalConfig = CodeEvalConfig()
     """pass@k of sampled code completions, run in a sandbox (off by default; tasks/eval/code/)."""
     meteor_synonyms: Literal["wordnet", "none"] = "wordnet"
@@ -83,33 +81,38 @@ class EvaluateConfig(BaseModel):
     """Toxicity share and count-based bias of the generations."""
 
 
-class ContaminationError(RuntimeError):
-    """The held-out split overlaps the training set above `evaluate.max_contamination`."""
-
-
 # --------------------------------------------------------------------------------------------------
 # pure functions
 
 
-def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    words = re.findall(r"\w+", (text or "").lower())
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+def data_checks(tokens: DatasetRef) -> dict[str, float]:
+    """The data checks' figures, computed before training: tokenize's train/val overlap (`contamination_*`) and,
+    when the decontamination step ran upstream, the training documents it removed per eval set."""
+    m = tokens.manifest()
+    found = m.get("contamination")
+    if found is None:
+        raise ValueError(f"{tokens.manifest_path}: no `contamination` figures (a token dataset from before the data "
+                         "checks moved to tokenize); rerun tokenize")
+    out = {k: v for k, v in found.items() if k.startswith("contamination_")}
+    for manifest in _ancestors(m):
+        if manifest.get("stage") == "decontaminate":
+            counters = (manifest.get("stats") or {}).get("counters", {})
+            sets = manifest["config"]["sets"]
+            out["decontam_sets"] = len(sets)
+            for spec in sets:
+                name = resolve_set(spec).name
+                out[f"decontam_rejected.{name}"] = counters.get(f"contaminated_{name}", 0)
+            break
+    return out
 
 
-def contamination(eval_texts: list[str], train_texts: list[str], n: int) -> dict[str, float]:
-    """Share of eval docs with any n-gram seen in training, and share of eval n-grams seen in training."""
-    train: set[tuple[str, ...]] = set()
-    for t in train_texts:
-        train |= word_ngrams(t, n)
-    dirty = hits = total = 0
-    for t in eval_texts:
-        grams = word_ngrams(t, n)
-        common = len(grams & train)
-        dirty += common > 0
-        hits, total = hits + common, total + len(grams)
-    return {"contamination_doc_rate": dirty / len(eval_texts) if eval_texts else 0.0,
-            "contamination_ngram_rate": hits / total if total else 0.0,
-            "contamination_eval_docs": len(eval_texts), "contamination_dirty_docs": dirty}
+def _ancestors(manifest: dict):
+    """The manifests above `manifest`, nearest first, following first parents."""
+    parents = manifest.get("parents") or []
+    while parents:
+        m = json.loads(Path(parents[0]["manifest"]).read_text())
+        yield m
+        parents = m.get("parents") or []
 
 
 def text_scores(generated: list[str], references: list[str], synonyms: str = "wordnet") -> dict[str, float]:
@@ -201,8 +204,7 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
                               cfg.continuation_tokens, cfg.robustness))
     safety_metrics, bias = safety(model, tokenizer, gen, cfg.safety)
     metrics.update(safety_metrics)
-    metrics.update(contamination([texts[d] for d, s in split.items() if s == "val"],
-                                 [texts[d] for d, s in split.items() if s == "train"], cfg.contamination_ngram))
+    metrics.update(data_checks(tokens))
     if cfg.code.enabled:  # pass@k of sampled completions (tasks/eval/code/sampling.py)
         from lifecycle.tasks.eval.code.sampling import code_metrics
 
@@ -210,16 +212,6 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
     metrics["step"] = marker["step"]
     digest = gate.eval_set_digest(eval_set, meta.tokenizer_sha256, cfg.max_batches, cfg.batch_size)
     return {"metrics": metrics, "examples": examples, "bias": bias, "eval_set": eval_set, "eval_set_sha256": digest}
-
-
-def check_contamination(metrics: dict, cfg: EvaluateConfig) -> None:
-    """Raise `ContaminationError` when the dirty share of val documents is above `cfg.max_contamination`."""
-    rate = metrics["contamination_doc_rate"]
-    if rate > cfg.max_contamination:
-        raise ContaminationError(
-            f"{metrics['contamination_dirty_docs']} of {metrics['contamination_eval_docs']} val documents "
-            f"({rate:.1%}) share a {cfg.contamination_ngram}-gram with the training documents, above "
-            f"evaluate.max_contamination={cfg.max_contamination}")
 
 
 STAGE = "evaluate"
