@@ -48,13 +48,14 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
@@ -62,21 +63,53 @@ from lifecycle.core.dataset import (
 )
 from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
+from lifecycle.tasks.data.dedup import paragraphs as para
+from lifecycle.tasks.data.dedup.paragraphs import ParagraphConfig
 
 STAGE = "dedup"
 SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
 INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
 INDEX_MANIFEST = "_index.json"
 REJECT_REASON = "duplicate"  # one reason for every removed copy; `duplicate_kind` says exact or near
-DUPLICATE_KINDS = ("exact", "near")
+DUPLICATE_KINDS = ("exact", "near", "paragraph")
+BLOOM_FILE = "dedup-bloom.bin"  # the paragraph Bloom filter after this run, inside the dataset
+BLOOM_MANIFEST = "_bloom.json"
 REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_kind", pa.string())]
 DUCKDB_MEMORY = "2GB"  # the global half's DuckDB memory limit (it spills to disk beyond it)
 BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
+class SimHashConfig(BaseModel):
+    """`dedup.method: simhash` (tasks/data/dedup/simhash.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    k: int = Field(3, ge=0, description="Near-duplicates: SimHashes at Hamming distance <= k (Manku et al.: 3).")
+    blocks: int = Field(6, ge=1, le=64, description="Blocks the 64 bits are cut into (> k); C(blocks, k) tables "
+                        "of keys on blocks - k blocks each.")
+    ngram: int = Field(3, ge=1, description="Word n-gram size of the SimHash features.")
+
+    @model_validator(mode="after")
+    def _tables(self):
+        from lifecycle.tasks.data.dedup.simhash import check
+
+        try:
+            check(self.k, self.blocks)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
 class DedupConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["minhash", "simhash"] = Field(
+        "minhash", description="Near-duplicate method (`near`): MinHash LSH (ngram, bands, rows, seed, "
+        "verify_jaccard) or 64-bit SimHash with permuted-table blocking (`simhash`). See docs/dedup.md.")
+    simhash: SimHashConfig = Field(SimHashConfig(), description="SimHash settings, used when method is simhash.")
+    paragraphs: ParagraphConfig = Field(ParagraphConfig(), description="Paragraph-level exact dedup with a "
+                                        "Bloom filter, after document dedup (tasks/data/dedup/paragraphs.py).")
 
     exact: bool = Field(True, description="Drop exact duplicates of the normalised text (lowercase, collapsed whitespace).")
     near: bool = Field(True, description="Drop MinHash LSH near-duplicates.")
@@ -94,6 +127,19 @@ class DedupConfig(BaseModel):
     @property
     def num_perm(self) -> int:
         return self.bands * self.rows
+
+
+def fingerprint_config(cfg: DedupConfig) -> dict:
+    """The config part of the dedup dataset's fingerprint: the method fields only where they are in use, so the
+    default (MinHash, no paragraphs) fingerprints exactly as before they existed."""
+    d = cfg.model_dump(mode="json")
+    if cfg.method == "minhash":
+        del d["method"]
+    if cfg.method != "simhash":
+        del d["simhash"]
+    if not cfg.paragraphs.enabled:
+        del d["paragraphs"]
+    return d
 
 
 def shingles(text: str, n: int) -> set[bytes]:
@@ -114,9 +160,11 @@ def signature(sh: set[bytes], cfg: DedupConfig) -> LeanMinHash:
     return LeanMinHash(m)
 
 
-def duplicate_row(doc_id: str, source_id: str, kind: str, of: str, earlier: str | None) -> dict:
-    """The rejected row of a removed copy: reason `duplicate`, its kind and the doc_id it duplicates."""
-    detail = f"{kind} duplicate of {of}" + (f"; {earlier}" if earlier else "")
+def duplicate_row(doc_id: str, source_id: str, kind: str, of: str | None, earlier: str | None,
+                  method: str | None = None) -> dict:
+    """The rejected row of a removed copy: reason `duplicate`, its kind and the doc_id it duplicates; `method`
+    (e.g. "simhash, hamming <= 3") is named in the detail when it is not the default MinHash."""
+    detail = f"{kind} duplicate of {of}" + (f" ({method})" if method else "") + (f"; {earlier}" if earlier else "")
     return {"doc_id": doc_id, "source_id": source_id, "reason": REJECT_REASON, "detail": detail,
             "duplicate_of": of, "duplicate_kind": kind}
 
@@ -134,6 +182,14 @@ class SignatureConfig(BaseModel):
     rows: int
     seed: int
     minhash: bool = Field(description="Compute signatures and band keys (false: exact dedup only, hashes alone).")
+    simhash: SimHashConfig | None = Field(None, description="Compute SimHashes and their table keys instead.")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):  # no `simhash` key without SimHash: the MinHash fingerprint is unchanged
+        d = handler(self)
+        if d.get("simhash", 0) is None:
+            del d["simhash"]
+        return d
 
     @property
     def num_perm(self) -> int:
@@ -141,8 +197,10 @@ class SignatureConfig(BaseModel):
 
 
 def signature_config(cfg: DedupConfig) -> SignatureConfig:
+    need = cfg.near or cfg.incremental
     return SignatureConfig(ngram=cfg.ngram, bands=cfg.bands, rows=cfg.rows, seed=cfg.seed,
-                           minhash=cfg.near or cfg.incremental)
+                           minhash=need and cfg.method == "minhash",
+                           simhash=cfg.simhash if need and cfg.method == "simhash" else None)
 
 
 _EXACT_HASH = r"md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g'))"  # lower-case, collapsed whitespace
@@ -169,6 +227,15 @@ def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStat
                 keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
                 out = out.append_column("band_keys", _fixed_list(keys, pa.uint64()))
                 out = out.append_column("signature", _fixed_list(sig, pa.uint32()))
+            if cfg.simhash is not None:
+                from lifecycle.tasks.data.dedup import simhash as simhash_module
+
+                sh = cfg.simhash
+                h = np.concatenate([simhash_module.simhashes(text.slice(s, BATCH_DOCS), sh.ngram)
+                                    for s in range(0, t.num_rows, BATCH_DOCS)] or [np.zeros(0, np.uint64)])
+                keys = simhash_module.table_keys(h, sh.k, sh.blocks)
+                out = out.append_column("band_keys", _fixed_list(keys.reshape(len(h), -1), pa.uint64()))
+                out = out.append_column("simhash", pa.array(h.view(np.int64), pa.int64()))
             writer.write_table(out)
             stats.rows_in += t.num_rows
             stats.rows_kept += t.num_rows
@@ -219,10 +286,17 @@ class Index:
 
 
 MINHASH_SOURCE = Path(__file__).with_name("minhash.py")  # the signature code (not imported here: numba)
+SIMHASH_SOURCE = Path(__file__).with_name("simhash.py")
+PARAGRAPHS_SOURCE = Path(__file__).with_name("paragraphs.py")
 
 
 def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
-    """One index per signature-compatible configuration (shingles, permutations, banding, signature code)."""
+    """One index per signature-compatible configuration (shingles, permutations, banding, signature code; for
+    SimHash its settings and code)."""
+    if cfg.method == "simhash":
+        key = sha256_json({"method": "simhash", **cfg.simhash.model_dump(mode="json"),
+                           "code": hashlib.sha256(MINHASH_SOURCE.read_bytes() + SIMHASH_SOURCE.read_bytes()).hexdigest()})
+        return Path(workdir) / "dedup-index" / key[:16]
     key = sha256_json({"ngram": cfg.ngram, "bands": cfg.bands, "rows": cfg.rows, "seed": cfg.seed,
                        "minhash": hashlib.sha256(MINHASH_SOURCE.read_bytes()).hexdigest()})
     return Path(workdir) / "dedup-index" / key[:16]
@@ -394,15 +468,24 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
         FROM g LEFT JOIN i USING (h)""")
     # 2. near: LSH buckets (band, key) of the exact survivors and the index; candidate edges
     if cfg.near:
-        con.execute(f"CREATE VIEW sigs AS {_nodes('sig_files', sig_files, 's.band_keys, s.signature')}")
-        con.execute(f"CREATE VIEW index_sigs AS {_nodes('index_files', index.paths, 's.band_keys, s.signature')}"
+        value = "s.simhash" if cfg.method == "simhash" else "s.signature"
+        con.execute(f"CREATE VIEW sigs AS {_nodes('sig_files', sig_files, 's.band_keys, ' + value)}")
+        con.execute(f"CREATE VIEW index_sigs AS {_nodes('index_files', index.paths, 's.band_keys, ' + value)}"
                     if m else "CREATE VIEW index_sigs AS SELECT * FROM sigs WHERE false")
         con.execute("""
             CREATE TABLE bk AS
             SELECT node, generate_subscripts(band_keys, 1) AS band, unnest(band_keys) AS key
             FROM (SELECT s.node, s.band_keys FROM sigs s JOIN ex USING (node) WHERE NOT ex.dup
                   UNION ALL SELECT node, band_keys FROM index_sigs)""")
-        if cfg.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
+        if cfg.method == "simhash":  # every pair sharing a table key, kept when within Hamming distance k
+            con.execute(f"""
+                CREATE TABLE edges AS
+                WITH pairs AS (SELECT DISTINCT x.node AS a, y.node AS b FROM bk x JOIN bk y
+                                   ON x.band = y.band AND x.key = y.key AND y.node < x.node WHERE x.node >= {m}),
+                     h AS (SELECT node, simhash FROM sigs UNION ALL SELECT node, simhash FROM index_sigs)
+                SELECT p.a, p.b FROM pairs p JOIN h x ON x.node = p.a JOIN h y ON y.node = p.b
+                WHERE bit_count(xor(x.simhash, y.simhash)) <= {cfg.simhash.k}""")
+        elif cfg.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
             con.execute(f"""
                 CREATE TABLE edges AS
                 WITH buckets AS (SELECT band, key, min(node) AS first FROM bk GROUP BY band, key HAVING count(*) > 1)
@@ -447,10 +530,13 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
 
 
 def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: DatasetRef,
-          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY) -> StageStats:
+          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY, bloom: para.Bloom | None = None) -> StageStats:
     """The global half: decide every row of `parent` from its signature dataset `sigs` (one file per parent
     file, same rows in the same order) in DuckDB (`decide`, at most `memory_limit`, spilling beyond it), then
-    write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time."""
+    write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time.
+    With `bloom` (paragraph dedup on), the kept documents then lose their paragraphs seen before (`paragraphs`),
+    in parent order, and the filter is written into the dataset (`BLOOM_FILE`)."""
+    method = f"simhash, hamming <= {cfg.simhash.k}" if cfg.method == "simhash" else None
     files = [str(p) for p in parent.files()]
     sig_files = [str(p) for p in sigs.files()]
     if len(sig_files) != len(files):
@@ -483,11 +569,19 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
             rejected = []
             for r in d.filter(pc.invert(keep)).to_pylist():
                 part = r["part_idx"]
+                near = r["kind"] == "near"
                 rejected.append(duplicate_row(r["doc_id"], r["source_id"], r["kind"], r["of_doc"],
-                                              index.dataset_of(part) if part is not None else None))
-                stats.counters[f"duplicate_{r['kind']}"] += 1
+                                              index.dataset_of(part) if part is not None else None,
+                                              method if near else None))
+                stats.counters["duplicate_simhash" if near and method else f"duplicate_{r['kind']}"] += 1
                 if part is not None:
                     stats.counters["duplicate_of_earlier_run"] += 1
+            if bloom is not None:
+                kept, still, short = _paragraph_dedup(kept, bloom, cfg.paragraphs, stats)
+                rejected += short
+                mask = np.asarray(keep, dtype=bool).copy()  # final keep over the file's rows: index rows follow it
+                mask[mask] = still
+                keep = pa.array(mask)
             stats.rows_in += t.num_rows
             stats.rows_kept += kept.num_rows
             if rejected:
@@ -511,34 +605,121 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
         writer.add_file(INDEX_FILE, num_rows=index_rows)
     else:
         index_path.unlink(missing_ok=True)
+    if bloom is not None:
+        atomic_write_bytes(writer.path(BLOOM_FILE), bloom.to_bytes())
+        writer.add_file(BLOOM_FILE)
     return stats
 
 
+def _paragraph_dedup(kept: pa.Table, bloom: para.Bloom, cfg: ParagraphConfig,
+                     stats: StageStats) -> tuple[pa.Table, list[bool], list[dict]]:
+    """Cut the paragraphs `bloom` has seen from the kept rows (in order): (rows still kept, with the new text and
+    `dedup_cuts`; per input row, still kept?; the rejected rows of documents left too short)."""
+    texts, cuts, facts = para.apply(kept.column("text").to_pylist(), bloom, cfg)
+    still = [not f["short"] for f in facts]
+    short = []
+    for r, f in zip(kept.select(["doc_id", "source_id"]).to_pylist(), facts):
+        stats.counters["paragraphs_cut"] += f["cut"]
+        stats.counters["paragraph_bytes_cut"] += f["cut_bytes"]
+        if f["short"]:
+            detail = (f"{f['cut']} of {f['paragraphs']} paragraphs ({f['cut_bytes']} bytes) seen before (bloom "
+                      f"filter); {f['left']} characters left, min_doc_chars {cfg.min_doc_chars}")
+            short.append({"doc_id": r["doc_id"], "source_id": r["source_id"], "reason": REJECT_REASON,
+                          "detail": detail, "duplicate_of": None, "duplicate_kind": "paragraph"})
+            stats.counters["duplicate_paragraph"] += 1
+        elif f["cut"]:
+            stats.counters["documents_trimmed"] += 1
+    i = kept.schema.get_field_index("text")
+    kept = kept.set_column(i, kept.schema.field(i), pa.array(texts, kept.schema.field(i).type))
+    kept = kept.append_column(para.CUT_COLUMN, pa.array(cuts, para.CUT_TYPE))
+    return kept.filter(pa.array(still, pa.bool_())), still, short
+
+
 def _index_schema(cfg: DedupConfig) -> pa.Schema:
+    if cfg.method == "simhash":
+        from lifecycle.tasks.data.dedup.simhash import num_tables
+
+        return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
+                          ("band_keys", pa.list_(pa.uint64(), num_tables(cfg.simhash.k, cfg.simhash.blocks))),
+                          ("simhash", pa.int64())])
     return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
                       ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
                       ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
+
+
+def bloom_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
+    """One persisted paragraph filter per filter-compatible configuration (paragraph rules, size, code)."""
+    p = cfg.paragraphs
+    key = sha256_json({"split": p.split, "min_chars": p.min_chars, "capacity": p.capacity, "fp_rate": p.fp_rate,
+                       "code": hashlib.sha256(PARAGRAPHS_SOURCE.read_bytes()).hexdigest()})
+    return Path(workdir) / "dedup-bloom" / key[:16]
+
+
+def base_bloom(workdir: str | Path, cfg: DedupConfig, parent: DatasetRef) -> tuple[para.Bloom, str]:
+    """(the filter a run over `parent` starts from, its state for the fingerprint): the state published last
+    before the first run over the same parent (as `base_parts`), a fresh empty filter if none."""
+    directory = bloom_dir(workdir, cfg)
+    with _locked(directory):
+        m = directory / BLOOM_MANIFEST
+        parts = base_parts(json.loads(m.read_text())["parts"], parent) if m.exists() else []
+        if not parts:
+            return para.Bloom.sized(cfg.paragraphs.capacity, cfg.paragraphs.fp_rate), "empty"
+        last = parts[-1]
+        path = directory / last["path"]
+        if not path.exists() or sha256_file(path) != last["sha256"]:
+            raise RuntimeError(f"dedup paragraph filter {path}: missing or not the sha256 in {m}; remove "
+                               f"{directory} (forgetting paragraph history) or restore the file")
+        return para.Bloom.from_bytes(path.read_bytes(), str(path)), last["sha256"]
+
+
+def publish_bloom(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str | Path) -> None:
+    """Publish a committed dataset's filter (the state after its run) once: state file first, manifest last."""
+    directory = bloom_dir(workdir, cfg)
+    with _locked(directory):
+        m = directory / BLOOM_MANIFEST
+        parts = json.loads(m.read_text())["parts"] if m.exists() else []
+        if any(p["dataset"] == ref.fingerprint for p in parts):
+            return
+        name = f"state-{len(parts):05d}.bloom"
+        atomic_write_bytes(directory / name, (ref.dir / BLOOM_FILE).read_bytes())
+        parts.append({"path": name, "sha256": sha256_file(directory / name), "dataset": ref.fingerprint,
+                      "dataset_path": str(ref.dir), "parent_sha256": parent.sha256})
+        atomic_write_json(m, {"config": cfg.paragraphs.model_dump(mode="json"), "parts": parts})
 
 
 def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: DatasetRef | None = None,
               memory_limit: str = DUCKDB_MEMORY) -> DatasetRef:
     """Dedup `parent` into a committed `dedup` dataset. `signatures`: its committed signature dataset (the flow
     builds it shard by shard on its task runner); built here, one shard after another, when not given.
-    `memory_limit`: DuckDB's limit for the global half (not part of the fingerprint: it changes no decision)."""
+    `memory_limit`: DuckDB's limit for the global half (not part of the fingerprint: it changes no decision).
+    Paragraph dedup (`paragraphs.enabled`) starts from the published filter when `incremental`, from an empty
+    one otherwise; its state is part of the fingerprint like the index's."""
     if signatures is None:
         signatures = run_plan(plan_signatures(parent, cfg, workdir))
     code = code_version(__package__)
     extra = {"signatures": {"stage": signatures.stage, "sha256": signatures.sha256,
                             "manifest": str(signatures.manifest_path)}}
-    if not cfg.incremental:
-        return materialize(workdir, STAGE, cfg, code, lambda w: {
-            "stats": dedup(parent, cfg, w, signatures, memory_limit=memory_limit), "extra": extra}, parents=[parent])
-    directory = index_dir(workdir, cfg)
-    with _locked(directory):
-        index = Index(directory, base_parts(_read_parts(directory), parent))
-    # the index state is part of the fingerprint: a dataset is reused only against the same index
-    fp_config = {**cfg.model_dump(mode="json"), "index_state": index.state}
-    ref = materialize(workdir, STAGE, fp_config, code, lambda w: {
-        "stats": dedup(parent, cfg, w, signatures, index, memory_limit), "extra": extra}, parents=[parent])
-    publish(ref, parent, cfg, workdir)
+    fp_config = fingerprint_config(cfg)
+    index = bloom = None
+    if cfg.incremental:
+        directory = index_dir(workdir, cfg)
+        with _locked(directory):
+            index = Index(directory, base_parts(_read_parts(directory), parent))
+        # the index state is part of the fingerprint: a dataset is reused only against the same index
+        fp_config["index_state"] = index.state
+    if cfg.paragraphs.enabled:
+        if cfg.incremental:
+            bloom, fp_config["bloom_state"] = base_bloom(workdir, cfg, parent)
+        else:
+            bloom = para.Bloom.sized(cfg.paragraphs.capacity, cfg.paragraphs.fp_rate)
+
+    def build(w: DatasetWriter) -> dict:
+        stats = dedup(parent, cfg, w, signatures, index, memory_limit, bloom)
+        return {"stats": stats, "extra": {**extra, **({"paragraph_bloom": bloom.report(cfg.paragraphs)} if bloom else {})}}
+
+    ref = materialize(workdir, STAGE, fp_config, code, build, parents=[parent])
+    if cfg.incremental:
+        publish(ref, parent, cfg, workdir)
+        if bloom is not None:
+            publish_bloom(ref, parent, cfg, workdir)
     return ref
