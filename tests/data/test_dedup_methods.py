@@ -242,3 +242,14 @@ def test_paragraphs_after_simhash_and_index_follows_the_final_decision(tmp_path)
     # the index of kept documents (what later runs dedup against) holds exactly the documents kept
     index_ids = pq.read_table(ref.dir / "dedup-index.parquet").column("doc_id").to_pylist()
     assert index_ids == [r["doc_id"] for r in ref.read().to_pylist()]
+
+
+def test_empty_parent_and_exact_only_simhash(tmp_path):
+    wd = str(tmp_path / "w")
+    empty = make(tmp_path, [""], "e")  # collect rejects the empty text: a parent without files
+    ref = run_dedup(empty, DedupConfig(method="simhash", paragraphs={"enabled": True}), wd)
+    assert ref.num_rows == 0 and ref.manifest()["paragraph_bloom"]["keys_inserted"] == 0
+    # SimHash without near-duplicate removal: exact copies only, the index still fed for later runs
+    ref = run_dedup(make(tmp_path, [BASE, BASE + " indeed", BASE.upper()]), DedupConfig(method="simhash", near=False), wd)
+    assert sources(ref) == ["in0", "in1"] and rejected(ref)["in2"]["duplicate_kind"] == "exact"
+    assert pq.read_table(ref.dir / "dedup-index.parquet").column_names == ["doc_id", "exact_hash", "band_keys", "simhash"]
