@@ -14,7 +14,7 @@ from lifecycle.tasks.data.collect.stage import CollectConfig, run_collect
 from lifecycle.tasks.data.dedup import paragraphs as para
 from lifecycle.tasks.data.dedup import simhash
 from lifecycle.tasks.data.dedup.stage import (
-    BLOOM_FILE, DedupConfig, bloom_dir, fingerprint_config, run_dedup, signature_config,
+    BLOOM_FILE, DedupConfig, fingerprint_config, run_dedup, signature_config,
 )
 
 BASE = ("the committee met on tuesday to discuss the budget for the coming year and agreed that the "
@@ -221,7 +221,7 @@ def test_paragraph_filter_persists_across_runs_and_reruns_are_reused(tmp_path):
     assert run_dedup(first_parent, cfg, wd).fingerprint == first.fingerprint  # idempotent: same filter state
     second = run_dedup(make(tmp_path, [BASE + "\n\n" + FOOTER], "b"), cfg, wd)
     assert second.read().to_pylist()[0]["text"] == BASE  # the footer was seen by the first run
-    directory = bloom_dir(wd, cfg)
+    directory = para.bloom_dir(wd, cfg.paragraphs)
     parts = json.loads((directory / "_bloom.json").read_text())["parts"]
     assert [p["dataset"] for p in parts] == [first.fingerprint, second.fingerprint]
     assert run_dedup(first_parent, cfg, wd).fingerprint == first.fingerprint  # still against its own base

@@ -27,8 +27,10 @@ rate for the number of keys inserted so far ((1 - e^{-hN/m})^h) and the rate mea
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
+from pathlib import Path
 from typing import Literal
 
 import numba
@@ -36,6 +38,13 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from lifecycle.core.dataset import DatasetRef, StageStats, sha256_json
+from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
+from lifecycle.tasks.data.dedup.history import base_parts, locked
+
+REJECT_REASON = "duplicate"
+BLOOM_FILE = "dedup-bloom.bin"  # the filter after a run, inside its dedup dataset
+BLOOM_MANIFEST = "_bloom.json"
 CUT_COLUMN = "dedup_cuts"
 CUT_TYPE = pa.list_(pa.struct([("start", pa.int64()), ("end", pa.int64()), ("reason", pa.string())]))
 _SEPARATORS = {"blank_line": re.compile(rb"\n[ \t\r\f\v]*\n\s*"), "line": re.compile(rb"\n\s*")}
@@ -199,3 +208,70 @@ def apply(texts: list[str], bloom: Bloom, cfg: ParagraphConfig) -> tuple[list[st
         facts.append({"paragraphs": len(sp), "cut": sum(cut), "cut_bytes": sum(e - s for s, e in ranges),
                       "left": len(new.strip()), "short": bool(any(cut)) and len(new.strip()) < cfg.min_doc_chars})
     return out_texts, cuts, facts
+
+
+def dedup_table(kept: pa.Table, bloom: Bloom, cfg: ParagraphConfig,
+                stats: StageStats) -> tuple[pa.Table, list[bool], list[dict]]:
+    """Cut the paragraphs `bloom` has seen from the kept rows (in order): (rows still kept, with the new text and
+    `dedup_cuts`; per input row, still kept?; the rejected rows of documents left too short)."""
+    texts, cuts, facts = apply(kept.column("text").to_pylist(), bloom, cfg)
+    still = [not f["short"] for f in facts]
+    short = []
+    for r, f in zip(kept.select(["doc_id", "source_id"]).to_pylist(), facts):
+        stats.counters["paragraphs_cut"] += f["cut"]
+        stats.counters["paragraph_bytes_cut"] += f["cut_bytes"]
+        if f["short"]:
+            detail = (f"{f['cut']} of {f['paragraphs']} paragraphs ({f['cut_bytes']} bytes) seen before (bloom "
+                      f"filter); {f['left']} characters left, min_doc_chars {cfg.min_doc_chars}")
+            short.append({"doc_id": r["doc_id"], "source_id": r["source_id"], "reason": REJECT_REASON,
+                          "detail": detail, "duplicate_of": None, "duplicate_kind": "paragraph"})
+            stats.counters["duplicate_paragraph"] += 1
+        elif f["cut"]:
+            stats.counters["documents_trimmed"] += 1
+    i = kept.schema.get_field_index("text")
+    kept = kept.set_column(i, kept.schema.field(i), pa.array(texts, kept.schema.field(i).type))
+    kept = kept.append_column(CUT_COLUMN, pa.array(cuts, CUT_TYPE))
+    return kept.filter(pa.array(still, pa.bool_())), still, short
+
+
+# --------------------------------------------------------------------------------------------------
+# the filter across runs: one published state per dedup dataset, as the MinHash index's parts
+
+
+def bloom_dir(workdir: str | Path, cfg: ParagraphConfig) -> Path:
+    """One persisted paragraph filter per filter-compatible configuration (paragraph rules, size, code)."""
+    key = sha256_json({"split": cfg.split, "min_chars": cfg.min_chars, "capacity": cfg.capacity,
+                       "fp_rate": cfg.fp_rate, "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()})
+    return Path(workdir) / "dedup-bloom" / key[:16]
+
+
+def base_bloom(workdir: str | Path, cfg: ParagraphConfig, parent: DatasetRef) -> tuple[Bloom, str]:
+    """(the filter a run over `parent` starts from, its state for the fingerprint): the state published last
+    before the first run over the same parent (as `base_parts`), a fresh empty filter if none."""
+    directory = bloom_dir(workdir, cfg)
+    with locked(directory):
+        m = directory / BLOOM_MANIFEST
+        parts = base_parts(json.loads(m.read_text())["parts"], parent) if m.exists() else []
+        if not parts:
+            return Bloom.sized(cfg.capacity, cfg.fp_rate), "empty"
+        last = parts[-1]
+        path = directory / last["path"]
+        if not path.exists() or sha256_file(path) != last["sha256"]:
+            raise RuntimeError(f"dedup paragraph filter {path}: missing or not the sha256 in {m}; remove "
+                               f"{directory} (forgetting paragraph history) or restore the file")
+        return Bloom.from_bytes(path.read_bytes(), str(path)), last["sha256"]
+
+
+def publish_bloom(ref: DatasetRef, parent: DatasetRef, cfg: ParagraphConfig, workdir: str | Path) -> None:
+    """Publish a committed dataset's filter (the state after its run) once: state file first, manifest last."""
+    directory = bloom_dir(workdir, cfg)
+    with locked(directory):
+        m = directory / BLOOM_MANIFEST
+        parts = json.loads(m.read_text())["parts"] if m.exists() else []
+        if any(p["dataset"] == ref.fingerprint for p in parts):
+            return
+        name = f"state-{len(parts):05d}.bloom"
+        atomic_write_bytes(directory / name, (ref.dir / BLOOM_FILE).read_bytes())
+        parts.append({"path": name, "sha256": sha256_file(directory / name), "dataset": ref.fingerprint,
+                      "dataset_path": str(ref.dir), "parent_sha256": parent.sha256})
+        atomic_write_json(m, {"config": cfg.model_dump(mode="json"), "parts": parts})

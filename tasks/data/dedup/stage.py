@@ -40,13 +40,11 @@ other.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import re
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -64,16 +62,16 @@ from lifecycle.core.dataset import (
 from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.tasks.data.dedup import paragraphs as para
+from lifecycle.tasks.data.dedup.history import base_parts, locked as _locked
 from lifecycle.tasks.data.dedup.paragraphs import ParagraphConfig
 
 STAGE = "dedup"
 SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
 INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
 INDEX_MANIFEST = "_index.json"
-REJECT_REASON = "duplicate"  # one reason for every removed copy; `duplicate_kind` says exact or near
+REJECT_REASON = para.REJECT_REASON  # one reason for every removed copy; `duplicate_kind` says which step
 DUPLICATE_KINDS = ("exact", "near", "paragraph")
-BLOOM_FILE = "dedup-bloom.bin"  # the paragraph Bloom filter after this run, inside the dataset
-BLOOM_MANIFEST = "_bloom.json"
+BLOOM_FILE = para.BLOOM_FILE  # the paragraph Bloom filter after this run, inside the dataset
 REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_kind", pa.string())]
 DUCKDB_MEMORY = "2GB"  # the global half's DuckDB memory limit (it spills to disk beyond it)
 BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
@@ -287,7 +285,6 @@ class Index:
 
 MINHASH_SOURCE = Path(__file__).with_name("minhash.py")  # the signature code (not imported here: numba)
 SIMHASH_SOURCE = Path(__file__).with_name("simhash.py")
-PARAGRAPHS_SOURCE = Path(__file__).with_name("paragraphs.py")
 
 
 def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
@@ -302,31 +299,11 @@ def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
     return Path(workdir) / "dedup-index" / key[:16]
 
 
-@contextmanager
-def _locked(directory: Path):
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _read_parts(directory: Path) -> list[dict]:
     m = directory / INDEX_MANIFEST
     if not m.exists():
         return []
     return json.loads(m.read_text())["parts"]
-
-
-def base_parts(parts: list[dict], parent: DatasetRef) -> list[dict]:
-    """The parts a run over `parent` deduplicates against: those published before the first part of the same
-    parent (so a rerun reproduces its dataset and never dedups against itself), else all of them."""
-    for k, p in enumerate(parts):
-        if p["parent_sha256"] == parent.sha256:
-            return parts[:k]
-    return parts
 
 
 def publish(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str | Path) -> None:
@@ -577,7 +554,7 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
                 if part is not None:
                     stats.counters["duplicate_of_earlier_run"] += 1
             if bloom is not None:
-                kept, still, short = _paragraph_dedup(kept, bloom, cfg.paragraphs, stats)
+                kept, still, short = para.dedup_table(kept, bloom, cfg.paragraphs, stats)
                 rejected += short
                 mask = np.asarray(keep, dtype=bool).copy()  # final keep over the file's rows: index rows follow it
                 mask[mask] = still
@@ -611,30 +588,6 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
     return stats
 
 
-def _paragraph_dedup(kept: pa.Table, bloom: para.Bloom, cfg: ParagraphConfig,
-                     stats: StageStats) -> tuple[pa.Table, list[bool], list[dict]]:
-    """Cut the paragraphs `bloom` has seen from the kept rows (in order): (rows still kept, with the new text and
-    `dedup_cuts`; per input row, still kept?; the rejected rows of documents left too short)."""
-    texts, cuts, facts = para.apply(kept.column("text").to_pylist(), bloom, cfg)
-    still = [not f["short"] for f in facts]
-    short = []
-    for r, f in zip(kept.select(["doc_id", "source_id"]).to_pylist(), facts):
-        stats.counters["paragraphs_cut"] += f["cut"]
-        stats.counters["paragraph_bytes_cut"] += f["cut_bytes"]
-        if f["short"]:
-            detail = (f"{f['cut']} of {f['paragraphs']} paragraphs ({f['cut_bytes']} bytes) seen before (bloom "
-                      f"filter); {f['left']} characters left, min_doc_chars {cfg.min_doc_chars}")
-            short.append({"doc_id": r["doc_id"], "source_id": r["source_id"], "reason": REJECT_REASON,
-                          "detail": detail, "duplicate_of": None, "duplicate_kind": "paragraph"})
-            stats.counters["duplicate_paragraph"] += 1
-        elif f["cut"]:
-            stats.counters["documents_trimmed"] += 1
-    i = kept.schema.get_field_index("text")
-    kept = kept.set_column(i, kept.schema.field(i), pa.array(texts, kept.schema.field(i).type))
-    kept = kept.append_column(para.CUT_COLUMN, pa.array(cuts, para.CUT_TYPE))
-    return kept.filter(pa.array(still, pa.bool_())), still, short
-
-
 def _index_schema(cfg: DedupConfig) -> pa.Schema:
     if cfg.method == "simhash":
         from lifecycle.tasks.data.dedup.simhash import num_tables
@@ -645,46 +598,6 @@ def _index_schema(cfg: DedupConfig) -> pa.Schema:
     return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
                       ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
                       ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
-
-
-def bloom_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
-    """One persisted paragraph filter per filter-compatible configuration (paragraph rules, size, code)."""
-    p = cfg.paragraphs
-    key = sha256_json({"split": p.split, "min_chars": p.min_chars, "capacity": p.capacity, "fp_rate": p.fp_rate,
-                       "code": hashlib.sha256(PARAGRAPHS_SOURCE.read_bytes()).hexdigest()})
-    return Path(workdir) / "dedup-bloom" / key[:16]
-
-
-def base_bloom(workdir: str | Path, cfg: DedupConfig, parent: DatasetRef) -> tuple[para.Bloom, str]:
-    """(the filter a run over `parent` starts from, its state for the fingerprint): the state published last
-    before the first run over the same parent (as `base_parts`), a fresh empty filter if none."""
-    directory = bloom_dir(workdir, cfg)
-    with _locked(directory):
-        m = directory / BLOOM_MANIFEST
-        parts = base_parts(json.loads(m.read_text())["parts"], parent) if m.exists() else []
-        if not parts:
-            return para.Bloom.sized(cfg.paragraphs.capacity, cfg.paragraphs.fp_rate), "empty"
-        last = parts[-1]
-        path = directory / last["path"]
-        if not path.exists() or sha256_file(path) != last["sha256"]:
-            raise RuntimeError(f"dedup paragraph filter {path}: missing or not the sha256 in {m}; remove "
-                               f"{directory} (forgetting paragraph history) or restore the file")
-        return para.Bloom.from_bytes(path.read_bytes(), str(path)), last["sha256"]
-
-
-def publish_bloom(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str | Path) -> None:
-    """Publish a committed dataset's filter (the state after its run) once: state file first, manifest last."""
-    directory = bloom_dir(workdir, cfg)
-    with _locked(directory):
-        m = directory / BLOOM_MANIFEST
-        parts = json.loads(m.read_text())["parts"] if m.exists() else []
-        if any(p["dataset"] == ref.fingerprint for p in parts):
-            return
-        name = f"state-{len(parts):05d}.bloom"
-        atomic_write_bytes(directory / name, (ref.dir / BLOOM_FILE).read_bytes())
-        parts.append({"path": name, "sha256": sha256_file(directory / name), "dataset": ref.fingerprint,
-                      "dataset_path": str(ref.dir), "parent_sha256": parent.sha256})
-        atomic_write_json(m, {"config": cfg.paragraphs.model_dump(mode="json"), "parts": parts})
 
 
 def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: DatasetRef | None = None,
@@ -709,7 +622,7 @@ def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: Da
         fp_config["index_state"] = index.state
     if cfg.paragraphs.enabled:
         if cfg.incremental:
-            bloom, fp_config["bloom_state"] = base_bloom(workdir, cfg, parent)
+            bloom, fp_config["bloom_state"] = para.base_bloom(workdir, cfg.paragraphs, parent)
         else:
             bloom = para.Bloom.sized(cfg.paragraphs.capacity, cfg.paragraphs.fp_rate)
 
@@ -721,5 +634,5 @@ def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: Da
     if cfg.incremental:
         publish(ref, parent, cfg, workdir)
         if bloom is not None:
-            publish_bloom(ref, parent, cfg, workdir)
+            para.publish_bloom(ref, parent, cfg.paragraphs, workdir)
     return ref
