@@ -8,7 +8,9 @@ from pathlib import Path
 from lifecycle.tasks.stages import DATA_STAGES
 
 FUNNEL_STAGES = DATA_STAGES
-DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_near": "duplicate (near)"}
+DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_near": "duplicate (near)",
+                           "duplicate_simhash": "duplicate (near, simhash)",
+                           "duplicate_paragraph": "duplicate (paragraphs, bloom)"}
 
 
 def funnel_rows(manifests: dict[str, dict]) -> list[dict]:

@@ -171,7 +171,7 @@ def doc_lineage(con, ident: str) -> dict:
         where = "(doc_id IN (SELECT unnest(?)) OR source_id = ?)"
         params = [doc_ids, ident]
         kept_cols = {r["column_name"] for r in cat.query(con, "DESCRIBE kept")}
-        extra = [c for c in ("cluster_id", "cluster_size") if c in kept_cols] + \
+        extra = [c for c in ("cluster_id", "cluster_size", "dedup_cuts") if c in kept_cols] + \
                 sorted(c for c in kept_cols if c.startswith(("pii_", "quality_")))
         sel = ", ".join(["doc_id", "source_id", "dataset_path"] + extra)
         for r in cat.query(con, f"SELECT {sel} FROM kept WHERE {where}", params):

@@ -40,21 +40,20 @@ other.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import re
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
@@ -62,21 +61,53 @@ from lifecycle.core.dataset import (
 )
 from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
+from lifecycle.tasks.data.dedup import paragraphs as para
+from lifecycle.tasks.data.dedup.history import base_parts, locked as _locked
+from lifecycle.tasks.data.dedup.paragraphs import ParagraphConfig
 
 STAGE = "dedup"
 SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
 INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
 INDEX_MANIFEST = "_index.json"
-REJECT_REASON = "duplicate"  # one reason for every removed copy; `duplicate_kind` says exact or near
-DUPLICATE_KINDS = ("exact", "near")
+REJECT_REASON = para.REJECT_REASON  # one reason for every removed copy; `duplicate_kind` says which step
+DUPLICATE_KINDS = ("exact", "near", "paragraph")
+BLOOM_FILE = para.BLOOM_FILE  # the paragraph Bloom filter after this run, inside the dataset
 REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_kind", pa.string())]
 DUCKDB_MEMORY = "2GB"  # the global half's DuckDB memory limit (it spills to disk beyond it)
 BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
+class SimHashConfig(BaseModel):
+    """`dedup.method: simhash` (tasks/data/dedup/simhash.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    k: int = Field(3, ge=0, description="Near-duplicates: SimHashes at Hamming distance <= k (Manku et al.: 3).")
+    blocks: int = Field(6, ge=1, le=64, description="Blocks the 64 bits are cut into (> k); C(blocks, k) tables "
+                        "of keys on blocks - k blocks each.")
+    ngram: int = Field(3, ge=1, description="Word n-gram size of the SimHash features.")
+
+    @model_validator(mode="after")
+    def _tables(self):
+        from lifecycle.tasks.data.dedup.simhash import check
+
+        try:
+            check(self.k, self.blocks)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
 class DedupConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["minhash", "simhash"] = Field(
+        "minhash", description="Near-duplicate method (`near`): MinHash LSH (ngram, bands, rows, seed, "
+        "verify_jaccard) or 64-bit SimHash with permuted-table blocking (`simhash`). See docs/dedup.md.")
+    simhash: SimHashConfig = Field(SimHashConfig(), description="SimHash settings, used when method is simhash.")
+    paragraphs: ParagraphConfig = Field(ParagraphConfig(), description="Paragraph-level exact dedup with a "
+                                        "Bloom filter, after document dedup (tasks/data/dedup/paragraphs.py).")
 
     exact: bool = Field(True, description="Drop exact duplicates of the normalised text (lowercase, collapsed whitespace).")
     near: bool = Field(True, description="Drop MinHash LSH near-duplicates.")
@@ -94,6 +125,19 @@ class DedupConfig(BaseModel):
     @property
     def num_perm(self) -> int:
         return self.bands * self.rows
+
+
+def fingerprint_config(cfg: DedupConfig) -> dict:
+    """The config part of the dedup dataset's fingerprint: the method fields only where they are in use, so the
+    default (MinHash, no paragraphs) fingerprints exactly as before they existed."""
+    d = cfg.model_dump(mode="json")
+    if cfg.method == "minhash":
+        del d["method"]
+    if cfg.method != "simhash":
+        del d["simhash"]
+    if not cfg.paragraphs.enabled:
+        del d["paragraphs"]
+    return d
 
 
 def shingles(text: str, n: int) -> set[bytes]:
@@ -114,9 +158,11 @@ def signature(sh: set[bytes], cfg: DedupConfig) -> LeanMinHash:
     return LeanMinHash(m)
 
 
-def duplicate_row(doc_id: str, source_id: str, kind: str, of: str, earlier: str | None) -> dict:
-    """The rejected row of a removed copy: reason `duplicate`, its kind and the doc_id it duplicates."""
-    detail = f"{kind} duplicate of {of}" + (f"; {earlier}" if earlier else "")
+def duplicate_row(doc_id: str, source_id: str, kind: str, of: str | None, earlier: str | None,
+                  method: str | None = None) -> dict:
+    """The rejected row of a removed copy: reason `duplicate`, its kind and the doc_id it duplicates; `method`
+    (e.g. "simhash, hamming <= 3") is named in the detail when it is not the default MinHash."""
+    detail = f"{kind} duplicate of {of}" + (f" ({method})" if method else "") + (f"; {earlier}" if earlier else "")
     return {"doc_id": doc_id, "source_id": source_id, "reason": REJECT_REASON, "detail": detail,
             "duplicate_of": of, "duplicate_kind": kind}
 
@@ -134,6 +180,14 @@ class SignatureConfig(BaseModel):
     rows: int
     seed: int
     minhash: bool = Field(description="Compute signatures and band keys (false: exact dedup only, hashes alone).")
+    simhash: SimHashConfig | None = Field(None, description="Compute SimHashes and their table keys instead.")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):  # no `simhash` key without SimHash: the MinHash fingerprint is unchanged
+        d = handler(self)
+        if d.get("simhash", 0) is None:
+            del d["simhash"]
+        return d
 
     @property
     def num_perm(self) -> int:
@@ -141,8 +195,10 @@ class SignatureConfig(BaseModel):
 
 
 def signature_config(cfg: DedupConfig) -> SignatureConfig:
+    need = cfg.near or cfg.incremental
     return SignatureConfig(ngram=cfg.ngram, bands=cfg.bands, rows=cfg.rows, seed=cfg.seed,
-                           minhash=cfg.near or cfg.incremental)
+                           minhash=need and cfg.method == "minhash",
+                           simhash=cfg.simhash if need and cfg.method == "simhash" else None)
 
 
 _EXACT_HASH = r"md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g'))"  # lower-case, collapsed whitespace
@@ -169,6 +225,15 @@ def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStat
                 keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
                 out = out.append_column("band_keys", _fixed_list(keys, pa.uint64()))
                 out = out.append_column("signature", _fixed_list(sig, pa.uint32()))
+            if cfg.simhash is not None:
+                from lifecycle.tasks.data.dedup import simhash as simhash_module
+
+                sh = cfg.simhash
+                h = np.concatenate([simhash_module.simhashes(text.slice(s, BATCH_DOCS), sh.ngram)
+                                    for s in range(0, t.num_rows, BATCH_DOCS)] or [np.zeros(0, np.uint64)])
+                keys = simhash_module.table_keys(h, sh.k, sh.blocks)
+                out = out.append_column("band_keys", _fixed_list(keys.reshape(len(h), -1), pa.uint64()))
+                out = out.append_column("simhash", pa.array(h.view(np.int64), pa.int64()))
             writer.write_table(out)
             stats.rows_in += t.num_rows
             stats.rows_kept += t.num_rows
@@ -219,24 +284,19 @@ class Index:
 
 
 MINHASH_SOURCE = Path(__file__).with_name("minhash.py")  # the signature code (not imported here: numba)
+SIMHASH_SOURCE = Path(__file__).with_name("simhash.py")
 
 
 def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
-    """One index per signature-compatible configuration (shingles, permutations, banding, signature code)."""
+    """One index per signature-compatible configuration (shingles, permutations, banding, signature code; for
+    SimHash its settings and code)."""
+    if cfg.method == "simhash":
+        key = sha256_json({"method": "simhash", **cfg.simhash.model_dump(mode="json"),
+                           "code": hashlib.sha256(MINHASH_SOURCE.read_bytes() + SIMHASH_SOURCE.read_bytes()).hexdigest()})
+        return Path(workdir) / "dedup-index" / key[:16]
     key = sha256_json({"ngram": cfg.ngram, "bands": cfg.bands, "rows": cfg.rows, "seed": cfg.seed,
                        "minhash": hashlib.sha256(MINHASH_SOURCE.read_bytes()).hexdigest()})
     return Path(workdir) / "dedup-index" / key[:16]
-
-
-@contextmanager
-def _locked(directory: Path):
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _read_parts(directory: Path) -> list[dict]:
@@ -244,15 +304,6 @@ def _read_parts(directory: Path) -> list[dict]:
     if not m.exists():
         return []
     return json.loads(m.read_text())["parts"]
-
-
-def base_parts(parts: list[dict], parent: DatasetRef) -> list[dict]:
-    """The parts a run over `parent` deduplicates against: those published before the first part of the same
-    parent (so a rerun reproduces its dataset and never dedups against itself), else all of them."""
-    for k, p in enumerate(parts):
-        if p["parent_sha256"] == parent.sha256:
-            return parts[:k]
-    return parts
 
 
 def publish(ref: DatasetRef, parent: DatasetRef, cfg: DedupConfig, workdir: str | Path) -> None:
@@ -394,15 +445,24 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
         FROM g LEFT JOIN i USING (h)""")
     # 2. near: LSH buckets (band, key) of the exact survivors and the index; candidate edges
     if cfg.near:
-        con.execute(f"CREATE VIEW sigs AS {_nodes('sig_files', sig_files, 's.band_keys, s.signature')}")
-        con.execute(f"CREATE VIEW index_sigs AS {_nodes('index_files', index.paths, 's.band_keys, s.signature')}"
+        value = "s.simhash" if cfg.method == "simhash" else "s.signature"
+        con.execute(f"CREATE VIEW sigs AS {_nodes('sig_files', sig_files, 's.band_keys, ' + value)}")
+        con.execute(f"CREATE VIEW index_sigs AS {_nodes('index_files', index.paths, 's.band_keys, ' + value)}"
                     if m else "CREATE VIEW index_sigs AS SELECT * FROM sigs WHERE false")
         con.execute("""
             CREATE TABLE bk AS
             SELECT node, generate_subscripts(band_keys, 1) AS band, unnest(band_keys) AS key
             FROM (SELECT s.node, s.band_keys FROM sigs s JOIN ex USING (node) WHERE NOT ex.dup
                   UNION ALL SELECT node, band_keys FROM index_sigs)""")
-        if cfg.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
+        if cfg.method == "simhash":  # every pair sharing a table key, kept when within Hamming distance k
+            con.execute(f"""
+                CREATE TABLE edges AS
+                WITH pairs AS (SELECT DISTINCT x.node AS a, y.node AS b FROM bk x JOIN bk y
+                                   ON x.band = y.band AND x.key = y.key AND y.node < x.node WHERE x.node >= {m}),
+                     h AS (SELECT node, simhash FROM sigs UNION ALL SELECT node, simhash FROM index_sigs)
+                SELECT p.a, p.b FROM pairs p JOIN h x ON x.node = p.a JOIN h y ON y.node = p.b
+                WHERE bit_count(xor(x.simhash, y.simhash)) <= {cfg.simhash.k}""")
+        elif cfg.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
             con.execute(f"""
                 CREATE TABLE edges AS
                 WITH buckets AS (SELECT band, key, min(node) AS first FROM bk GROUP BY band, key HAVING count(*) > 1)
@@ -447,10 +507,13 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
 
 
 def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: DatasetRef,
-          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY) -> StageStats:
+          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY, bloom: para.Bloom | None = None) -> StageStats:
     """The global half: decide every row of `parent` from its signature dataset `sigs` (one file per parent
     file, same rows in the same order) in DuckDB (`decide`, at most `memory_limit`, spilling beyond it), then
-    write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time."""
+    write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time.
+    With `bloom` (paragraph dedup on), the kept documents then lose their paragraphs seen before (`paragraphs`),
+    in parent order, and the filter is written into the dataset (`BLOOM_FILE`)."""
+    method = f"simhash, hamming <= {cfg.simhash.k}" if cfg.method == "simhash" else None
     files = [str(p) for p in parent.files()]
     sig_files = [str(p) for p in sigs.files()]
     if len(sig_files) != len(files):
@@ -483,11 +546,19 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
             rejected = []
             for r in d.filter(pc.invert(keep)).to_pylist():
                 part = r["part_idx"]
+                near = r["kind"] == "near"
                 rejected.append(duplicate_row(r["doc_id"], r["source_id"], r["kind"], r["of_doc"],
-                                              index.dataset_of(part) if part is not None else None))
-                stats.counters[f"duplicate_{r['kind']}"] += 1
+                                              index.dataset_of(part) if part is not None else None,
+                                              method if near else None))
+                stats.counters["duplicate_simhash" if near and method else f"duplicate_{r['kind']}"] += 1
                 if part is not None:
                     stats.counters["duplicate_of_earlier_run"] += 1
+            if bloom is not None:
+                kept, still, short = para.dedup_table(kept, bloom, cfg.paragraphs, stats)
+                rejected += short
+                mask = np.asarray(keep, dtype=bool).copy()  # final keep over the file's rows: index rows follow it
+                mask[mask] = still
+                keep = pa.array(mask)
             stats.rows_in += t.num_rows
             stats.rows_kept += kept.num_rows
             if rejected:
@@ -511,10 +582,19 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
         writer.add_file(INDEX_FILE, num_rows=index_rows)
     else:
         index_path.unlink(missing_ok=True)
+    if bloom is not None:
+        atomic_write_bytes(writer.path(BLOOM_FILE), bloom.to_bytes())
+        writer.add_file(BLOOM_FILE)
     return stats
 
 
 def _index_schema(cfg: DedupConfig) -> pa.Schema:
+    if cfg.method == "simhash":
+        from lifecycle.tasks.data.dedup.simhash import num_tables
+
+        return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
+                          ("band_keys", pa.list_(pa.uint64(), num_tables(cfg.simhash.k, cfg.simhash.blocks))),
+                          ("simhash", pa.int64())])
     return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
                       ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
                       ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
@@ -524,21 +604,35 @@ def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: Da
               memory_limit: str = DUCKDB_MEMORY) -> DatasetRef:
     """Dedup `parent` into a committed `dedup` dataset. `signatures`: its committed signature dataset (the flow
     builds it shard by shard on its task runner); built here, one shard after another, when not given.
-    `memory_limit`: DuckDB's limit for the global half (not part of the fingerprint: it changes no decision)."""
+    `memory_limit`: DuckDB's limit for the global half (not part of the fingerprint: it changes no decision).
+    Paragraph dedup (`paragraphs.enabled`) starts from the published filter when `incremental`, from an empty
+    one otherwise; its state is part of the fingerprint like the index's."""
     if signatures is None:
         signatures = run_plan(plan_signatures(parent, cfg, workdir))
     code = code_version(__package__)
     extra = {"signatures": {"stage": signatures.stage, "sha256": signatures.sha256,
                             "manifest": str(signatures.manifest_path)}}
-    if not cfg.incremental:
-        return materialize(workdir, STAGE, cfg, code, lambda w: {
-            "stats": dedup(parent, cfg, w, signatures, memory_limit=memory_limit), "extra": extra}, parents=[parent])
-    directory = index_dir(workdir, cfg)
-    with _locked(directory):
-        index = Index(directory, base_parts(_read_parts(directory), parent))
-    # the index state is part of the fingerprint: a dataset is reused only against the same index
-    fp_config = {**cfg.model_dump(mode="json"), "index_state": index.state}
-    ref = materialize(workdir, STAGE, fp_config, code, lambda w: {
-        "stats": dedup(parent, cfg, w, signatures, index, memory_limit), "extra": extra}, parents=[parent])
-    publish(ref, parent, cfg, workdir)
+    fp_config = fingerprint_config(cfg)
+    index = bloom = None
+    if cfg.incremental:
+        directory = index_dir(workdir, cfg)
+        with _locked(directory):
+            index = Index(directory, base_parts(_read_parts(directory), parent))
+        # the index state is part of the fingerprint: a dataset is reused only against the same index
+        fp_config["index_state"] = index.state
+    if cfg.paragraphs.enabled:
+        if cfg.incremental:
+            bloom, fp_config["bloom_state"] = para.base_bloom(workdir, cfg.paragraphs, parent)
+        else:
+            bloom = para.Bloom.sized(cfg.paragraphs.capacity, cfg.paragraphs.fp_rate)
+
+    def build(w: DatasetWriter) -> dict:
+        stats = dedup(parent, cfg, w, signatures, index, memory_limit, bloom)
+        return {"stats": stats, "extra": {**extra, **({"paragraph_bloom": bloom.report(cfg.paragraphs)} if bloom else {})}}
+
+    ref = materialize(workdir, STAGE, fp_config, code, build, parents=[parent])
+    if cfg.incremental:
+        publish(ref, parent, cfg, workdir)
+        if bloom is not None:
+            para.publish_bloom(ref, parent, cfg.paragraphs, workdir)
     return ref
