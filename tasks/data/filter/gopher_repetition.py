@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from itertools import compress, islice
-from operator import ne
 from typing import ClassVar
 
 from pydantic import Field
@@ -34,33 +32,19 @@ def top_ngram_chars(words: list[str], n: int) -> int:
 
 
 def dup_ngram_chars(words: list[str], n: int) -> int:
-    """Characters in repeated n-grams, skipping past each repeat: datatrove `find_all_duplicate`, whose loop is
-
-        i = 0; seen = {}
-        while i < len(grams): if grams[i] in seen: chars += len(grams[i]); i += n  else: seen.add(grams[i]); i += 1
-
-    run here only at the positions where it can find a repeat: a position whose n-gram occurs nowhere before it
-    is always added to `seen` (nothing earlier can have put it there), so the runs between such "candidate"
-    positions go into `seen` in bulk (set.update, in C), and the loop steps only over the candidates."""
+    """Characters in repeated n-grams, skipping past each repeat: datatrove `find_all_duplicate` (its n-grams
+    joined without a separator, built in C before the loop)."""
     grams = _ngrams(words, n, "")
-    end = len(grams)
-    first = dict(zip(reversed(grams), range(end - 1, -1, -1)))  # each n-gram's first position
-    if len(first) == end:
-        return 0  # no n-gram occurs twice
-    candidates = compress(range(end), map(ne, map(first.__getitem__, grams), range(end)))
     seen: set[str] = set()
-    chars = i = 0
-    for c in candidates:
-        if c < i:
-            continue  # inside the n positions skipped after a repeat
-        seen.update(islice(grams, i, c))
-        gram = grams[c]
+    add, chars, i, end = seen.add, 0, 0, len(grams)
+    while i < end:
+        gram = grams[i]
         if gram in seen:
             chars += len(gram)
-            i = c + n
+            i += n
         else:
-            seen.add(gram)
-            i = c + 1
+            add(gram)
+            i += 1
     return chars
 
 
