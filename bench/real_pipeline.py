@@ -166,7 +166,7 @@ def profile(src: Path, wd: Path) -> dict:
         t0 = time.perf_counter()
         ref = fn(*args)
         s = time.perf_counter() - t0
-        n_in = refs[list(refs)[-1]].num_rows if refs else ref.manifest.get("stats", {}).get("rows_in", ref.num_rows)
+        n_in = refs[list(refs)[-1]].num_rows if refs else ref.manifest().get("stats", {}).get("rows_in", ref.num_rows)
         stages[name] = {"seconds": s, "docs_in": n_in, "docs_out": ref.num_rows, "docs_per_s": n_in / s}
         refs[name] = ref
 
@@ -253,6 +253,10 @@ def compare(args) -> None:
     ratios = [d["wall_s"] / o["wall_s"] for o, d in zip(runs["ours"], runs["datatrove"])]
     if prof:
         print_profile(prof)
+    if not ratios:  # --reps 0: the profile alone
+        print(json.dumps({"bench": "real_pipeline_profile", "mb": round(mb, 1), "documents": docs, "profile": prof,
+                          "load_avg": os.getloadavg()[0]}))
+        return
     ours, dt = runs["ours"], runs["datatrove"]
     result = {
         "bench": "real_pipeline", "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
@@ -318,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.real_pipeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=24, help="corpus size in MB of text (default 24)")
     ap.add_argument("--workers", type=int, default=2, help="workers on both sides (default 2)")
-    ap.add_argument("--reps", type=int, default=2, help="alternating repetitions per side (default 2)")
+    ap.add_argument("--reps", type=int, default=2, help=(
+        "alternating repetitions per side (default 2); 0 runs only the in-process per-stage profile"))
     ap.add_argument("--cache", type=Path, default=Path("/tmp/real-corpus"), help="where corpora are built and reused")
     ap.add_argument("--no-profile", action="store_true", help="skip the in-process per-stage profile")
     ap.add_argument("--scaling", help="comma-separated sizes in MB: ours alone, docs/s and peak memory per size")
