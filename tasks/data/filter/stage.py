@@ -17,7 +17,8 @@ applied (its section is ignored). Rules, their sections and reason codes:
 Default: language ID then Gopher quality. Gopher repetition, C4 and FineWeb are opt-in because on short, curated
 text such as the demo corpus they drop most documents; deploy/configs/fineweb.yaml lists FineWeb's full set.
 Kept rows gain `lang` and `lang_score` columns: py3langid's answer for the input text, whether or not `language`
-is listed.
+is listed. Evaluation is lazy (issue 25): the rules stop at the first failure, and language ID runs only on the
+documents that reach the `language` rule and on the kept ones.
 """
 
 from __future__ import annotations
