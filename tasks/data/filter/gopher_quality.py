@@ -16,10 +16,17 @@ the symbol in `detail`.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from pydantic import Field, model_validator
 
 from lifecycle.tasks.data.filter.rule import Rule, Verdict
 from lifecycle.tasks.data.filter.words import SYMBOLS, split_words
+
+@lru_cache(maxsize=1 << 17)  # words repeat: one test per distinct word
+def _has_alpha(word: str) -> bool:
+    return any(c.isalpha() for c in word)
+
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Gopher A.1.1; datatrove STOP_WORDS
 
@@ -72,7 +79,7 @@ class GopherQualityConfig(Rule):
         """The first Gopher quality rule `text` fails, in datatrove's order."""
         words = split_words(text) if words is None else words
         n_words = len(words)
-        lengths = [len(w) for w in words if any(ch not in SYMBOLS for ch in w)]
+        lengths = [len(w) for w in words if not SYMBOLS.issuperset(w)]  # a character outside SYMBOLS
         n = len(lengths)
         if self.min_doc_words is not None and n < self.min_doc_words:
             return "gopher_short_doc", f"words={n}"
@@ -101,7 +108,7 @@ class GopherQualityConfig(Rule):
             if ends > self.max_ellipsis_lines_ratio:
                 return "gopher_ellipsis_lines", f"ellipsis_lines={ends:.3g}"
         if self.min_alpha_words_ratio is not None:
-            alpha = sum(any(c.isalpha() for c in w) for w in words) / n_words if n_words else 0.0
+            alpha = sum(map(_has_alpha, words)) / n_words if n_words else 0.0
             if alpha < self.min_alpha_words_ratio:
                 return "gopher_alpha_ratio", f"alpha_words={alpha:.3g}"
         if self.min_stop_words is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import ClassVar
 
 from pydantic import Field
 
@@ -18,24 +19,31 @@ _PARAGRAPH = re.compile(r"\n{2,}")
 _LINES = re.compile("\n+")
 
 
+def _ngrams(words: list[str], n: int, sep: str) -> list[str]:
+    """The n-grams of `words` at every position, each joined with `sep` (built in C: map over zip)."""
+    return list(map(sep.join, zip(*(words[k:] for k in range(n)))))
+
+
 def top_ngram_chars(words: list[str], n: int) -> int:
-    """Characters covered by the most frequent n-gram (space-joined length x count): datatrove `find_top_duplicate`."""
-    counts = Counter(" ".join(words[i : i + n]) for i in range(len(words) - n + 1))
-    gram, c = counts.most_common(1)[0]
+    """Characters covered by the most frequent n-gram (space-joined length x count): datatrove `find_top_duplicate`.
+    Ties go to the n-gram seen first (Counter.most_common keeps insertion order among equal counts)."""
+    gram, c = Counter(_ngrams(words, n, " ")).most_common(1)[0]
     return len(gram) * c
 
 
 def dup_ngram_chars(words: list[str], n: int) -> int:
-    """Characters in repeated n-grams, skipping past each repeat: datatrove `find_all_duplicate`."""
+    """Characters in repeated n-grams, skipping past each repeat: datatrove `find_all_duplicate` (its n-grams
+    joined without a separator, built in C before the loop)."""
+    grams = _ngrams(words, n, "")
     seen: set[str] = set()
-    chars = i = 0
-    while i < len(words) - n + 1:
-        gram = "".join(words[i : i + n])
+    add, chars, i, end = seen.add, 0, 0, len(grams)
+    while i < end:
+        gram = grams[i]
         if gram in seen:
             chars += len(gram)
             i += n
         else:
-            seen.add(gram)
+            add(gram)
             i += 1
     return chars
 
@@ -43,6 +51,8 @@ def dup_ngram_chars(words: list[str], n: int) -> int:
 class GopherRepetitionConfig(Rule):
     """Gopher repetition rules (datatrove GopherRepetitionFilter defaults). Every threshold can be set to null,
     every n-gram list to [], to disable it."""
+
+    uses_words: ClassVar[bool] = False  # it splits the text itself, and only once it reaches its n-gram checks
 
     dup_para_frac: float | None = Field(0.3, ge=0, description="Max fraction of duplicated paragraphs. Gopher: 0.30.")
     dup_para_char_frac: float | None = Field(0.2, ge=0, description=(
@@ -59,7 +69,6 @@ class GopherRepetitionConfig(Rule):
     def reason(self, text: str, words: list[str] | None = None) -> Verdict:
         if not text:
             return "gopher_rep_empty", "empty text"
-        words = split_words(text) if words is None else words
         paragraphs = _PARAGRAPH.split(text.strip())
         dup, chars = find_duplicates(paragraphs)
         if self.dup_para_frac is not None and dup / len(paragraphs) > self.dup_para_frac:
@@ -72,6 +81,7 @@ class GopherRepetitionConfig(Rule):
             return "gopher_dup_line_frac", f"dup_line_frac={dup / len(lines):.3g}"
         if self.dup_line_char_frac is not None and chars / len(text) > self.dup_line_char_frac:
             return "gopher_dup_line_char_frac", f"dup_line_char_frac={chars / len(text):.3g}"
+        words = split_words(text) if words is None else words  # the paragraph and line checks need no words
         for n, frac in self.top_ngram_char_frac:
             if len(words) >= n:
                 r = top_ngram_chars(words, n) / len(text)

@@ -19,7 +19,7 @@ Verdict = tuple[str, str] | None  # (reason code, detail), None: the text passes
 class Rule(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    uses_words: ClassVar[bool] = True  # False: `reason` never reads `words` (the stage does not split for it)
+    uses_words: ClassVar[bool] = True  # False: the stage does not split for it (it splits itself, when it needs to)
 
     def reason(self, text: str, words: list[str] | None = None) -> Verdict:
         raise NotImplementedError(f"{type(self).__name__}.reason")

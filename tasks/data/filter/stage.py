@@ -17,7 +17,8 @@ applied (its section is ignored). Rules, their sections and reason codes:
 Default: language ID then Gopher quality. Gopher repetition, C4 and FineWeb are opt-in because on short, curated
 text such as the demo corpus they drop most documents; deploy/configs/fineweb.yaml lists FineWeb's full set.
 Kept rows gain `lang` and `lang_score` columns: py3langid's answer for the input text, whether or not `language`
-is listed.
+is listed. Evaluation is lazy (issue 25): the rules stop at the first failure, and language ID runs only on the
+documents that reach the `language` rule and on the kept ones.
 """
 
 from __future__ import annotations
@@ -87,17 +88,23 @@ def rule_of(reason: str) -> str:
     return next((rule for prefix, rule in REASON_PREFIXES if reason.startswith(prefix)), reason)
 
 
-def document_verdict(text: str, cfg: FilterConfig) -> tuple[Verdict, str, str, float]:
-    """(first failing rule as (reason, detail) or None, text as the rules left it, lang, lang_score)."""
-    lang, score = detect_language(text)
-    words = None  # split once, when a rule first needs words, and again after a rule edits the text
+def document_verdict(text: str, cfg: FilterConfig) -> tuple[Verdict, str, str | None, float | None]:
+    """(first failing rule as (reason, detail) or None, text as the rules left it, lang, lang_score).
+
+    Lazy: the rules run in the configured order and stop at the first failure, and language ID (the costliest
+    step) runs only when the `language` rule is reached or the document is kept (its `lang` columns). A rejected
+    document's lang and lang_score are None unless the `language` rule ran on it."""
+    original, words, lang_ran = text, None, False  # words: split when a rule first needs them, again after an edit
     for rule in cfg.active():
         if words is None and rule.uses_words:
             words = split_words(text)
+        lang_ran = lang_ran or isinstance(rule, LanguageConfig)
         if v := rule.reason(text, words):
+            lang, score = detect_language(original) if lang_ran else (None, None)
             return v, text, lang, score
         if (new := rule.edit(text)) != text:
             text, words = new, None
+    lang, score = detect_language(original)  # the input text's language, as before any rule edited it
     return None, text, lang, score
 
 

@@ -175,9 +175,20 @@ def _join_specials(toks: list[str]) -> list[str]:
     return out + toks[k:]
 
 
+_last_split: tuple[str | None, list[str]] = (None, [])  # the last text split and its words (one entry, by identity)
+
+
 def split_words(text: str) -> list[str]:
-    """Words as datatrove's English Gopher filter sees them (see module docstring)."""
-    return [t for chunk in text.split() for t in _split_chunk(chunk)]
+    """Words as datatrove's English Gopher filter sees them (see module docstring). The same text object asked
+    again (the next rule of the same document) gets the same list back without a second split: callers must not
+    change the list."""
+    global _last_split
+    last, words = _last_split
+    if last is text:
+        return words
+    words = [t for chunk in text.split() for t in _split_chunk(chunk)]
+    _last_split = (text, words)
+    return words
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,337 @@
+"""Data preparation on a real corpus vs datatrove, start-up included (issue 25).
+
+    python -m bench.real_pipeline [--mb 24] [--reps 2] [--workers 2]      # ours vs datatrove, one JSON line last
+    python -m bench.real_pipeline --scaling 24,240,2400 [--plots docs/img] # ours alone: docs/s, peak memory per size
+
+Corpus: bench/real_corpus.py (man pages, generated man pages, translated man pages, package docs, pydoc, Python
+source; seed 0), built once per size under `--cache` (default /tmp/real-corpus) and reused.
+
+Both sides run Gopher repetition, Gopher quality, C4 (filter_no_terminal_punct=False) and FineWeb in FineWeb's
+order, MinHash dedup (5-gram shingles, 14 bands x 8 rows), then PII replacement, with `--workers` workers:
+- ours: `lifecycle run CONFIG --until scrub --json` as a subprocess in a fresh work dir (embedded Prefect server,
+  imports and shutdown included; exact dedup before MinHash, dedup index off as datatrove has none);
+- datatrove 0.10.1: bench/pipeline_throughput.py's pipeline script run by its own interpreter (start included).
+Sides alternate over `--reps`; each run's wall time is the outside clock around the whole command, its peak
+memory the largest sum of RSS over the command's process tree, sampled every 0.1 s. Fixed overhead of ours
+(command -> first stage, last stage -> exit) comes from the run summary's `timing` (epoch seconds, written by the
+flow) and the outside clock; it is null when the summary has no `timing`.
+
+The per-stage profile runs ours' stage entry points in this process, one worker, on the same corpus: docs/s per
+worker for each stage, and inside filter, per rule family, how many documents reach it (rules stop at the first
+failure), its seconds and docs/s, and language ID on the kept documents (their `lang` columns).
+
+datatrove venv: `bash bench/make_dtvenv.sh`; path from $DTVENV, else /tmp/dtvenv or /tmp/wt-filter-dtvenv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ["gopher_repetition", "gopher_quality", "c4", "fineweb"]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def dtvenv() -> Path:
+    if os.environ.get("DTVENV"):
+        return Path(os.environ["DTVENV"])
+    return next((p for p in map(Path, ("/tmp/dtvenv", "/tmp/wt-filter-dtvenv")) if (p / "bin/python").exists()),
+                Path("/tmp/dtvenv"))
+
+
+def corpus(cache: Path, mb: float, seed: int = 0) -> tuple[Path, dict]:
+    """bench/real_corpus.py's corpus of `mb` MB, built once under `cache` and reused."""
+    from bench.real_corpus import build
+
+    out = cache / f"mb{mb:g}-seed{seed}"
+    if not (out / "corpus.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        build(out, mb, seed=seed)
+    return out, json.loads((out / "corpus.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# one command, timed from outside, with its process tree's peak RSS
+
+
+def tree_rss(root: int) -> int:
+    """Bytes resident in `root` and all its descendants now (from /proc)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(d))
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            pass
+        stack.extend(children.get(pid, ()))
+    return total
+
+
+def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:
+    """Run `cmd`; (stdout, {start, end (epoch s), wall_s, peak_rss_mb}). Raises with the output on failure."""
+    start = time.time()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], tree_rss(proc.pid))
+            done.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+    return out, {"start": start, "end": start + wall, "wall_s": wall, "peak_rss_mb": peak[0] / 1e6}
+
+
+def ours_config(src: Path, wd: Path) -> dict:
+    return {"name": "real-pipeline", "workdir": str(wd / "work"),
+            "collect": {"inputs": [str(src / "*.jsonl.gz")]},
+            "filter": {"rules": RULES},
+            "dedup": {"ngram": 5, "bands": 14, "rows": 8, "incremental": False}}
+
+
+def run_ours(src: Path, wd: Path, workers: int) -> dict:
+    path = wd / "config.yaml"
+    path.write_text(json.dumps(ours_config(src, wd)))  # JSON is YAML
+    cmd = [str(ROOT / ".venv/bin/lifecycle"), "run", str(path), "--until", "scrub", "--json",
+           "--set", f"orchestration.dask_workers={workers}"]
+    out, info = measured(cmd, "lifecycle run", cwd=wd)
+    summary = json.loads(out.strip().splitlines()[-1])
+    t = summary.get("timing") or {}
+    first, last = t.get("first_stage_start"), t.get("last_stage_end")
+    info["to_first_stage_s"] = first - info["start"] if first is not None else None
+    info["after_last_stage_s"] = info["end"] - last if last is not None else None
+    info["stages_s"] = {k.split(":", 1)[1]: v for k, v in t.items() if k.startswith("stage:")}
+    info["rows"] = {s: json.loads(Path(m).read_text()).get("num_rows") for s, m in summary["datasets"].items()}
+    info["timing"] = t
+    return info
+
+
+def run_datatrove(src: Path, wd: Path, workers: int) -> dict:
+    from bench.pipeline_throughput import DATATROVE_SCRIPT
+
+    script = wd / "datatrove_pipeline.py"  # a file: the executor's workers re-import __main__
+    script.write_text(DATATROVE_SCRIPT)
+    out, info = measured([str(dtvenv() / "bin/python"), str(script), str(src), str(wd), str(workers)], "datatrove")
+    info["in_process_s"] = json.loads(out.strip().splitlines()[-1])["seconds"]
+    info["rows_out"] = sum(1 for f in (wd / "output").glob("*.jsonl") for _ in f.open())
+    return info
+
+
+# --------------------------------------------------------------------------------------------------
+# in-process per-stage profile (one worker)
+
+
+def profile(src: Path, wd: Path) -> dict:
+    """Each data stage's seconds and docs/s on one worker, and inside filter each rule family's share."""
+    from lifecycle.config import PipelineConfig
+    from lifecycle.tasks.data.collect.stage import run_collect
+    from lifecycle.tasks.data.dedup.stage import run_dedup
+    from lifecycle.tasks.data.filter.language import detect_language
+    from lifecycle.tasks.data.filter.words import split_words
+    from lifecycle.tasks.data.filter.stage import run_filter
+    from lifecycle.tasks.data.scrub.stage import run_scrub
+
+    cfg = PipelineConfig.model_validate(ours_config(src, wd))
+    work = str(wd / "work")
+    stages, refs = {}, {}
+
+    def timed(name, fn, *args):
+        t0 = time.perf_counter()
+        ref = fn(*args)
+        s = time.perf_counter() - t0
+        n_in = refs[list(refs)[-1]].num_rows if refs else ref.manifest().get("stats", {}).get("rows_in", ref.num_rows)
+        stages[name] = {"seconds": s, "docs_in": n_in, "docs_out": ref.num_rows, "docs_per_s": n_in / s}
+        refs[name] = ref
+
+    timed("collect", run_collect, cfg.collect, work)
+    timed("filter", run_filter, refs["collect"], cfg.filter, work)
+    timed("dedup", run_dedup, refs["filter"], cfg.dedup, work)
+    timed("scrub", run_scrub, refs["dedup"], cfg.scrub, work)
+
+    # inside filter: the stage's lazy loop, timed per step
+    texts = refs["collect"].read(["text"]).column("text").to_pylist()
+    fam = defaultdict(lambda: {"docs": 0, "seconds": 0.0, "rejected": 0})
+    for text in texts:
+        original, words, kept = text, None, True
+        for name, rule in zip(cfg.filter.rules, cfg.filter.active()):
+            if words is None and rule.uses_words:
+                t0 = time.perf_counter()
+                words = split_words(text)
+                fam["split_words"]["seconds"] += time.perf_counter() - t0
+                fam["split_words"]["docs"] += 1
+            t0 = time.perf_counter()
+            v = rule.reason(text, words)
+            new = text if v else rule.edit(text)
+            fam[name]["seconds"] += time.perf_counter() - t0
+            fam[name]["docs"] += 1
+            if v:
+                fam[name]["rejected"] += 1
+                kept = False
+                break
+            if new != text:
+                text, words = new, None
+        if kept:
+            t0 = time.perf_counter()
+            detect_language(original)
+            fam["language_id (kept docs)"]["seconds"] += time.perf_counter() - t0
+            fam["language_id (kept docs)"]["docs"] += 1
+    for f in fam.values():
+        f["docs_per_s"] = f["docs"] / f["seconds"] if f["seconds"] else None
+    return {"stages": stages, "filter_rules": dict(fam)}
+
+
+def print_profile(p: dict) -> None:
+    print(f"\n  per-stage profile (ours, one worker, in process)")
+    print(f"  {'stage':<26} {'docs in':>9} {'docs out':>9} {'seconds':>9} {'docs/s/worker':>14}")
+    for name, s in p["stages"].items():
+        print(f"  {name:<26} {s['docs_in']:>9,} {s['docs_out']:>9,} {s['seconds']:>9.2f} {s['docs_per_s']:>14,.0f}")
+    total = sum(f["seconds"] for f in p["filter_rules"].values()) or 1
+    print(f"\n  inside filter (lazy: a rule sees only the documents every earlier rule passed)")
+    print(f"  {'rule family':<26} {'docs in':>9} {'rejected':>9} {'seconds':>9} {'docs/s/worker':>14} {'share':>7}")
+    for name, f in p["filter_rules"].items():
+        print(f"  {name:<26} {f['docs']:>9,} {f['rejected']:>9,} {f['seconds']:>9.2f} "
+              f"{f['docs_per_s'] or 0:>14,.0f} {f['seconds'] / total:>6.0%}")
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def med(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def compare(args) -> None:
+    if not (dtvenv() / "bin/python").exists():
+        raise SystemExit(f"no datatrove venv at {dtvenv()} (create it with bench/make_dtvenv.sh, or set $DTVENV)")
+    src, meta = corpus(args.cache, args.mb)
+    docs, mb = meta["documents"], meta["text_bytes"] / 1e6
+    print(f"real pipeline: {docs:,} docs, {mb:.1f} MB of text in {src}; {args.workers} workers both sides; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    runs = defaultdict(list)
+    with tempfile.TemporaryDirectory(prefix="real-pipeline-") as tmp:
+        order = (("ours", run_ours), ("datatrove", run_datatrove))
+        for rep in range(args.reps):
+            for side, fn in order if rep % 2 == 0 else order[::-1]:
+                wd = Path(tmp) / f"{side}-{rep}"
+                wd.mkdir()
+                info = fn(src, wd, args.workers)
+                runs[side].append(info)
+                extra = (f", to first stage {info['to_first_stage_s']}, after last stage {info['after_last_stage_s']}"
+                         if side == "ours" else "")
+                print(f"  rep {rep + 1}: {side:<9} {info['wall_s']:7.1f} s wall, peak {info['peak_rss_mb']:,.0f} MB"
+                      f"{extra}", flush=True)
+                shutil.rmtree(wd, ignore_errors=True)
+        prof = None if args.no_profile else profile(src, Path(tmp) / "profile")
+    ratios = [d["wall_s"] / o["wall_s"] for o, d in zip(runs["ours"], runs["datatrove"])]
+    if prof:
+        print_profile(prof)
+    if not ratios:  # --reps 0: the profile alone
+        print(json.dumps({"bench": "real_pipeline_profile", "mb": round(mb, 1), "documents": docs, "profile": prof,
+                          "load_avg": os.getloadavg()[0]}))
+        return
+    ours, dt = runs["ours"], runs["datatrove"]
+    result = {
+        "bench": "real_pipeline", "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
+        "ratio": med(ratios), "ratios": [round(r, 3) for r in ratios],
+        "ours_wall_s": med([r["wall_s"] for r in ours]), "datatrove_wall_s": med([r["wall_s"] for r in dt]),
+        "ours_docs_per_s": docs / med([r["wall_s"] for r in ours]),
+        "datatrove_docs_per_s": docs / med([r["wall_s"] for r in dt]),
+        "ours_peak_rss_mb": max(r["peak_rss_mb"] for r in ours),
+        "datatrove_peak_rss_mb": max(r["peak_rss_mb"] for r in dt),
+        "command_to_first_stage_s": med([r["to_first_stage_s"] for r in ours]),
+        "last_stage_to_exit_s": med([r["after_last_stage_s"] for r in ours]),
+        "ours_stages_s": ours[-1]["stages_s"] or None, "ours_rows": ours[-1]["rows"],
+        "datatrove_rows_out": dt[-1]["rows_out"], "datatrove_in_process_s": med([r["in_process_s"] for r in dt]),
+        "profile": prof, "load_avg": os.getloadavg()[0],
+    }
+    print(json.dumps(result))
+
+
+def scaling(args) -> None:
+    sizes = [float(x) for x in args.scaling.split(",") if x]
+    points = []
+    for mb in sizes:
+        src, meta = corpus(args.cache, mb)
+        with tempfile.TemporaryDirectory(prefix="real-pipeline-scaling-") as tmp:
+            info = run_ours(src, Path(tmp), args.workers)
+        point = {"mb": meta["text_bytes"] / 1e6, "target_mb": mb, "documents": meta["documents"],
+                 "wall_s": info["wall_s"], "docs_per_s": meta["documents"] / info["wall_s"],
+                 "mb_per_s": meta["text_bytes"] / 1e6 / info["wall_s"],
+                 "stage_docs_per_s": (meta["documents"] / sum(info["stages_s"].values())
+                                      if info["stages_s"] else None),
+                 "peak_rss_mb": info["peak_rss_mb"], "load_avg": os.getloadavg()[0], "note": meta.get("note")}
+        points.append(point)
+        print(f"  {point['mb']:8.1f} MB {point['documents']:>9,} docs {point['wall_s']:8.1f} s "
+              f"{point['docs_per_s']:8.1f} docs/s {point['peak_rss_mb']:8,.0f} MB peak", flush=True)
+    if args.plots:
+        plot(points, args.plots)
+    print(json.dumps({"bench": "real_pipeline_scaling", "workers": args.workers, "points": points}))
+
+
+def plot(points: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    xs = [p["mb"] for p in points]
+    for key, label, name in (("docs_per_s", "docs/s (whole command)", "real_pipeline_docs_per_s.png"),
+                             ("peak_rss_mb", "peak RSS of the process tree (MB)", "real_pipeline_peak_rss.png")):
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot(xs, [p[key] for p in points], "o-")
+        ax.set_xscale("log")
+        ax.set_xlabel("corpus size (MB of text)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.real_pipeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=float, default=24, help="corpus size in MB of text (default 24)")
+    ap.add_argument("--workers", type=int, default=2, help="workers on both sides (default 2)")
+    ap.add_argument("--reps", type=int, default=2, help=(
+        "alternating repetitions per side (default 2); 0 runs only the in-process per-stage profile"))
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/real-corpus"), help="where corpora are built and reused")
+    ap.add_argument("--no-profile", action="store_true", help="skip the in-process per-stage profile")
+    ap.add_argument("--scaling", help="comma-separated sizes in MB: ours alone, docs/s and peak memory per size")
+    ap.add_argument("--plots", type=Path, help="with --scaling: folder for the PNG plots (e.g. docs/img)")
+    args = ap.parse_args(argv)
+    scaling(args) if args.scaling else compare(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
