@@ -14,12 +14,15 @@ Other subcommands live beside the code they drive: each module in `COMMAND_MODUL
 
 from __future__ import annotations
 
+import time
+
+COMMAND_START = time.time()  # the run's `timing.command_start`: before the imports below (config, pydantic)
+
 import argparse
 import json
 import os
 import signal
 import sys
-import time
 
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
 from lifecycle.core.procs import Terminated
@@ -49,15 +52,19 @@ def cmd_run(args: argparse.Namespace) -> int:
                               live=False if args.verbose else None)
             view.print(f"lifecycle run {args.config or DEFAULT_CONFIG} -> {cfg.workdir}"
                        + (f" (log: {log})" if log else ""))
+            timing = {"command_start": COMMAND_START, "prefect_start": time.time()}
             from lifecycle.flows.servers import prepare_environment
 
             mode = prepare_environment(cfg.workdir)  # Prefect's environment: before anything imports Prefect
+            timing["prefect_ready"] = time.time()
             from lifecycle.flows.pipeline import lifecycle_flow
             from lifecycle.flows.runner import reporting
 
             with view, reporting(view):
+                timing["flow_call"] = time.time()
                 summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
+            summary["timing"] = {**timing, **summary.get("timing", {})}
     except WorkdirBusy as e:
         print(f"lifecycle run: error: {e}", file=err)
         if args.json:
