@@ -245,8 +245,9 @@ class RunSummary(BaseModel):
     """Where the parent MLflow run's charts and model card are: {funnel, loss_curves, model_card} -> artifact URI."""
     timing: dict[str, float] = {}
     """Where the run's wall time went (bench/run_overhead.py reads it). Epoch seconds: `command_start` (the
-    `lifecycle` command's first line), `prefect_start`/`prefect_ready` (its Prefect server started or reached),
-    `flow_call` (Prefect and the flow's modules imported), then
+    `lifecycle` command's first line), `prefect_start`, `prefect_launched` (the embedded Prefect server found, or
+    launched), `imports_done` (Prefect and the flow's modules imported meanwhile), `prefect_ready` (the server
+    answers), `flow_call`, then
     `flow_start` (the flow function entered), `tracker_ready` (MLflow run open), `first_stage_start`,
     `last_stage_end`, `flow_end`, and `dask_start`/`dask_ready`/`dask_close_start`/`dask_closed` when the shard
     cluster ran; `stage:<name>`: each stage's duration in seconds."""
