@@ -1,6 +1,9 @@
 """The embedded Prefect server (no `lifecycle up`): started by the first run, reused by the next ones in the same
 work dir, replaced when its state is stale, one server when two runs start it at once, stopped by `lifecycle down`
-and after its idle timeout. Real servers, real runs."""
+and after its idle timeout. Real servers, real runs.
+
+    .venv/bin/python -m pytest -q tests/flows/test_embedded_server.py   (LIFECYCLE_SLOW=1 for the replacement test)
+"""
 
 import json
 import os
@@ -82,6 +85,7 @@ def test_first_run_starts_the_server_the_second_reuses_it_and_down_stops_it(wd, 
     assert _wait_gone(server["pid"], 5) and not (wd / ".servers" / "embedded.json").exists()
 
 
+@pytest.mark.slow  # three server starts: over a minute on a loaded 2-core machine
 def test_a_dead_server_or_a_recycled_pid_is_replaced(wd):
     first = _result(_start(wd))
     assert first["started"]
