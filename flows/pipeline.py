@@ -11,6 +11,7 @@ Every stage is logged to its own nested MLflow run under one parent run per flow
 import json
 import logging
 import tempfile
+import time
 from pathlib import Path
 
 from prefect import flow
@@ -47,6 +48,7 @@ def lifecycle_flow(config: PipelineConfig | None = None, until: str | None = Non
     """`config`: the resolved config (`lifecycle run` passes it). Or `config_file` and `overrides` (`--set`
     KEY=VALUE): a YAML file read when the run starts, which is what `lifecycle serve` deploys, so that an edited
     YAML applies to the next scheduled run; its sha256 goes on the flow run's log and the MLflow parent run."""
+    flow_start = time.time()
     flow_run = get_run_context().flow_run
     tags = {}
     if (config is None) == (config_file is None):
@@ -60,10 +62,10 @@ def lifecycle_flow(config: PipelineConfig | None = None, until: str | None = Non
     # one run per work dir: a run `lifecycle serve` starts on its schedule refuses while a manual `lifecycle run`
     # holds the work dir, and the other way round (`lifecycle run` holds it already in this process)
     with workdir_lock(config.workdir, holder=f"flow run {flow_run.name} ({flow_run.id})", reentrant=True):
-        return _pipeline(config, until, flow_run, tags)
+        return _pipeline(config, until, flow_run, tags, {"flow_start": flow_start})
 
 
-def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, str]) -> dict:
+def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, str], timing: dict) -> dict:
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
     if cfg.collect.incremental and not new_inputs(inputs, cfg.workdir):
@@ -71,12 +73,16 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         note = f"no new input files: all {len(inputs)} were collected by earlier runs; nothing to do"
         get_run_logger().info(f"[collect] {note}")
         reporter().note(note)
-        return RunSummary(status="no_new_inputs", workdir=cfg.workdir, prefect_flow_run_id=str(flow_run.id)).model_dump()
+        return RunSummary(status="no_new_inputs", workdir=cfg.workdir, prefect_flow_run_id=str(flow_run.id),
+                          timing={**timing, "flow_end": time.time()}).model_dump()
     tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
-    summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri, prefect_flow_run_id=str(flow_run.id))
+    summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri, prefect_flow_run_id=str(flow_run.id),
+                         timing=timing)
+    timing = summary.timing  # pydantic copied it: the summary's own dict from here on
     summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={
         "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
         **tags})
+    timing["tracker_ready"] = time.time()
     run = StageRunner(cfg, summary, until, on_done=_Logger(tracker, summary).stage_done)
     try:
         docs = run(COLLECT, inputs=inputs)
@@ -116,6 +122,7 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         raise
     finally:
         run.close()
+    timing["flow_end"] = time.time()
     return summary.model_dump()
 
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 from typing import Any, Callable
 
 from prefect import task
@@ -96,10 +97,11 @@ class ShardRunner:
     so deployments served from `prefect.yaml` get the same behaviour as `lifecycle run`.
     """
 
-    def __init__(self, orchestration: OrchestrationConfig):
+    def __init__(self, orchestration: OrchestrationConfig, timing: dict[str, float] | None = None):
         self.orch = orchestration
         self._stack = contextlib.ExitStack()
         self._runner = None
+        self.timing = {} if timing is None else timing  # dask_start/dask_ready/dask_close_start/dask_closed
 
     def _make(self):
         if self.orch.dask_address:
@@ -117,7 +119,9 @@ class ShardRunner:
     def map(self, task_, plan, n: int, on_progress: Callable[[], None] | None = None) -> list:
         """Run `task_(plan, i, timeout_s)` for every shard; `on_progress()` after each shard in turn has finished."""
         if self._runner is None:
+            self.timing.setdefault("dask_start", time.time())
             self._runner = self._stack.enter_context(self._make())
+            self.timing.setdefault("dask_ready", time.time())
         futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n)),
                                            "timeout_s": unmapped(self.orch.shard_timeout_s)})
         if on_progress is not None:
@@ -127,6 +131,10 @@ class ShardRunner:
         return futures.result()  # raises the first shard failure (after that shard's retries)
 
     def close(self) -> None:
+        if self._runner is not None:
+            self.timing["dask_close_start"] = time.time()
+            self._stack.close()
+            self.timing["dask_closed"] = time.time()
         self._stack.close()
         self._runner = None
 
@@ -235,6 +243,14 @@ class RunSummary(BaseModel):
     metrics: dict[str, Any] = {}
     artifacts: dict[str, str] = {}
     """Where the parent MLflow run's charts and model card are: {funnel, loss_curves, model_card} -> artifact URI."""
+    timing: dict[str, float] = {}
+    """Where the run's wall time went (bench/run_overhead.py reads it). Epoch seconds: `command_start` (the
+    `lifecycle` command's first line), `prefect_start`, `prefect_launched` (the embedded Prefect server found, or
+    launched), `imports_done` (Prefect and the flow's modules imported meanwhile), `prefect_ready` (the server
+    answers), `flow_call`, then
+    `flow_start` (the flow function entered), `tracker_ready` (MLflow run open), `first_stage_start`,
+    `last_stage_end`, `flow_end`, and `dask_start`/`dask_ready`/`dask_close_start`/`dask_closed` when the shard
+    cluster ran; `stage:<name>`: each stage's duration in seconds."""
 
 
 def outcome_of(value: Any) -> str:
@@ -257,7 +273,8 @@ class StageRunner:
     def __init__(self, cfg, summary: RunSummary, until: str | None, on_done: Callable):
         self.cfg, self.summary, self.on_done = cfg, summary, on_done
         self.until = until
-        self.shards = ShardRunner(cfg.orchestration)
+        self.timing = summary.timing
+        self.shards = ShardRunner(cfg.orchestration, self.timing)
         self.reporter = reporter()
 
     def wants(self, stage) -> bool:
@@ -277,6 +294,8 @@ class StageRunner:
         retries = orch.train_retries if stage.group == "train" else orch.data_retries
         extra: dict[str, Any] = {}
         outcome = None
+        started = time.time()
+        self.timing.setdefault("first_stage_start", started)
         self.reporter.stage_started(stage.name)
         if stage.plan:
             name = stage.sharded_name or stage.name
@@ -294,6 +313,8 @@ class StageRunner:
         if hasattr(value, "manifest_path"):
             self.summary.datasets[stage.name] = str(value.manifest_path)
         self.on_done(stage, value, outcome, extra, section)
+        self.timing["last_stage_end"] = time.time()  # the cluster's shutdown below is overhead, not the stage's
+        self.timing[f"stage:{stage.name}"] = round(self.timing["last_stage_end"] - started, 4)
         if self.until == stage.name:
             self.shards.close()
         return value

@@ -12,7 +12,6 @@ signal, that the process with that pid is still the server it started (same comm
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -22,10 +21,11 @@ import time
 import urllib.request
 from pathlib import Path
 from lifecycle.core.errors import UsageError
-from lifecycle.core.procs import own_session_dying_with_parent, stop_group
+from lifecycle.core.procs import free_port, stop_group
 
 HOST = "127.0.0.1"
 SERVERS = ("prefect", "mlflow")
+EMBEDDED = "embedded-prefect"  # started by `lifecycle run` when `up` started none (`embedded_server`)
 
 
 def state_dir(workdir: str | Path) -> Path:
@@ -84,9 +84,9 @@ def _alive(entry: dict) -> bool:
     return bool(argv) and entry["argv"][1:] == argv[-(len(entry["argv"]) - 1):]
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, timeout: float = 2) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status == 200
     except OSError:
         return False
@@ -133,11 +133,17 @@ def down(workdir: str | Path, timeout: float = 30) -> list[str]:
             stopped.append(name)
         (sdir / f"{name}.pid").unlink(missing_ok=True)
     (sdir / "servers.json").unlink(missing_ok=True)
+    if stop_embedded(workdir, timeout):
+        stopped.append(EMBEDDED)
     return stopped
 
 
 def status(workdir: str | Path) -> dict:
+    """`up`'s servers, and the embedded Prefect server (`EMBEDDED`) when runs started one."""
     state = _read(Path(workdir).resolve())
+    embedded = _read_embedded(Path(workdir).resolve())
+    if embedded:
+        state[EMBEDDED] = embedded
     return {name: {"running": _alive(e), "healthy": _alive(e) and _healthy(e["health"]), "pid": e["pid"],
                    "url": e["url"], "log": e["log"]} for name, e in state.items()}
 
@@ -153,7 +159,10 @@ def active(workdir: str | Path) -> dict[str, str] | None:
 # ------------------------------------------------------------------------------------------ CLI
 
 
-def prepare_environment(workdir: str | Path) -> str:
+_starting: _Starting | None = None
+
+
+def prepare_environment(workdir: str | Path, wait: bool = True) -> str:
     """Use the work dir's servers when `lifecycle up` started them. Otherwise the embedded defaults: without
     a configured Prefect API, keep Prefect's home (its SQLite database and the ephemeral server it starts)
     inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite."""
@@ -169,32 +178,190 @@ def prepare_environment(workdir: str | Path) -> str:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     if mode == "embedded":
-        _share_ephemeral_server()
+        global _starting
+        _starting = start_embedded(workdir)
+        os.environ["PREFECT_API_URL"] = _starting.url + "/api"
+        if wait:
+            wait_ready()
     return mode
 
 
-def _share_ephemeral_server() -> None:
-    """Start Prefect's temporary server now and export its URL, so that Dask worker processes (which
-    inherit the environment) report their task runs to it instead of each starting a server of its own.
-    It is the same singleton Prefect's client would start, and Prefect stops it when this process exits."""
-    from prefect.server.api.server import SubprocessASGIServer
+def wait_ready() -> None:
+    """Wait for the embedded server `prepare_environment(..., wait=False)` found or launched (a no-op otherwise):
+    the caller imports Prefect and the flow while it starts."""
+    global _starting
+    if _starting is not None:
+        starting, _starting = _starting, None
+        starting.wait()
 
-    class OwnSessionServer(SubprocessASGIServer):
-        """Its own session: a ^C or a group SIGTERM (`timeout`) reaches only this process, which then still has a
-        server to report the interrupted run to instead of retrying a dead one for minutes. It is sent SIGTERM
-        when this process dies, however it dies."""
 
-        def _run_uvicorn_command(self):
-            popen = subprocess.Popen  # Prefect's method calls subprocess.Popen; nothing else starts one meanwhile
-            subprocess.Popen = functools.partial(popen, preexec_fn=own_session_dying_with_parent)
+# ---------------------------------------------------------------------- the embedded server (no `lifecycle up`)
+#
+# Prefect's own default is a temporary server started by each process and stopped at its exit: 7-13 s of every
+# run here. The embedded server is the same ASGI app, run the same way (Prefect's ephemeral mode: no UI, only the
+# services an ephemeral server runs), but started on first use, detached, and reused by the later runs in the same
+# work dir. State: `<workdir>/.servers/embedded.json`. A run holds a shared lock on `embedded.users` while it runs;
+# the server stops itself after EMBEDDED_IDLE_S seconds in which no run held it, and `lifecycle down` stops it.
+
+EMBEDDED_IDLE_ENV = "LIFECYCLE_EMBEDDED_IDLE_S"
+EMBEDDED_IDLE_S = 3600.0
+EMBEDDED_START_TIMEOUT_S = 90.0
+_users_fd: int | None = None  # this process's shared hold on `embedded.users` (dropped by the kernel at exit)
+
+
+def embedded_env(workdir: Path) -> dict[str, str]:
+    """The server's settings: its database in the work dir (`<workdir>/.prefect/prefect.db`, as the temporary
+    server's was), Prefect's ephemeral mode (no UI, no scheduler: `lifecycle serve` needs `lifecycle up`)."""
+    return {"PREFECT_HOME": str(workdir / ".prefect"), "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+
+
+def _lock(path: Path, mode: int) -> int:
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, mode)
+    return fd
+
+
+def embedded_server(workdir: str | Path, timeout: float = EMBEDDED_START_TIMEOUT_S) -> dict:
+    """The work dir's embedded Prefect server, started if none is running and healthy: {pid, url, ..., started}."""
+    return start_embedded(workdir).wait(timeout)
+
+
+class _Starting:
+    """A server found running (`started` False) or just launched: `wait()` returns its entry once it answers.
+    Until then this process holds `embedded.lock`, so a second run waits for this server instead of starting one."""
+
+    def __init__(self, workdir: Path, lock_fd: int | None, entry: dict, proc: subprocess.Popen | None):
+        self.workdir, self.lock_fd, self.entry, self.proc = workdir, lock_fd, entry, proc
+
+    @property
+    def url(self) -> str:
+        return self.entry["url"]
+
+    def wait(self, timeout: float = EMBEDDED_START_TIMEOUT_S) -> dict:
+        """Its entry once it answers. Its URL is fixed before it starts (this process exports it before Prefect
+        is imported), so a server that could not bind its port is an error, not a retry on another port."""
+        try:
+            if self.proc is None:
+                return {**self.entry, "started": False}
+            deadline = time.time() + timeout
+            while self.proc.poll() is None and not _healthy(self.entry["health"], timeout=1):
+                if time.time() > deadline:
+                    stop_group(self.proc.pid, term_timeout=5)
+                    raise UsageError(f"the embedded Prefect server did not answer within {timeout:.0f} s; see "
+                                     f"{self.entry['log']} (or start servers with `lifecycle up`)")
+                time.sleep(0.1)
+            if self.proc.poll() is not None:
+                raise UsageError(f"the embedded Prefect server exited during start-up (exit {self.proc.returncode}); "
+                                 f"see {self.entry['log']}")
+            return {**self.entry, "started": True}
+        finally:
+            if self.lock_fd is not None:
+                os.close(self.lock_fd)
+                self.lock_fd = None
+
+
+def start_embedded(workdir: str | Path) -> _Starting:
+    """Find the work dir's embedded server, or launch one without waiting for it (the caller imports Prefect
+    meanwhile, then calls `wait()`).
+
+    Under an exclusive lock on `embedded.lock` (held until `wait()` returns), so two runs that start at once end
+    with one server. A server whose process is gone, or that does not answer its health check, is replaced (a
+    hung one is stopped first). The caller is counted as a user (`embedded.users`) until it exits, so the idle
+    timer never stops the server under a run."""
+    import fcntl
+
+    global _users_fd
+    workdir = Path(workdir).resolve()
+    sdir = state_dir(workdir)
+    sdir.mkdir(parents=True, exist_ok=True)
+    if _users_fd is None:
+        _users_fd = _lock(sdir / "embedded.users", fcntl.LOCK_SH)
+    fd = _lock(sdir / "embedded.lock", fcntl.LOCK_EX)
+    try:
+        entry = _read_embedded(workdir)
+        if entry and _alive(entry) and _healthy(entry["health"], timeout=10):
+            os.close(fd)
+            return _Starting(workdir, None, entry, None)
+        if entry and _alive(entry):  # running but not answering: replace it
+            stop_group(entry["pid"], term_timeout=10)
+        proc, entry = _launch_embedded(workdir)
+        return _Starting(workdir, fd, entry, proc)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_embedded(workdir: Path) -> dict | None:
+    f = state_dir(workdir) / "embedded.json"
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:  # a torn write (a full disk): start another
+        return None
+
+
+def _launch_embedded(workdir: Path) -> tuple[subprocess.Popen, dict]:
+    sdir = state_dir(workdir)
+    (workdir / ".prefect").mkdir(parents=True, exist_ok=True)
+    idle = os.environ.get(EMBEDDED_IDLE_ENV, str(EMBEDDED_IDLE_S))
+    port = free_port(HOST)
+    argv = [sys.executable, "-m", "lifecycle.flows.servers", "embedded", str(workdir), str(port), idle]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # it serves the API
+    with open(sdir / "embedded.log", "ab") as log:
+        proc = subprocess.Popen(argv, env={**env, **embedded_env(workdir)}, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=workdir)
+    url = f"http://{HOST}:{port}"
+    entry = {"pid": proc.pid, "argv": argv, "url": url, "health": f"{url}/api/health", "log": str(sdir / "embedded.log")}
+    tmp = sdir / "embedded.json.tmp"
+    tmp.write_text(json.dumps(entry, indent=2))
+    tmp.replace(sdir / "embedded.json")
+    return proc, entry
+
+
+def _serve_embedded(workdir: str, port: int, idle_s: float) -> None:
+    """The embedded server's process: Prefect's API app under uvicorn, as Prefect's temporary server runs it, that
+    exits once no run has held `embedded.users` for `idle_s` seconds (or on SIGTERM: `lifecycle down`)."""
+    import fcntl
+    import threading
+
+    import uvicorn
+
+    users = state_dir(workdir) / "embedded.users"
+    server = uvicorn.Server(uvicorn.Config("prefect.server.api.server:create_app", factory=True, host=HOST,
+                                           port=port, log_level="error", lifespan="on"))
+
+    def idle_watch() -> None:
+        last_used = time.time()
+        while not server.should_exit:
+            time.sleep(min(15.0, max(idle_s / 4, 0.2)))
+            fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                return super()._run_uvicorn_command()
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken only when no run holds it
+            except BlockingIOError:
+                last_used = time.time()
             finally:
-                subprocess.Popen = popen
+                os.close(fd)
+            if time.time() - last_used > idle_s:
+                print(f"embedded Prefect server: no run for {idle_s:.0f} s; stopping", flush=True)
+                server.should_exit = True
 
-    server = OwnSessionServer()
-    server.start()
-    os.environ["PREFECT_API_URL"] = server.api_url
+    threading.Thread(target=idle_watch, daemon=True).start()
+    server.run()
+
+
+def stop_embedded(workdir: str | Path, timeout: float = 30) -> bool:
+    """Stop the work dir's embedded server; True if one was running."""
+    workdir = Path(workdir).resolve()
+    entry = _read_embedded(workdir)
+    running = bool(entry) and _alive(entry)
+    if running:
+        stop_group(entry["pid"], term_timeout=timeout)
+    (state_dir(workdir) / "embedded.json").unlink(missing_ok=True)
+    return running
 
 
 def register(sub) -> None:
@@ -239,3 +406,10 @@ def cmd_status(args) -> int:
     _print(args, st, "\n".join(f"{n}: {'up' if e['healthy'] else 'running' if e['running'] else 'down'} {e['url']}"
                                for n, e in st.items()) or "no servers started for this work dir")
     return 0
+
+
+if __name__ == "__main__":  # the embedded server's process (`_launch_embedded`)
+    if len(sys.argv) == 5 and sys.argv[1] == "embedded":
+        _serve_embedded(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    else:
+        sys.exit("usage: python -m lifecycle.flows.servers embedded WORKDIR PORT IDLE_S")

@@ -14,12 +14,15 @@ Other subcommands live beside the code they drive: each module in `COMMAND_MODUL
 
 from __future__ import annotations
 
+import time
+
+COMMAND_START = time.time()  # the run's `timing.command_start`: before the imports below (config, pydantic)
+
 import argparse
 import json
 import os
 import signal
 import sys
-import time
 
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
 from lifecycle.core.procs import Terminated
@@ -49,15 +52,25 @@ def cmd_run(args: argparse.Namespace) -> int:
                               live=False if args.verbose else None)
             view.print(f"lifecycle run {args.config or DEFAULT_CONFIG} -> {cfg.workdir}"
                        + (f" (log: {log})" if log else ""))
-            from lifecycle.flows.servers import prepare_environment
+            timing = {"command_start": COMMAND_START, "prefect_start": time.time()}
+            from lifecycle.flows.servers import prepare_environment, wait_ready
 
-            mode = prepare_environment(cfg.workdir)  # Prefect's environment: before anything imports Prefect
+            # Prefect's environment, before anything imports Prefect; an embedded server that has to start does so
+            # while the flow's modules are imported
+            mode = prepare_environment(cfg.workdir, wait=False)
+            timing["prefect_launched"] = time.time()
             from lifecycle.flows.pipeline import lifecycle_flow
             from lifecycle.flows.runner import reporting
 
+            timing["imports_done"] = time.time()
+            wait_ready()
+            timing["prefect_ready"] = time.time()
+
             with view, reporting(view):
+                timing["flow_call"] = time.time()
                 summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
+            summary["timing"] = {**timing, **summary.get("timing", {})}
     except WorkdirBusy as e:
         print(f"lifecycle run: error: {e}", file=err)
         if args.json:
@@ -476,6 +489,30 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `lifecycle` command (`argv` None: the process's own arguments; a list: called in-process, e.g. tests)."""
+    rc = _main(argv)
+    if argv is None and getattr(_main, "ran", None) == "run":
+        _exit_now(rc)
+    return rc
+
+
+def _exit_now(rc: int) -> None:
+    """End the process as soon as `lifecycle run` is done: the exit handlers (the libraries' own, the log
+    capture's) run, the output is flushed, then the interpreter's teardown of the thousands of modules Prefect,
+    MLflow and their dependencies loaded (seconds of garbage collection and finalizers, nothing left to write:
+    every dataset and manifest is fsynced and renamed into place) is skipped."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(rc)
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the subcommand that does not take them, not by `lifecycle`
@@ -485,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workdir, args.workdir_from, note = resolve_workdir(args)
             if note:
                 print(f"{_command_parser(parser, args).prog}: {note}", file=sys.stderr)
+        _main.ran = args.command
         return args.func(args)
     except KeyboardInterrupt:
         print("lifecycle: interrupted", file=sys.stderr)

@@ -115,6 +115,33 @@ def backup_store(uri: str, workdir: str | Path, keep: int = KEEP_BACKUPS) -> Pat
     return dest
 
 
+def seed_sqlite_store(db: Path) -> None:
+    """Create a new SQLite store as a copy of an empty one that MLflow's migrations (some 80 alembic scripts:
+    seconds, on every new work dir) built once per MLflow version, in `$XDG_CACHE_HOME/lifecycle/` (default
+    ~/.cache/lifecycle/). Tables and schema version only: MLflow adds its default experiment (whose artifact
+    location depends on the store) when it opens the copy, as it does for a store it migrated itself, and checks
+    the schema version as always."""
+    import mlflow
+    from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lifecycle"
+    template = cache / f"mlflow-empty-{mlflow.__version__}.db"
+    if not template.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{template.name}.{os.getpid()}.tmp"
+        engine = create_sqlalchemy_engine(f"sqlite:///{tmp}")
+        try:
+            _initialize_tables(engine)
+        finally:
+            engine.dispose()
+        os.replace(tmp, template)  # two processes building it at once: either complete copy wins
+    db.parent.mkdir(parents=True, exist_ok=True)
+    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+    with contextlib.closing(sqlite3.connect(template)) as src, contextlib.closing(sqlite3.connect(tmp)) as dst:
+        src.backup(dst)
+    os.replace(tmp, db)
+
+
 class TrackingConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -237,6 +264,8 @@ class Tracker:
         self.uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.workdir / 'mlflow.db'}"
         self.cfg = cfg
         check_store(self.uri, self.workdir)
+        if (db := sqlite_path(self.uri)) is not None and not db.exists():
+            seed_sqlite_store(db)
         if self.uri.startswith(("http://", "https://")):
             bound_http_requests(cfg)
         self.client = GuardedClient(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri), self.uri)

@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = sorted((ROOT / "corpus" / "python-docs").glob("*.jsonl.gz"))
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# each test's `lifecycle run` starts its work dir's embedded Prefect server (flows/servers.py): let it stop soon after
+os.environ.setdefault("LIFECYCLE_EMBEDDED_IDLE_S", "30")
 
 
 def corpus_records(n: int, every_file: bool = False) -> list[dict]:
