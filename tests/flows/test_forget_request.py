@@ -52,7 +52,7 @@ def test_report_names_the_raw_record_derived_rows_and_token_range(request_world)
     r = request_world["report"]
     assert r["found_source_ids"] == [SID] and len(r["doc_ids"]) == 1
     (pos,) = r["raw_positions"]
-    assert pos["raw_path"].endswith("docs.jsonl") and pos["record"] == 12  # 0-based: the 13th line
+    assert pos["raw_path"].endswith("docs.jsonl") and pos["record"] == 13  # the last line (records count from 1)
     raw = Path(pos["raw_path"]).read_bytes()[pos["byte_start"] : pos["byte_end"]]
     assert json.loads(raw) == {"id": SID, "text": CANARY}
     assert {d["stage"] for d in r["datasets"]} >= {"collect", "filter", "dedup", "scrub", "tokenize"}
