@@ -5,7 +5,8 @@ that brings it back, with a near copy, is rejected at collect as `forgotten`; an
 the ledger, the new datasets or MLflow.
 
 Real runs (`lifecycle run` / `lifecycle forget` as users start them: ephemeral Prefect server, MLflow on SQLite,
-2 DeepSpeed CPU ranks), so the module is slow (LIFECYCLE_SLOW=1): about 5 minutes on 2 cores.
+2 DeepSpeed CPU ranks), so the module is slow (LIFECYCLE_SLOW=1): minutes on 2 idle cores, far more on a
+loaded machine (each command may take up to LONG seconds).
 """
 
 import json
@@ -30,21 +31,25 @@ CANARY = ("Marguerite Okonkwo-Lindqvist kept a diary through the spring of that 
           "villages across the bay while the beam turned slowly above her head.")
 NEEDLES = ["Okonkwo-Lindqvist", "Ansel Brightwater", "mend their nets, and back along the dunes"]
 NEAR = CANARY.replace("spiral stair on Sundays", "spiral stairs on Sundays")
-DOCS = 128  # documents of the bundled corpus beside the canary (about half pass the demo's filters)
-# A world where the model generalises and still memorises the canary: ~60 documents trained ~12 passes (the canary is
-# one of them), a fifth of the documents held out, so validation loss is measured on thousands of tokens.
+DOCS = 64  # documents of the bundled corpus beside the canary (31 of the 65 pass the demo's filters)
+# A world where the model generalises and still memorises the canary: 26 train documents (17.6k tokens, the canary's
+# 297 among them) seen ~23 times, 5 val documents (4.2k tokens) held out: val loss ~4.5 against 6.24 for a uniform
+# guess over the 512 tokens, canary MA ~0.48 against ~0.24 on never-seen text.
 SETTINGS = [
     "train.max_steps=400", "train.checkpoint.every=200", "train.logging.eval_every=200",
     "train.logging.eval_batches=4", "train.batch.micro_batch_size=8", "train.optimizer.warmup_steps=20",
     "train.optimizer.lr=0.003", "train.optimizer.min_lr=0.001",
     "train.model.n_layer=2", "train.model.n_embd=192", "train.model.n_head=4", "train.model.seq_len=64",
-    "tokenize.vocab_size=512", "tokenize.val_fraction=0.2", "evaluate.max_batches=16", "evaluate.num_prompts=0",
+    "tokenize.vocab_size=512", "tokenize.val_fraction=0.2", "evaluate.max_batches=8", "evaluate.num_prompts=0",
     "orchestration.retry_backoff_s=0.1",
 ]
 # Jang et al.'s settings are the defaults (Adam, lr 5e-5, no weight decay, one sequence per chunk, the stop rule
 # checked after every step); the bound is the default 10%, stated here because the test asserts it.
 UNLEARN = ["--unlearn-set", "sequence_tokens=48", "--unlearn-set", "el_n=5", "--unlearn-set", "el_stride=2",
            "--unlearn-set", "max_val_loss_increase=0.1"]
+
+
+LONG = 3600  # seconds a `run` or `forget` may take here (a training run on a busy 2-core machine)
 
 
 def canary_id() -> str:
@@ -84,21 +89,23 @@ def world(tmp_path_factory):
         for r in corpus_records(DOCS) + [{"id": sid, "text": CANARY}]:
             f.write(json.dumps(r) + "\n")
     inputs = [str(inputs_dir / "*.jsonl")]
-    run = lifecycle("run", ROOT / "deploy/configs/demo.yaml", "--json", *sets(wd, inputs)[2:])
+    run = lifecycle("run", ROOT / "deploy/configs/demo.yaml", "--json", *sets(wd, inputs)[2:], timeout=LONG)
     first = last_json(run.stdout)
     assert first["status"] == "completed" and first["model"]["version"] == "1"
     before = {p for p in (wd / "datasets").glob("*/*") if p.is_dir()}
     report = last_json(lifecycle("lineage", "forget", sid, "--workdir", wd, "--json").stdout)
-    un = lifecycle("forget", sid, "--reason", "erasure request 7", "--unlearn", *UNLEARN, "--json", *sets(wd, inputs))
+    un = lifecycle("forget", sid, "--reason", "erasure request 7", "--unlearn", *UNLEARN, "--json", *sets(wd, inputs),
+                   timeout=LONG)
     unlearned = last_json(un.stdout)
-    re = lifecycle("forget", sid, "--reason", "erasure request 7", "--retrain", "--json", *sets(wd, inputs))
+    re = lifecycle("forget", sid, "--reason", "erasure request 7", "--retrain", "--json", *sets(wd, inputs),
+                   timeout=LONG)
     retrained = last_json(re.stdout)
     after_retrain = {p for p in (wd / "datasets").glob("*/*") if p.is_dir()}
     (inputs_dir / "crawl2.jsonl").write_text(json.dumps({"id": "diary-recrawl", "text": CANARY}) + "\n"
                                              + json.dumps({"id": "diary-near", "text": NEAR}) + "\n"
                                              + json.dumps(corpus_records(DOCS + 2)[DOCS + 1]) + "\n")
     crawl = last_json(lifecycle("run", ROOT / "deploy/configs/demo.yaml", "--json", "--until", "collect",
-                                *sets(wd, inputs, ["collect.incremental=true"])[2:]).stdout)
+                                *sets(wd, inputs, ["collect.incremental=true"])[2:], timeout=LONG).stdout)
     return {"wd": wd, "sid": sid, "first": first, "report": report, "unlearned": unlearned,
             "unlearn_out": un.stdout + un.stderr, "retrained": retrained, "crawl": crawl,
             "new_datasets": after_retrain - before}
