@@ -1,8 +1,9 @@
 """Forgetting a document: knowledge unlearning against retraining, on the demo pipeline.
 
-`python -m bench.forget [--docs N] [--steps S]` (defaults: 16 documents of the bundled corpus plus one canary,
-240 training steps of the tests' small model: tests/flows/test_forget_e2e.py's SETTINGS, so that the canary is
-memorised). It runs `lifecycle run`, then `lifecycle forget CANARY --unlearn` and `lifecycle forget CANARY
+`python -m bench.forget [--docs N] [--steps S]` (defaults: the world of tests/flows/test_forget_e2e.py: 128
+documents of the bundled corpus plus one canary, its SETTINGS' 400 training steps of a small model, so that the
+canary is memorised while the model still generalises; the unlearning knobs are its UNLEARN: Jang et al.'s
+defaults, 48-token sequences, EL_5, the 10% validation-loss bound). It runs `lifecycle run`, then `lifecycle forget CANARY --unlearn` and `lifecycle forget CANARY
 --retrain`, each as a user starts it (a new process: ephemeral Prefect server, MLflow on SQLite, 2 DeepSpeed CPU
 ranks for the runs), and prints:
 - MA and EL_n of the canary's training sequences before and after unlearning, the never-seen level (val documents
@@ -25,13 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.conftest import corpus_records, last_json, lifecycle  # noqa: E402
-from tests.flows.test_forget_e2e import CANARY, SETTINGS, UNLEARN, canary_id, sets  # noqa: E402
+from tests.flows.test_forget_e2e import CANARY, DOCS, SETTINGS, UNLEARN, canary_id, sets  # noqa: E402
+
+
+STEPS = int(next(s for s in SETTINGS if s.startswith("train.max_steps=")).partition("=")[2])
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.forget")
-    ap.add_argument("--docs", type=int, default=16, help="documents of the bundled corpus beside the canary")
-    ap.add_argument("--steps", type=int, default=240, help="training steps of the first run (and of the retrain)")
+    ap.add_argument("--docs", type=int, default=DOCS, help="documents of the bundled corpus beside the canary")
+    ap.add_argument("--steps", type=int, default=STEPS, help="training steps of the first run (and of the retrain)")
     a = ap.parse_args(argv)
     extra = [f"train.max_steps={a.steps}"]
     with tempfile.TemporaryDirectory() as tmp:

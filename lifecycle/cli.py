@@ -389,8 +389,8 @@ def register_forget(sub) -> None:
                        help="gradient ascent on the champion (Jang et al. 2022); registers an unlearned version")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Override a config field (as `run`).")
     p.add_argument("--unlearn-set", action="append", metavar="FIELD=VALUE",
-                   help="Override an unlearning field (lr, chunk_size, max_epochs, sequence_tokens, el_n, el_stride, "
-                        "never_seen, max_val_loss_increase, val_batches, seed: tasks/eval/unlearn.py).")
+                   help="Override an unlearning field (lr, chunk_size, max_epochs, check_every, sequence_tokens, "
+                        "el_n, el_stride, never_seen, max_val_loss_increase, val_batches, seed: tasks/eval/unlearn.py).")
     p.add_argument("--json", action="store_true", help="Print one JSON object as the last line of stdout.")
     p.add_argument("-v", "--verbose", action="store_true", help="as `run -v`")
     p.add_argument("--wait", action="store_true", help="If another run holds the work dir, wait for it.")

@@ -43,12 +43,19 @@ class UnlearnConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    lr: float = Field(1e-3, gt=0)
-    """Adam learning rate of the gradient ascent (Jang et al. use 5e-5 on 125M-2.7B models; tiny models need more)."""
+    lr: float = Field(5e-5, gt=0)
+    """Adam learning rate of the gradient ascent, no weight decay (Jang et al.'s setting: 5e-5 with Adam on
+    125M-2.7B models). Small steps matter: the stop rule is checked after every `check_every` steps, and one
+    coarse step past the never-seen level costs validation loss for nothing."""
     chunk_size: int = Field(1, ge=1)
     """Sequences forgotten at once; chunks run one after another (the paper: small chunks keep quality)."""
-    max_epochs: int = Field(100, ge=1)
-    """Ascent steps per chunk at most; a chunk still above the never-seen level after them is a refusal."""
+    max_epochs: int = Field(1000, ge=1)
+    """Ascent steps per chunk at most (one step is one pass over the chunk, the paper's epoch); a chunk still
+    above the never-seen level after them is a refusal."""
+    check_every: int = Field(1, ge=1)
+    """Check the stop rule (MA and EL_n of the chunk at or below the never-seen level) after every this many
+    ascent steps. MA is one forward pass; EL_n (a greedy continuation per prefix) is computed only once MA is
+    at the level."""
     sequence_tokens: int = Field(64, ge=8)
     """Length T of each measured and forgotten sequence (capped by the model's seq_len); documents are cut into
     windows of this length."""
@@ -56,12 +63,13 @@ class UnlearnConfig(BaseModel):
     """n of EL_n (the paper reports EL_10)."""
     el_stride: int = Field(1, ge=1)
     """Measure EL at every el_stride-th prefix length (1: every t, the paper's definition)."""
-    never_seen: int = Field(16, ge=1)
+    never_seen: int = Field(32, ge=1)
     """Never-seen sequences measured as the target level (at least as many as there are forgotten ones)."""
-    max_val_loss_increase: float = Field(0.05, ge=0)
-    """Refuse when validation loss after unlearning exceeds the loss before by more than this share (0.05: 5%)."""
-    val_batches: int | None = Field(8, ge=1)
-    """Batches of the val shard scored for the validation loss (null: all)."""
+    max_val_loss_increase: float = Field(0.10, ge=0)
+    """Refuse when validation loss after unlearning exceeds the loss before by more than this share (0.10: 10%)."""
+    val_batches: int | None = Field(None, ge=1)
+    """Batches of the val shard scored for the validation loss (null: the whole val split, so that the bound is
+    measured on as much held-out text as the dataset has)."""
     seed: int = 0
 
 
@@ -197,24 +205,27 @@ def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConf
     for c in range(0, len(forget), cfg.chunk_size):
         chunk = forget[c : c + cfg.chunk_size]
         x = torch.from_numpy(chunk.astype(np.int64))
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         steps, now = 0, measure(model, chunk, cfg)
         while now["ma"] > target["ma"] or now[el] > target[el]:
-            if steps == cfg.max_epochs:
+            if steps >= cfg.max_epochs:
                 raise UnlearningRefused(
                     f"chunk {c // cfg.chunk_size}: MA {now['ma']:.3f} / EL_{cfg.el_n} {now[el]:.3f} still above the "
                     f"never-seen level {target['ma']:.3f} / {target[el]:.3f} after unlearn.max_epochs={cfg.max_epochs}"
                     " steps", {"chunk": c // cfg.chunk_size, **now})
-            _, loss = model(x[:, :-1], x[:, 1:])
-            opt.zero_grad(set_to_none=True)
-            (-loss).backward()  # ascent: push the sequences' likelihood down
-            opt.step()
-            steps += 1
-            now = {"ma": float(memorisation_accuracy(model.eval(), chunk).mean()), el: now[el]}
-            if now["ma"] <= target["ma"]:  # EL costs T generations: only once MA says the chunk may be done
-                now = measure(model, chunk, cfg)
             model.train()
+            for _ in range(min(cfg.check_every, cfg.max_epochs - steps)):
+                _, loss = model(x[:, :-1], x[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                (-loss).backward()  # ascent: push the sequences' likelihood down
+                opt.step()
+                steps += 1
+            model.eval()
+            # MA is one forward pass: every check. EL_n costs a greedy continuation per prefix: only once MA says
+            # the chunk may be done (until then the stale EL keeps the loop going, MA being above the level anyway)
+            now = {"ma": float(memorisation_accuracy(model, chunk).mean()), el: now[el]}
+            if now["ma"] <= target["ma"]:
+                now = measure(model, chunk, cfg)
         history.append({"chunk": c // cfg.chunk_size, "sequences": len(chunk), "steps": steps, **now})
         log(f"[unlearn] chunk {c // cfg.chunk_size}: {len(chunk)} sequence(s) forgotten in {steps} step(s), "
             f"MA {now['ma']:.3f}, EL_{cfg.el_n} {now[el]:.3f}")

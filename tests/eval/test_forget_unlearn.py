@@ -102,3 +102,19 @@ def test_ascent_refuses_when_it_cannot_reach_the_level(memorised):
     cfg = ul.UnlearnConfig(lr=1e-9, max_epochs=2, el_n=4, sequence_tokens=16)
     with pytest.raises(ul.UnlearningRefused, match="max_epochs=2"):
         ul.ascend(copy.deepcopy(model), secrets, {"ma": 0.0, "el4": 0.0}, cfg, log=lambda s: None)
+
+
+def test_ascent_checks_the_stop_rule_every_check_every_steps(memorised):
+    """Jang et al.'s setting (Adam, no weight decay, small lr): the rule is checked after every `check_every`
+    steps, so a chunk stops at the first check at the level, not after a fixed number of epochs."""
+    import copy
+
+    model, secrets, _, _ = memorised
+    target = {"ma": 0.4, "el4": 0.2}
+    one = ul.ascend(copy.deepcopy(model), secrets[:1], target, ul.UnlearnConfig(lr=3e-4, el_n=4, sequence_tokens=16,
+                                                                               max_epochs=200), log=lambda s: None)
+    four = ul.ascend(copy.deepcopy(model), secrets[:1], target, ul.UnlearnConfig(
+        lr=3e-4, el_n=4, sequence_tokens=16, max_epochs=200, check_every=4), log=lambda s: None)
+    assert four[0]["steps"] % 4 == 0 and one[0]["steps"] <= four[0]["steps"] < one[0]["steps"] + 4
+    cfg = ul.UnlearnConfig()
+    assert (cfg.lr, cfg.max_val_loss_increase, cfg.val_batches) == (5e-5, 0.10, None)

@@ -5,7 +5,8 @@ that brings it back, with a near copy, is rejected at collect as `forgotten`; an
 the ledger, the new datasets or MLflow.
 
 Real runs (`lifecycle run` / `lifecycle forget` as users start them: ephemeral Prefect server, MLflow on SQLite,
-2 DeepSpeed CPU ranks), so the module is slow (LIFECYCLE_SLOW=1): about 5 minutes on 2 cores.
+2 DeepSpeed CPU ranks), so the module is slow (LIFECYCLE_SLOW=1): minutes on 2 idle cores, far more on a
+loaded machine (each command may take up to LONG seconds).
 """
 
 import json
@@ -30,24 +31,33 @@ CANARY = ("Marguerite Okonkwo-Lindqvist kept a diary through the spring of that 
           "villages across the bay while the beam turned slowly above her head.")
 NEEDLES = ["Okonkwo-Lindqvist", "Ansel Brightwater", "mend their nets, and back along the dunes"]
 NEAR = CANARY.replace("spiral stair on Sundays", "spiral stairs on Sundays")
+DOCS = 64  # documents of the bundled corpus beside the canary (31 of the 65 pass the demo's filters)
+# A world where the model generalises and still memorises the canary: 26 train documents (17.6k tokens, the canary's
+# 297 among them) seen ~23 times, 5 val documents (4.2k tokens) held out: val loss ~4.5 against 6.24 for a uniform
+# guess over the 512 tokens, canary MA ~0.48 against ~0.24 on never-seen text.
 SETTINGS = [
-    "train.max_steps=240", "train.checkpoint.every=120", "train.logging.eval_every=120",
-    "train.logging.eval_batches=2", "train.batch.micro_batch_size=4", "train.optimizer.warmup_steps=10",
+    "train.max_steps=400", "train.checkpoint.every=200", "train.logging.eval_every=200",
+    "train.logging.eval_batches=4", "train.batch.micro_batch_size=8", "train.optimizer.warmup_steps=20",
     "train.optimizer.lr=0.003", "train.optimizer.min_lr=0.001",
-    "train.model.n_layer=2", "train.model.n_embd=128", "train.model.n_head=4", "train.model.seq_len=64",
-    "tokenize.vocab_size=512", "tokenize.val_fraction=0.25", "evaluate.max_batches=8", "evaluate.num_prompts=0",
+    "train.model.n_layer=2", "train.model.n_embd=192", "train.model.n_head=4", "train.model.seq_len=64",
+    "tokenize.vocab_size=512", "tokenize.val_fraction=0.2", "evaluate.max_batches=8", "evaluate.num_prompts=0",
     "tokenize.min_val_docs=0", "tokenize.min_val_tokens=0",  # canary_id reads the split off val_fraction alone
     "orchestration.retry_backoff_s=0.1",
 ]
+# Jang et al.'s settings are the defaults (Adam, lr 5e-5, no weight decay, one sequence per chunk, the stop rule
+# checked after every step); the bound is the default 10%, stated here because the test asserts it.
 UNLEARN = ["--unlearn-set", "sequence_tokens=48", "--unlearn-set", "el_n=5", "--unlearn-set", "el_stride=2",
-           "--unlearn-set", "lr=0.0005", "--unlearn-set", "max_val_loss_increase=0.1"]
+           "--unlearn-set", "max_val_loss_increase=0.1"]
+
+
+LONG = 3600  # seconds a `run` or `forget` may take here (a training run on a busy 2-core machine)
 
 
 def canary_id() -> str:
     """A source id whose doc_id the tokenize split puts in `train` (the split is a hash of the doc_id)."""
     from lifecycle.tasks.data.collect.stage import make_doc_id
 
-    cfg = TokenizeConfig(vocab_size=512, val_fraction=0.25)
+    cfg = TokenizeConfig(vocab_size=512, val_fraction=0.2)
     return next(f"diary-{i}" for i in range(100) if split_of(make_doc_id(f"diary-{i}", CANARY), cfg) == "train")
 
 
@@ -77,24 +87,26 @@ def world(tmp_path_factory):
     wd = tmp_path_factory.mktemp("forget-work")
     sid = canary_id()
     with open(inputs_dir / "docs.jsonl", "w") as f:
-        for r in corpus_records(16) + [{"id": sid, "text": CANARY}]:
+        for r in corpus_records(DOCS) + [{"id": sid, "text": CANARY}]:
             f.write(json.dumps(r) + "\n")
     inputs = [str(inputs_dir / "*.jsonl")]
-    run = lifecycle("run", ROOT / "deploy/configs/demo.yaml", "--json", *sets(wd, inputs)[2:])
+    run = lifecycle("run", ROOT / "deploy/configs/demo.yaml", "--json", *sets(wd, inputs)[2:], timeout=LONG)
     first = last_json(run.stdout)
     assert first["status"] == "completed" and first["model"]["version"] == "1"
     before = {p for p in (wd / "datasets").glob("*/*") if p.is_dir()}
     report = last_json(lifecycle("lineage", "forget", sid, "--workdir", wd, "--json").stdout)
-    un = lifecycle("forget", sid, "--reason", "erasure request 7", "--unlearn", *UNLEARN, "--json", *sets(wd, inputs))
+    un = lifecycle("forget", sid, "--reason", "erasure request 7", "--unlearn", *UNLEARN, "--json", *sets(wd, inputs),
+                   timeout=LONG)
     unlearned = last_json(un.stdout)
-    re = lifecycle("forget", sid, "--reason", "erasure request 7", "--retrain", "--json", *sets(wd, inputs))
+    re = lifecycle("forget", sid, "--reason", "erasure request 7", "--retrain", "--json", *sets(wd, inputs),
+                   timeout=LONG)
     retrained = last_json(re.stdout)
     after_retrain = {p for p in (wd / "datasets").glob("*/*") if p.is_dir()}
     (inputs_dir / "crawl2.jsonl").write_text(json.dumps({"id": "diary-recrawl", "text": CANARY}) + "\n"
                                              + json.dumps({"id": "diary-near", "text": NEAR}) + "\n"
-                                             + json.dumps(corpus_records(18)[17]) + "\n")
+                                             + json.dumps(corpus_records(DOCS + 2)[DOCS + 1]) + "\n")
     crawl = last_json(lifecycle("run", ROOT / "deploy/configs/demo.yaml", "--json", "--until", "collect",
-                                *sets(wd, inputs, ["collect.incremental=true"])[2:]).stdout)
+                                *sets(wd, inputs, ["collect.incremental=true"])[2:], timeout=LONG).stdout)
     return {"wd": wd, "sid": sid, "first": first, "report": report, "unlearned": unlearned,
             "unlearn_out": un.stdout + un.stderr, "retrained": retrained, "crawl": crawl,
             "new_datasets": after_retrain - before}
@@ -104,7 +116,7 @@ def test_report_names_raw_record_token_range_and_models(world):
     r = world["report"]
     assert r["found_source_ids"] == [world["sid"]] and len(r["doc_ids"]) == 1
     (pos,) = r["raw_positions"]
-    assert pos["raw_path"].endswith("docs.jsonl") and pos["record"] == 17  # the 17th line of the file
+    assert pos["raw_path"].endswith("docs.jsonl") and pos["record"] == DOCS + 1  # the last line (records count from 1)
     raw = Path(pos["raw_path"]).read_bytes()[pos["byte_start"] : pos["byte_end"]]
     assert json.loads(raw)["id"] == world["sid"]
     assert [t["split"] for t in r["token_ranges"]] == ["train"]
