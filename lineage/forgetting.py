@@ -92,10 +92,12 @@ def unlearn_champion(cfg, tombstones: list[dict], ucfg: ul.UnlearnConfig, log=pr
     extra = {"unlearned_from": request.champion, "champion_package_sha256": champion.sha256,
              "tombstones": ids, "doc_ids": doc_ids, "metrics": metrics, "config": ucfg.model_dump()}
     ref = ul.write_package(cfg.workdir, champion, model, extra, request.model_dump(mode="json"))
-    # the champion's val_bpb is the evaluate stage's (evaluate.max_batches of the val split): compare like with like
-    gate = _val(model, tokens, package, cfg.evaluate.max_batches)
+    # the champion's val_bpb is the evaluate stage's (evaluate.max_batches x batch_size of the val split): compare
+    # like with like, and name the evaluation set by the evaluate stage's digest so that the gate compares at all
+    gate = _val(model, tokens, package, cfg.evaluate.max_batches, cfg.evaluate.batch_size)
     metrics_for_gate = {**metrics, "val_bpb": gate["val_bpb"], "val_loss": gate["val_loss"]}
-    name, new_version = registry.register_or_reuse(ref, metrics_for_gate)
+    name, new_version = registry.register_or_reuse(ref, metrics_for_gate,
+                                                   eval_set_sha256=_eval_set_sha256(tokens, cfg.evaluate))
     for k, v in {"lifecycle.unlearned": "true", "lifecycle.unlearned_from": request.champion,
                  "lifecycle.tombstones": ",".join(ids)[:7900]}.items():
         tracker.client.set_model_version_tag(name, new_version, k, v)
@@ -106,7 +108,17 @@ def unlearn_champion(cfg, tombstones: list[dict], ucfg: ul.UnlearnConfig, log=pr
             "promotion": promotion, "metrics": metrics, "package": str(ref.manifest_path)}
 
 
-def _val(model, tokens: DatasetRef, package: Path, batches: int | None) -> dict[str, float]:
+def _val(model, tokens: DatasetRef, package: Path, batches: int | None, batch_size: int) -> dict[str, float]:
     from tokenizers import Tokenizer
 
-    return ul.val_loss(model, tokens, Tokenizer.from_file(str(package / "tokenizer.json")), batches)
+    return ul.val_loss(model, tokens, Tokenizer.from_file(str(package / "tokenizer.json")), batches, batch_size)
+
+
+def _eval_set_sha256(tokens: DatasetRef, ecfg) -> str:
+    """The digest the evaluate stage gives this token dataset's evaluation set (tasks/eval/evaluate/gate.py)."""
+    from lifecycle.tasks.eval.evaluate import gate
+    from lifecycle.tasks.data.tokenize.stage import token_shards
+    from lifecycle.tasks.eval.evaluate.stage import eval_set_of_tokens
+
+    return gate.eval_set_digest(eval_set_of_tokens(tokens), token_shards(tokens).tokenizer_sha256, ecfg.max_batches,
+                                ecfg.batch_size)

@@ -233,14 +233,19 @@ def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConf
     return history
 
 
-def val_loss(model, tokens: DatasetRef, tokenizer, batches: int | None) -> dict[str, float]:
-    """Loss and bits per byte on the token dataset's val shard (the evaluate stage's own scoring)."""
+def val_loss(model, tokens: DatasetRef, tokenizer, batches: int | None, batch_size: int | None = None
+             ) -> dict[str, float]:
+    """Loss and bits per byte on the token dataset's val shard (the evaluate stage's own scoring; `batch_size`
+    defaults to the evaluate stage's)."""
     from lifecycle.tasks.eval.evaluate.stage import EvaluateConfig, _loss, token_byte_lengths
 
     meta = token_shards(tokens)
     maps = meta.memmap("val")
     data = np.concatenate(maps) if maps else np.zeros(0, dtype=meta.dtype)
-    r = _loss(model, data, token_byte_lengths(tokenizer), EvaluateConfig(max_batches=batches, num_prompts=0))
+    ecfg = EvaluateConfig(max_batches=batches, num_prompts=0)
+    if batch_size is not None:
+        ecfg = ecfg.model_copy(update={"batch_size": batch_size})
+    r = _loss(model, data, token_byte_lengths(tokenizer), ecfg)
     return {"val_loss": r["val_loss"], "val_bpb": r["val_bpb"]}
 
 

@@ -138,7 +138,10 @@ def test_unlearn_reaches_the_never_seen_level_within_the_loss_bound(world):
     client = MlflowClient(tracking_uri=f"sqlite:///{world['wd']}/mlflow.db")
     mv = client.get_model_version("lifecycle-demo-gpt", u["model"]["version"])
     assert mv.tags["lifecycle.unlearned"] == "true" and mv.tags["lifecycle.promotion.decision"] in (
-        "promoted", "not_promoted")  # the champion gate decided
+        "promoted", "not_promoted")
+    # the champion gate compared the two on the same evaluation set (not "not comparable")
+    assert mv.tags["lifecycle.promotion.comparison"].startswith("same eval set"), mv.tags
+    assert mv.tags["lifecycle.promotion.candidate_eval_set"] == mv.tags["lifecycle.promotion.champion_eval_set"]
 
 
 def test_retrain_excludes_the_document(world):

@@ -147,6 +147,15 @@ def _doc_texts(tokens: DatasetRef) -> dict[str, str]:
     return dict(zip(docs.column("doc_id").to_pylist(), docs.column("text").to_pylist()))
 
 
+def eval_set_of_tokens(tokens: DatasetRef, side=None) -> list[tuple[str, str]]:
+    """The evaluation set: (doc_id, text) of the token dataset's val documents, in side-table order. Its digest
+    (`gate.eval_set_digest`) names what val_bpb was computed on, for the promotion gate."""
+    side = _side_table(tokens) if side is None else side
+    texts = _doc_texts(tokens)
+    split = dict(zip(side.column("doc_id").to_pylist(), side.column("split").to_pylist()))
+    return [(d, texts[d]) for d, s in split.items() if s == "val"]
+
+
 def _loss(model, data: np.ndarray, nbytes: np.ndarray, cfg: EvaluateConfig) -> dict:
     return held_out_loss(model, data, nbytes, cfg.batch_size, cfg.max_batches)
 
@@ -197,9 +206,7 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
         shards = {Path(p).name: np.memmap(p, dtype=meta.dtype, mode="r") for p in meta.val if Path(p).stat().st_size}
         scores, examples, (prompts, refs, gen) = _generate(model, tokenizer, side, shards, cfg)
         metrics.update(scores)
-    texts = _doc_texts(tokens)
-    split = dict(zip(side.column("doc_id").to_pylist(), side.column("split").to_pylist()))
-    eval_set = [(d, texts[d]) for d, s in split.items() if s == "val"]
+    eval_set = eval_set_of_tokens(tokens, side)
     metrics.update(robustness(model, tokenizer, meta.eot_id, [t for _, t in eval_set], prompts, refs,
                               cfg.continuation_tokens, cfg.robustness))
     safety_metrics, bias = safety(model, tokenizer, gen, cfg.safety)
