@@ -84,6 +84,15 @@ def stub_muon() -> None:
             vars(sys.modules[name]).update(attrs)
 
 
+def keep_mlflow_out() -> None:
+    """DeepSpeed 0.19's `import deepspeed` reaches its autotuner, which imports MLflow when it is installed
+    (`try: import mlflow` in deepspeed/autotuning/autotuner.py), and MLflow brings pandas and its GenAI modules:
+    most of `import deepspeed` in each rank (bench/launch_overhead.py). A rank never autotunes and never logs to
+    MLflow (the supervisor forwards metrics.jsonl), so make that import fail: with `sys.modules["mlflow"] = None`
+    it raises ImportError, which DeepSpeed catches (`has_mlflow = False`). Left alone where MLflow is loaded."""
+    sys.modules.setdefault("mlflow", None)
+
+
 def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = ()) -> dict:
     """`skipped`: data steps thrown away by loss-spike rollbacks; step s reads data step
     `loader.data_step(s, skipped)`."""
@@ -313,6 +322,7 @@ class Trainer:
     def _init_distributed(self) -> tuple[torch.device, str]:
         import importlib
 
+        keep_mlflow_out()
         import deepspeed
 
         ds_comm = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` gives torch itself here

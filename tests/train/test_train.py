@@ -9,7 +9,10 @@ The first DeepSpeed launch on a machine also JIT-builds DeepSpeed's shared-memor
 import base64
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -410,3 +413,14 @@ def test_peak_flops_are_measured_once_per_machine_and_setting(tmp_path, monkeypa
     assert all(f"threads={torch.get_num_threads()}|torch={torch.__version__}" in k for k in cache)
     trainer.peak_flops_cache().write_text("{torn")  # a damaged cache is measured again, not an error
     assert trainer.cached_peak_flops(cpu) == 2e10 and len(measured) == 3
+
+
+def test_a_rank_imports_deepspeed_without_mlflow():
+    """DeepSpeed's autotuner would import MLflow (and pandas) on every `import deepspeed`: most of that import's
+    time in a rank. The rank keeps it out, and DeepSpeed takes it as not installed."""
+    code = ("import sys; from lifecycle.tasks.train.trainer import keep_mlflow_out; keep_mlflow_out(); "
+            "import deepspeed; from deepspeed.autotuning import autotuner; "
+            "assert sys.modules['mlflow'] is None and not autotuner.has_mlflow; "
+            "assert not [m for m in sys.modules if m.startswith(('mlflow.', 'pandas'))]; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
