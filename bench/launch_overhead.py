@@ -103,12 +103,16 @@ def one_round(workdir: str, seed: int, overrides: list[str]) -> dict[str, float]
         return breakdown(Path(result.run_dir), cfg.batch.num_ranks)
 
 
-def subprocess_round(workdir: str, seed: int, overrides: list[str], pythonpath: Path | None) -> dict[str, float]:
+def subprocess_round(workdir: str, seed: int, overrides: list[str], pythonpath: Path | None, cwd: Path) -> dict[str, float]:
+    """One round in a new process, with `pythonpath` (an older `lifecycle`) first on PYTHONPATH. It runs in `cwd`,
+    not in this checkout: `python -m` puts its working directory first on sys.path, and the checkout's `lifecycle/`
+    folder would shadow the older package."""
     env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
-    argv = [sys.executable, "-m", "bench.launch_overhead", "--workdir", workdir, "--round-seed", str(seed)]
-    done = subprocess.run([*argv, *(f"--set={o}" for o in overrides)], env=env, cwd=ROOT, capture_output=True, text=True)
+    env["PYTHONPATH"] = os.pathsep.join([*([str(pythonpath)] if pythonpath else []), str(ROOT),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    argv = [sys.executable, "-m", "bench.launch_overhead", "--workdir", str(Path(workdir).resolve()),
+            "--round-seed", str(seed)]
+    done = subprocess.run([*argv, *(f"--set={o}" for o in overrides)], env=env, cwd=cwd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"round failed ({'before' if pythonpath else 'after'}):\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
     lines = done.stdout.strip().splitlines()
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
             old = checkout(args.before, Path(tmp))
             for i in range(args.repeat):
                 for side in sides:
-                    sides[side].append(subprocess_round(args.workdir, 1000 + i, args.set, old if side == "before" else None))
+                    sides[side].append(subprocess_round(args.workdir, 1000 + i, args.set,
+                                                        old if side == "before" else None, Path(tmp)))
                     print(f"round {i + 1} {side}: stage start -> first step {sides[side][-1]['total']:.1f} s", flush=True)
         med = {side: median_of(r) for side, r in sides.items()}
         out.update({"before": f"{args.before} ({commit})", "rounds": sides, "median": med,
