@@ -95,7 +95,8 @@ def one_round(workdir: str, seed: int, overrides: list[str]) -> dict[str, float]
     tokens = DatasetRef(stage="tokenize", path=str(manifests[-1].parent.resolve()), fingerprint=m["fingerprint"],
                         sha256=m["sha256"], num_rows=m["num_rows"])
     base = load_config(ROOT / "deploy/configs/demo.yaml").train.model_dump(mode="json")
-    for item in ["max_steps=1", "optimizer.warmup_steps=0", "logging.eval_every=0", *overrides]:
+    # stall_s: the final save after step 1 sends no heartbeat; on a loaded machine it can outlast the default 60 s
+    for item in ["max_steps=1", "optimizer.warmup_steps=0", "logging.eval_every=0", "launch.stall_s=900", *overrides]:
         set_dotted(base, *parse_override(item))
     with tempfile.TemporaryDirectory(prefix="launch-overhead-") as tmp:
         cfg = TrainConfig.model_validate({**base, "seed": seed})
@@ -182,5 +183,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # appended: a --before round's older package on PYTHONPATH must come first
+        sys.path.append(str(ROOT))
     main()
