@@ -35,8 +35,8 @@ PHASES = [  # (label, what it measures)
     ("supervisor setup", "token shard metadata, run fingerprint, launch config (stage start -> op check)"),
     ("op build check", "shm op already built? (stale-lock check under the build lock)"),
     ("supervisor launch prep", "memory tier, port ownership, heartbeats, launcher command"),
-    ("rank process start", "supervisor starts rank 0's process (before branch launch24: DeepSpeed's launch.py "
-                           "interpreter, which imports torch and DeepSpeed, until it starts the rank)"),
+    ("rank process start", "supervisor starts the rank processes, until their exec (before branch launch24: "
+                           "DeepSpeed's launch.py interpreter, which imports torch and DeepSpeed, until rank 0 exists)"),
     ("rank interpreter start", "rank process created -> trainer module starts (python, runpy, parent watch)"),
     ("imports", "torch, numpy and the project's train modules"),
     ("import deepspeed", "deepspeed (and its accelerator detection)"),
@@ -58,12 +58,15 @@ def breakdown(run_dir: Path, world: int) -> dict[str, float]:
     t = dict(r0["phases"])
     op = r0["op_load"][1] - r0["op_load"][0] if len(r0["op_load"]) == 2 else 0.0
     first_step_end = max(dict(r["phases"])["first step"] for r in ranks)
+    # ranks started directly: the supervisor's clock after their exec; else the rank's create time (psutil, from
+    # clock ticks since a boot time in whole seconds: up to 1 s off, fine against a launcher's seconds)
+    created = sup.get("ranks_started", r0["process_created"])
     out = {
         "supervisor setup": sup["supervisor_setup"] - sup["stage_start"],
         "op build check": sup["op_build_check"] - sup["supervisor_setup"],
         "supervisor launch prep": sup["launcher_popen"] - sup["op_build_check"],
-        "rank process start": r0["process_created"] - sup["launcher_popen"],
-        "rank interpreter start": t["interpreter ready"] - r0["process_created"],
+        "rank process start": created - sup["launcher_popen"],
+        "rank interpreter start": t["interpreter ready"] - created,
         "imports": t["imports"] - t["interpreter ready"],
         "import deepspeed": t["import deepspeed"] - t["imports"],
         "process group init": t["process group init"] - t["import deepspeed"] - op,

@@ -212,6 +212,8 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             timing["launcher_popen"] = time.time()
             launch = (Launch.start_local(cmd, envs, run_dir, log) if cfg.launch.hostfile is None
                       else Launch.start_launcher(cmd, env, run_dir, log))
+            if cfg.launch.hostfile is None:
+                timing["ranks_started"] = time.time()  # Popen returns once each rank's exec has succeeded
             fs.atomic_write_json(run_dir / "launch-timing.json", timing)
             start = time.monotonic()
             try:
