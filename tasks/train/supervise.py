@@ -274,7 +274,8 @@ def local_rank_envs(env: dict, ranks: int, master_port: int, master_addr: str = 
     `import deepspeed` put it in the environment it copies, PYTORCH_NVML_BASED_CUDA_CHECK=1 unless set. It sets no
     thread variable unless it binds cores (we do not): OMP_NUM_THREADS comes in `env`.
     tests/train/test_supervise.py compares this with what the launcher gives."""
-    node = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks))), "MASTER_ADDR": master_addr,
+    node = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks))),
+            "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port), "WORLD_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
             "LOCAL_SIZE": str(ranks)}
     return [{**node, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(ranks)]
