@@ -6,7 +6,7 @@ kills, 2 CPU ranks, fp32; each trial is two launches, about a minute on 2 cores)
 `--accelerator cuda --ranks 1` runs the same trials on one GPU with NCCL.
 Every third trial waits for a checkpoint being written (a tag directory without its commit marker) and
 kills inside the save; the others kill after a uniform random delay into training. The kill takes the
-supervisor (`run_train`), the deepspeed launcher and both ranks down at once with SIGKILL; the rerun
+supervisor (`run_train`) and both ranks down at once with SIGKILL; the rerun
 is the same `run_train` call, which resumes from the last committed checkpoint.
 
 The harness lives in tests/faults.py, which tests/train/test_faults.py runs too.

@@ -1,4 +1,4 @@
-"""SIGKILL a training run (the `run_train` supervisor, the deepspeed launcher and its ranks at once) at random
+"""SIGKILL a training run (the `run_train` supervisor and its ranks at once) at random
 moments, resume it, and compare each resumed run's loss curve and final weights with an uninterrupted run's.
 
 Used by tests/train/test_faults.py (slow-marked) and by `python -m bench.kill_resume`, which reports the counts.
@@ -60,7 +60,8 @@ def launch(tokdir: str, workdir: str, opts: dict) -> subprocess.Popen:
 
 
 def descendants_of_supervisor(pid: int) -> list[int]:
-    """Processes started by run_train in supervisor `pid`: the launcher and the ranks carry its pid in their env."""
+    """Processes started by run_train in supervisor `pid`: the ranks (and a hostfile launch's launcher) carry its
+    pid in their env."""
     mark = f"LIFECYCLE_SUPERVISOR_PID={pid}".encode()
     out = []
     for d in Path("/proc").iterdir():

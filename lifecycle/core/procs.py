@@ -38,10 +38,12 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
-def _reap(pid: int) -> None:
-    """Collect the exit status of `pid` if it is our child (no zombie keeps the group 'alive')."""
+def _reap(pgid: int) -> None:
+    """Collect the exit status of every child of ours in process group `pgid` that has exited (no zombie keeps the
+    group 'alive': the ranks of a launch are all our children, in one group)."""
     try:
-        os.waitpid(pid, os.WNOHANG)
+        while os.waitpid(-pgid, os.WNOHANG)[0] != 0:
+            pass
     except ChildProcessError:
         pass
 
@@ -116,10 +118,11 @@ def same_process(pid: int, started: int | None) -> bool:
 
 
 def watch_parent_run(interval: float = 1.0) -> None:
-    """In a training rank: a daemon thread that kills this rank's whole process group (the launcher and its ranks)
-    once the supervising run (LIFECYCLE_SUPERVISOR_PID, started at LIFECYCLE_SUPERVISOR_START) is gone, e.g.
-    SIGKILLed. Its own session kept the launcher out of reach of group signals; this keeps the ranks from going
-    on alone. Stdlib only, so a rank starts it before its slow imports."""
+    """In a training rank: a daemon thread that kills this rank's whole process group (all local ranks, or the
+    deepspeed launcher and its ranks) once the supervising run (LIFECYCLE_SUPERVISOR_PID, started at
+    LIFECYCLE_SUPERVISOR_START) is gone, e.g. SIGKILLed. Their own group kept the ranks out of reach of signals to
+    the supervisor's group; this keeps them from going on alone. Stdlib only, so a rank starts it before its slow
+    imports."""
     import threading
 
     pid = int(os.environ.get("LIFECYCLE_SUPERVISOR_PID", "0"))

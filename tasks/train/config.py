@@ -162,8 +162,8 @@ class BatchConfig(Section):
     grad_accum: int = Field(1, ge=1)
     """Micro-batches accumulated per optimizer step."""
     num_ranks: int = Field(2, ge=1)
-    """Data-parallel ranks (the world size). Without a hostfile, processes the deepspeed launcher starts on this
-    machine; with `train.launch.hostfile`, the total number of ranks the (filtered) hostfile gives."""
+    """Data-parallel ranks (the world size). Without a hostfile, processes the train stage starts on this machine
+    (one per rank, with DeepSpeed's rank environment); with `train.launch.hostfile`, the total number of ranks the (filtered) hostfile gives."""
 
 
 class EngineConfig(Section):
@@ -253,7 +253,7 @@ class LoggingConfig(Section):
 
 
 class LaunchConfig(Section):
-    """How the ranks are started and supervised (the deepspeed launcher, threads, time limit). Operational."""
+    """How the ranks are started and supervised (hostfile and the deepspeed runner, threads, time limit). Operational."""
 
     operational: ClassVar[bool] = True
 

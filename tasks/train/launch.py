@@ -1,4 +1,5 @@
-"""Train task: write a launch config, start DeepSpeed's launcher with `--module lifecycle.tasks.train.trainer` on CPU ranks, supervise it.
+"""Train task: write a launch config, start the ranks (`python -m lifecycle.tasks.train.trainer`, one process per local
+rank with the environment DeepSpeed's launcher would give it, or DeepSpeed's runner with a hostfile), supervise them.
 
 One run directory `<workdir>/train/<fingerprint[:20]>/` per trajectory: config.json (read by every rank),
 ds_config.json, train.log (appended per launch), metrics.jsonl (rank 0), checkpoints/step_<8 digits>/.
@@ -15,14 +16,12 @@ No torch here (the CLI imports this module for its config): the ranks import it.
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import json
 import logging
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 import warnings
@@ -35,13 +34,13 @@ from pydantic import BaseModel, ConfigDict
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 from lifecycle.core.code import code_version
-from lifecycle.core.procs import die_with_parent, free_port, start_time, stop_group
+from lifecycle.core.procs import free_port, start_time
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train import hf_import
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
-from lifecycle.tasks.train.supervise import Heartbeats, Ownership, prebuild_shm_op
+from lifecycle.tasks.train.supervise import Heartbeats, Launch, Ownership, RankFailed, local_rank_envs, prebuild_shm_op
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
@@ -188,11 +187,16 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                                            "memory_tier": str(tier) if tier is not None else None, **init})
         port = cfg.launch.master_port or free_port()
         threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.batch.num_ranks)
-        cmd = [*launcher_cmd(cfg, port, run_dir, threads), "--module", "--no_local_rank",
-               "lifecycle.tasks.train.trainer", "--config", str(config_path)]
+        module = [sys.executable, "-u", "-m", "lifecycle.tasks.train.trainer", "--config", str(config_path)]
         # the ranks watch this process (pid + start time) and die with it: see lifecycle.core.procs.watch_parent_run
         env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()), "LIFECYCLE_SUPERVISOR_START": str(start_time(os.getpid()))}
+        if cfg.launch.hostfile is None:  # local ranks, started here: what DeepSpeed's per-node launcher would do
+            cmd, envs = module, local_rank_envs(env, cfg.batch.num_ranks, port)
+            what = f"{cfg.batch.num_ranks} local ranks, MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: {' '.join(cmd)}"
+        else:
+            cmd = [*launcher_cmd(cfg, port, run_dir, threads), "--module", "--no_local_rank", *module[3:]]
+            what = " ".join(cmd)
         tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
         timing["supervisor_setup"] = time.time()
         prebuild_shm_op(cfg.engine.accelerator, env)  # no rank waits on a stale build lock, nor races a build
@@ -201,17 +205,19 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         owner.claim()  # and release the buffers of supervisors that died before they could
         beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
         with open(log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {' '.join(cmd)}\n".encode())
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {what}\n".encode())
             log.flush()
-            # its own session: a ^C or a SIGTERM to our group reaches only us, and we stop the ranks (below);
+            # one process group of ours: a ^C or a SIGTERM reaches only us, and we stop the group (below);
             # SIGKILL when we die, however we die
             timing["launcher_popen"] = time.time()
-            proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=die_with_parent)
+            launch = (Launch.start_local(cmd, envs, run_dir, log) if cfg.launch.hostfile is None
+                      else Launch.start_launcher(cmd, env, run_dir, log))
+            if cfg.launch.hostfile is None:
+                timing["ranks_started"] = time.time()  # Popen returns once each rank's exec has succeeded
             fs.atomic_write_json(run_dir / "launch-timing.json", timing)
             start = time.monotonic()
             try:
-                while proc.poll() is None:
+                while not launch.poll():  # a rank that exits non-zero stops the others and raises RankFailed
                     tail.poll()
                     if cfg.launch.timeout_s is not None and time.monotonic() - start > cfg.launch.timeout_s:
                         raise TimeoutError(f"training exceeded train.launch.timeout_s={cfg.launch.timeout_s}; ranks killed")
@@ -219,15 +225,13 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                         raise TimeoutError(f"{stall}; ranks killed")
                     time.sleep(0.5)
             except BaseException as e:
-                stop_group(proc.pid)
-                if isinstance(e, TimeoutError):
+                launch.stop()
+                if isinstance(e, (TimeoutError, RankFailed)):
                     raise RuntimeError(f"{e}. Last lines of {log_path}:\n{_tail(log_path)}") from e
                 raise
             finally:
                 owner.release()
         tail.poll()
-        if proc.returncode != 0:
-            raise RuntimeError(f"deepspeed exited with code {proc.returncode}. Last lines of {log_path}:\n{_tail(log_path)}")
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if final is None or ckpt.step_of(final) != cfg.max_steps:
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
@@ -291,14 +295,11 @@ def select_hosts(hosts: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
 
 
 def launcher_cmd(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:
-    """The DeepSpeed launcher command before the module. Ranks on this machine only (no hostfile): DeepSpeed's
-    per-node launcher, `python -m deepspeed.launcher.launch`, with the world info the `deepspeed` runner would
-    give it; the runner itself would only compute that, after importing torch and DeepSpeed once more (a third of
-    the launch overhead on a loaded 2-core machine: bench/launch_overhead.py). With a hostfile: the runner."""
-    if cfg.launch.hostfile is None:
-        world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(cfg.batch.num_ranks))}).encode()).decode()
-        return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
-                "--master_addr=127.0.0.1", f"--master_port={port}"]
+    """The `deepspeed` runner command before the module, for a hostfile launch (multi-node, or a hostfile's single
+    host). Ranks on this machine only (no hostfile) are started by `run_train` itself (`supervise.Launch.start_local`,
+    with the environment DeepSpeed's per-node launcher would give them): neither the runner nor the per-node
+    launcher, whose interpreters import torch and DeepSpeed only to compute that environment (about 3.3 s of the
+    launch overhead even on an idle 2-core machine: bench/launch_overhead.py)."""
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
     if launcher is None:
         raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")

@@ -261,3 +261,104 @@ class Heartbeats:
         parts = [f"rank {r} (pid {beats[r]['pid']}, {_state(beats[r]['pid'])}) last step {beats[r]['step']} "
                  f"{now - beats[r]['time']:.0f} s ago" for r in order]
         return f"training stalled: no step for more than {bound:.0f} s: " + "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ the ranks' processes
+
+
+def local_rank_envs(env: dict, ranks: int, master_port: int, master_addr: str = "127.0.0.1") -> list[dict]:
+    """Each local rank's environment, exactly as DeepSpeed's per-node launcher (deepspeed/launcher/launch.py, 0.19)
+    sets it for the world `{localhost: [0, ..., ranks - 1]}` at node rank 0: the accelerator's visible devices
+    (CUDA_VISIBLE_DEVICES for DeepSpeed's CPU and CUDA accelerators alike), MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
+    CROSS_RANK, CROSS_SIZE, LOCAL_SIZE, then RANK and LOCAL_RANK per rank; and, because the launcher's own
+    `import deepspeed` put it in the environment it copies, PYTORCH_NVML_BASED_CUDA_CHECK=1 unless set. It sets no
+    thread variable unless it binds cores (we do not): OMP_NUM_THREADS comes in `env`.
+    tests/train/test_supervise.py compares this with what the launcher gives."""
+    node = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks))),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port), "WORLD_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
+            "LOCAL_SIZE": str(ranks)}
+    return [{**node, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(ranks)]
+
+
+class RankFailed(RuntimeError):
+    """A rank (or the launcher) exited with a non-zero code; the others were stopped."""
+
+
+class Launch:
+    """The processes of one launch, all in one process group that this process owns: the local ranks started
+    directly (`start_local`), or DeepSpeed's launcher with everything it starts (`start_launcher`, the hostfile
+    path). Each dies with the thread that started it (PR_SET_PDEATHSIG) and, from the trainer's first lines, with
+    the supervisor (`watch_parent_run` kills the group). Stdin is /dev/null; stdout and stderr go to `log`.
+
+    What DeepSpeed's per-node launcher did for the ranks it started, `poll` and `stop` do now: a rank that exits
+    non-zero stops the others (SIGTERM to the group, SIGKILL after `term_timeout`; the launcher gave 30 s) and fails
+    the launch naming it; the supervisor's ^C/SIGTERM stops them the same way (run_train calls `stop`)."""
+
+    def __init__(self, procs: list[tuple[str, subprocess.Popen]], log):
+        self.procs, self.log, self.pgid = procs, log, procs[0][1].pid
+        self.reported: set[str] = set()
+
+    @classmethod
+    def start_local(cls, cmd: list[str], envs: list[dict], cwd: Path, log) -> "Launch":
+        """One process per rank, `cmd` with `envs[r]`; rank 0 leads a new process group, the others join it (a new
+        group, not a session: a group can only be joined inside its session). A terminal's ^C reaches only the
+        foreground group, so only the supervisor, which then stops the ranks."""
+        from lifecycle.core.procs import die_with_parent
+
+        procs: list[tuple[str, subprocess.Popen]] = []
+        try:
+            for r, env in enumerate(envs):
+                p = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                     stderr=subprocess.STDOUT, process_group=procs[0][1].pid if procs else 0,
+                                     preexec_fn=die_with_parent)
+                procs.append((f"rank {r}", p))
+        except BaseException:
+            if procs:
+                cls(procs, log).stop()
+            raise
+        return cls(procs, log)
+
+    @classmethod
+    def start_launcher(cls, cmd: list[str], env: dict, cwd: Path, log) -> "Launch":
+        """DeepSpeed's launcher in its own session: its ranks are its children, in its group."""
+        from lifecycle.core.procs import die_with_parent
+
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, preexec_fn=die_with_parent)
+        return cls([("deepspeed", p)], log)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.procs}
+
+    def poll(self) -> bool:
+        """True once every process has exited 0. A non-zero exit stops the rest and raises RankFailed."""
+        codes = {name: p.poll() for name, p in self.procs}
+        for name, code in codes.items():
+            if code is not None and name not in self.reported:
+                self.reported.add(name)
+                self._say(f"{name} (pid {self.pids[name]}) exited with code {code}")
+        failed = [(name, code) for name, code in codes.items() if code not in (None, 0)]
+        if failed:
+            name, code = failed[0]
+            others = [n for n, c in codes.items() if c is None]
+            self.stop()
+            raise RankFailed(f"{name} exited with code {code}"
+                             + (f"; stopped {', '.join(others)}" if others else ""))
+        return all(code == 0 for code in codes.values())
+
+    def stop(self, term_timeout: float = 15, kill_timeout: float = 10) -> None:
+        """SIGTERM the group, SIGKILL what is left after `term_timeout`, and collect every exit."""
+        from lifecycle.core.procs import stop_group
+
+        stop_group(self.pgid, term_timeout=term_timeout, kill_timeout=kill_timeout)
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:  # left the group (setsid) and survived SIGKILL of it: not ours now
+                log.warning("process %d of the launch is still running after stopping group %d", p.pid, self.pgid)
+
+    def _say(self, line: str) -> None:
+        self.log.write(f"[supervisor] {line}\n".encode())
+        self.log.flush()

@@ -1,4 +1,5 @@
-"""One DeepSpeed rank: `deepspeed --module lifecycle.tasks.train.trainer --config <run_dir>/config.json`.
+"""One DeepSpeed rank: `python -m lifecycle.tasks.train.trainer --config <run_dir>/config.json`, with the rank
+environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) of DeepSpeed's launcher.
 
 Started by `lifecycle.tasks.train.launch.run_train` (never imports Prefect or MLflow). Every rank reads the same launch
 config, builds the same initial model (same seed), and draws its batches from a stateless sampler:
@@ -22,7 +23,7 @@ from pathlib import Path
 
 T_START = time.time()
 
-if __name__ == "__main__":  # a rank: die with its launcher and with the run, from before the slow imports below
+if __name__ == "__main__":  # a rank: die with the process that started it and with the run, before the slow imports
     from lifecycle.core.procs import die_with_parent, watch_parent_run
 
     die_with_parent()
@@ -83,6 +84,15 @@ def stub_muon() -> None:
             vars(sys.modules[name]).update(attrs)
 
 
+def keep_mlflow_out() -> None:
+    """DeepSpeed 0.19's `import deepspeed` reaches its autotuner, which imports MLflow when it is installed
+    (`try: import mlflow` in deepspeed/autotuning/autotuner.py), and MLflow brings pandas and its GenAI modules:
+    most of `import deepspeed` in each rank (bench/launch_overhead.py). A rank never autotunes and never logs to
+    MLflow (the supervisor forwards metrics.jsonl), so make that import fail: with `sys.modules["mlflow"] = None`
+    it raises ImportError, which DeepSpeed catches (`has_mlflow = False`). Left alone where MLflow is loaded."""
+    sys.modules.setdefault("mlflow", None)
+
+
 def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = ()) -> dict:
     """`skipped`: data steps thrown away by loss-spike rollbacks; step s reads data step
     `loader.data_step(s, skipped)`."""
@@ -121,6 +131,40 @@ def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 512,
         reps += 1
     sync()
     return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def peak_flops_cache() -> Path:
+    """Where measured peak FLOP/s are kept per machine: $XDG_CACHE_HOME (else ~/.cache)/lifecycle/peak-flops.json."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lifecycle" / "peak-flops.json"
+
+
+def cached_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """`measure_peak_flops` once per machine, device, dtype, thread count and torch version; later launches read
+    it from `peak_flops_cache()` (the probe is 0.3 s of every launch otherwise). It only scales the logged MFU: no
+    training result depends on it. Delete the file to measure again."""
+    import socket
+
+    key = f"{socket.gethostname()}|{device}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    path = peak_flops_cache()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
+        return float(cache[key])
+    peak = measure_peak_flops(device, dtype=dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            cache = json.loads(path.read_text())  # another rank may have written its key meanwhile
+        except (OSError, ValueError):
+            cache = {}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each rank its own: they may write at once
+        tmp.write_text(json.dumps({**cache, key: peak}, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measure again next launch
+    return peak
 
 
 def injected_faults() -> set[int]:
@@ -236,7 +280,7 @@ class Trainer:
         self.engine, self.scheduler = self._build_engine()
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
-        self.peak = cfg.logging.peak_flops_per_rank or measure_peak_flops(self.device, dtype=dtype)
+        self.peak = cfg.logging.peak_flops_per_rank or cached_peak_flops(self.device, dtype)
         phase("peak FLOPS probe")
         self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say,
                                               tier=launch.get("memory_tier"))
@@ -278,6 +322,7 @@ class Trainer:
     def _init_distributed(self) -> tuple[torch.device, str]:
         import importlib
 
+        keep_mlflow_out()
         import deepspeed
 
         ds_comm = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` gives torch itself here

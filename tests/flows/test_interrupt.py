@@ -37,7 +37,7 @@ def test_sigterm_during_training_ends_the_run_cleanly_and_the_rerun_completes(tm
         while not list(wd.glob("train/*/heartbeat/rank1")):
             assert proc.poll() is None and time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGTERM)  # the CLI, its Dask workers; not the launcher (its own session)
+        os.killpg(proc.pid, signal.SIGTERM)  # the CLI, its Dask workers; not the ranks (their own group)
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=60)
         took = time.monotonic() - t0
@@ -48,7 +48,7 @@ def test_sigterm_during_training_ends_the_run_cleanly_and_the_rerun_completes(tm
     assert took < 30, took
     assert "lifecycle: interrupted by SIGTERM" in err and "ConnectError" not in err
     assert last_json(out) == {"status": "interrupted", "signal": "SIGTERM"}
-    assert descendants_of_supervisor(proc.pid) == []  # no rank, no launcher left
+    assert descendants_of_supervisor(proc.pid) == []  # no rank left
     [run_dir] = wd.glob("train/*")
     assert not (run_dir / "checkpoints" / "step_00000060").exists()  # nothing committed half-way (or at all yet)
     with sqlite3.connect(wd / ".prefect" / "prefect.db") as db:  # stopped on purpose: Cancelled, not Crashed

@@ -136,6 +136,78 @@ def test_heartbeats_bound_start_up_and_steps_and_name_the_stopped_rank(tmp_path)
     assert sv.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100).read() == {}  # a new launch starts clean
 
 
+RANKENV = """import json, os, sys
+from pathlib import Path
+Path(sys.argv[1], "env" + os.environ["RANK"] + ".json").write_text(json.dumps({**os.environ, "argv": sys.argv[1:]}))
+"""
+
+
+def test_local_ranks_get_exactly_the_environment_and_arguments_of_deepspeeds_launcher(tmp_path):
+    """`--module --no_local_rank` through deepspeed/launcher/launch.py (what run_train started before) and
+    `Launch.start_local` (what it starts now) give each rank the same environment and the same arguments."""
+    import base64
+    import json
+
+    (tmp_path / "rankenv.py").write_text(RANKENV)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+    theirs, ours = tmp_path / "deepspeed", tmp_path / "ours"
+    theirs.mkdir(), ours.mkdir()
+    subprocess.run([sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+                    "--master_addr=127.0.0.1", "--master_port=29517", "--module", "--no_local_rank", "rankenv",
+                    str(theirs)], env=env, check=True, capture_output=True, timeout=300)
+    with open(tmp_path / "log", "ab") as log:
+        launch = sv.Launch.start_local([sys.executable, "-u", "-m", "rankenv", str(ours)],
+                                       sv.local_rank_envs(env, 2, 29517), tmp_path, log)
+        while not launch.poll():
+            time.sleep(0.05)
+    for rank in (0, 1):
+        a, b = (json.loads((d / f"env{rank}.json").read_text()) for d in (theirs, ours))
+        a["argv"][0] = b["argv"][0] = "<out dir>"
+        assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+        assert b["RANK"] == b["LOCAL_RANK"] == str(rank) and b["WORLD_SIZE"] == "2" and b["MASTER_PORT"] == "29517"
+
+
+def _gone(pid: int) -> bool:
+    return sv._state(pid) == "gone"
+
+
+def test_a_failed_rank_stops_the_others_and_fails_the_launch_naming_it(tmp_path):
+    """What DeepSpeed's launcher did when a rank exited non-zero, the supervisor does now: stop the other ranks
+    (SIGTERM to the ranks' process group) and fail, naming the rank and its exit code."""
+    code = ("import os, sys, time; r = int(os.environ['RANK']); print('rank', r, 'up', flush=True); "
+            "time.sleep(0.5 if r == 1 else 120); sys.exit(3)")
+    with open(tmp_path / "train.log", "ab") as log:
+        launch = sv.Launch.start_local([sys.executable, "-c", code], sv.local_rank_envs(os.environ, 3, 1),
+                                       tmp_path, log)
+        pids = [p.pid for _, p in launch.procs]
+        assert [os.getpgid(p) for p in pids] == [pids[0]] * 3 and pids[0] != os.getpgrp()  # one group of theirs
+        t0 = time.monotonic()
+        with pytest.raises(sv.RankFailed, match=r"^rank 1 exited with code 3; stopped rank 0, rank 2$"):
+            while not launch.poll():
+                time.sleep(0.05)
+        assert time.monotonic() - t0 < 10
+    assert all(_gone(p) for p in pids)  # stopped and reaped: no zombie either
+    text = (tmp_path / "train.log").read_text()
+    assert "rank 1 up" in text and f"[supervisor] rank 1 (pid {pids[1]}) exited with code 3" in text
+
+
+def test_stopping_a_launch_stops_every_rank_even_one_that_ignores_sigterm(tmp_path):
+    """The supervisor's ^C or SIGTERM stops the ranks (`Launch.stop`, as DeepSpeed's launcher forwarded them):
+    SIGTERM to the group, SIGKILL after the grace period for a rank that ignores it."""
+    code = ("import os, signal, time; r = int(os.environ['RANK']); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN) if r == 1 else None; print('up', flush=True); time.sleep(120)")
+    with open(tmp_path / "train.log", "ab") as log:
+        launch = sv.Launch.start_local([sys.executable, "-c", code], sv.local_rank_envs(os.environ, 2, 1),
+                                       tmp_path, log)
+        while (tmp_path / "train.log").read_text().count("up") < 2:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        launch.stop(term_timeout=2, kill_timeout=5)
+        took = time.monotonic() - t0
+    assert all(_gone(p.pid) for _, p in launch.procs) and 2 <= took < 7, took  # rank 1 needed the SIGKILL
+
+
 # --------------------------------------------------------------------------------------------------
 # real launches
 
@@ -187,7 +259,7 @@ def test_a_planted_stale_build_lock_does_not_stop_a_run(tokens, tmp_path, extens
 def _port_of(log_path: str) -> int:
     import re
 
-    return int(re.findall(r"--master_port[= ](\d+)", Path(log_path).read_text())[-1])
+    return int(re.findall(r"(?:--master_port[= ]|MASTER_PORT=)(\d+)", Path(log_path).read_text())[-1])
 
 
 def test_ranks_die_with_a_sigkilled_supervisor_and_the_next_run_releases_its_buffers(tokens, tmp_path, extensions):  # noqa: F811
@@ -201,7 +273,7 @@ def test_ranks_die_with_a_sigkilled_supervisor_and_the_next_run_releases_its_buf
             assert proc.poll() is None, "run_train ended before its ranks started"
             time.sleep(0.2)
         ranks = descendants_of_supervisor(proc.pid)
-        assert len(ranks) >= 3  # the launcher, its per-node launcher and 2 ranks
+        assert len(ranks) >= 2  # the 2 ranks (and their persist processes), no launcher
         port = _port_of(next(tmp_path.glob("train/*/train.log")))
         assert sv.shm_buffers(port)  # DeepSpeed made them; the killed supervisor cannot release them
         os.kill(proc.pid, signal.SIGKILL)
@@ -216,6 +288,25 @@ def test_ranks_die_with_a_sigkilled_supervisor_and_the_next_run_releases_its_buf
             proc.kill()
         for pid in descendants_of_supervisor(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_rank_stops_the_other_and_fails_the_launch_with_the_log_tail(tokens, tmp_path, extensions):  # noqa: F811
+    cfg = with_(SHORT, max_steps=400, **{"checkpoint.every": 100})
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(run_train, tokens, cfg, str(tmp_path))
+        deadline = time.monotonic() + 300
+        while not (beats := list(tmp_path.glob("train/*/heartbeat/rank1"))) and time.monotonic() < deadline:
+            assert not run.done(), run.exception()
+            time.sleep(0.2)
+        import json
+
+        pids = {r: json.loads((beats[0].parent / f"rank{r}").read_text())["pid"] for r in (0, 1)}
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"(?s)rank 1 exited with code -9; stopped rank 0\. Last lines of "
+                                               r".*train\.log:\n.*\[supervisor\] rank 1 \(pid \d+\) exited with code -9"):
+            run.result(timeout=60)
+    assert _gone(pids[0])
+    _no_ranks_left(os.getpid(), within=5)
 
 
 @pytest.mark.slow  # two launches, 1-2 min on 2 cores

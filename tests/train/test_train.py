@@ -9,7 +9,10 @@ The first DeepSpeed launch on a machine also JIT-builds DeepSpeed's shared-memor
 import base64
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -273,9 +276,10 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
     files = {f["path"] for f in marker["files"]}
     assert {"model.safetensors", "model_config.json", "mp_rank_00_model_states.pt"} <= files
     assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= files
-    launched = open(r1.log_path).read()  # DeepSpeed's per-node launcher, 2 local ranks (world info {localhost: [0, 1]})
-    assert "-m deepspeed.launcher.launch --world_info=" in launched
-    assert "Process" in launched and launched.count("exits successfully") >= 2
+    launched = open(r1.log_path).read()  # 2 local ranks started by the supervisor, no DeepSpeed launcher
+    assert "2 local ranks, MASTER_ADDR=127.0.0.1 MASTER_PORT=" in launched and "deepspeed.launcher" not in launched
+    assert launched.count("[supervisor] rank 0 (pid ") == launched.count("[supervisor] rank 1 (pid ") == 1
+    assert launched.count("exited with code 0") == 2
     state = torch.load(Path(r1.checkpoint_dir) / "mp_rank_00_model_states.pt", weights_only=False)
     assert state["sampler"]["skipped"] == [13] and state["sampler"]["next_step"] == 30
 
@@ -394,3 +398,31 @@ def test_accelerator_picks_device_and_backend(monkeypatch):
             train_loop.select_device(cuda)
     assert not hasattr(train_loop, "DEVICE")  # the device is the Trainer's attribute, not module state
     assert launch_args(cuda, 29500, Path("/tmp"), 1) == ["--num_gpus", str(CFG.batch.num_ranks), "--master_port", "29500"]
+
+
+def test_peak_flops_are_measured_once_per_machine_and_setting(tmp_path, monkeypatch):
+    from lifecycle.tasks.train import trainer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(trainer, "measure_peak_flops", lambda device, dtype: measured.append(dtype) or 2e10)
+    cpu = torch.device("cpu")
+    assert trainer.cached_peak_flops(cpu) == 2e10 and measured == [torch.float32]
+    assert trainer.cached_peak_flops(cpu) == 2e10 and measured == [torch.float32]  # the next launch reads it
+    assert trainer.cached_peak_flops(cpu, torch.bfloat16) == 2e10 and measured == [torch.float32, torch.bfloat16]
+    cache = json.loads(trainer.peak_flops_cache().read_text())
+    assert trainer.peak_flops_cache() == tmp_path / "lifecycle" / "peak-flops.json" and len(cache) == 2
+    assert all(f"threads={torch.get_num_threads()}|torch={torch.__version__}" in k for k in cache)
+    trainer.peak_flops_cache().write_text("{torn")  # a damaged cache is measured again, not an error
+    assert trainer.cached_peak_flops(cpu) == 2e10 and len(measured) == 3
+
+
+def test_a_rank_imports_deepspeed_without_mlflow():
+    """DeepSpeed's autotuner would import MLflow (and pandas) on every `import deepspeed`: most of that import's
+    time in a rank. The rank keeps it out, and DeepSpeed takes it as not installed."""
+    code = ("import sys; from lifecycle.tasks.train.trainer import keep_mlflow_out; keep_mlflow_out(); "
+            "import deepspeed; from deepspeed.autotuning import autotuner; "
+            "assert sys.modules['mlflow'] is None and not autotuner.has_mlflow; "
+            "assert not [m for m in sys.modules if m.startswith(('mlflow.', 'pandas'))]; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
