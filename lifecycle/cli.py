@@ -359,7 +359,11 @@ def cmd_forget(args: argparse.Namespace) -> int:
         print(f"tombstone {r['tombstone_id']}: doc_id {r['doc_id']} source_id {r['source_id']} ({r['reason']}, "
               f"{r['created_at']}) in {cfg.workdir}/tombstones.parquet", file=info)
     if args.retrain:
-        return cmd_run(argparse.Namespace(config=args.config, set=args.set, until=None, json=args.json,
+        # a rebuild of the whole corpus without the documents, not a run on new data: deduplicated within itself,
+        # not against the dedup index of earlier runs (which holds these very documents, kept by the run before)
+        rebuild = (args.set or []) + ["collect.incremental=false", "dedup.incremental=false"]
+        print("retraining: a full run (collect.incremental=false, dedup.incremental=false)", file=info)
+        return cmd_run(argparse.Namespace(config=args.config, set=rebuild, until=None, json=args.json,
                                           verbose=args.verbose, wait=args.wait))
     result = {"status": "recorded", "tombstones": rows}
     if args.unlearn:
