@@ -45,22 +45,29 @@ def _same(cp, a, b, c, d):
 
 
 @numba.njit(cache=True, inline="always")
-def _find_or_add(cp, pre, pw, starts, ends, i, table, hashes, shift, add):
-    """Slot of the n-gram equal to gram i (cp[starts[i]:ends[i]]) in the table, adding gram i to an empty slot
-    when absent and `add`; returns (slot, found)."""
-    a, b = starts[i], ends[i]
+def _span(offsets, n, sep, i):
+    """(start, end) of the n-gram at position i in the words joined with a separator of `sep` characters."""
+    return offsets[i] + i * sep, offsets[i + n] + (i + n - 1) * sep
+
+
+@numba.njit(cache=True, inline="always")
+def _find_or_add(cp, pre, pw, offsets, n, sep, i, table, hashes, shift):
+    """Slot of the n-gram equal to the one at position i in the table (same code points), adding position i to an
+    empty slot when absent; returns (slot, found)."""
+    a, b = _span(offsets, n, sep, i)
     h = pre[b] - pre[a] * pw[b - a]
     mask = len(table) - 1
     s = np.int64((h * _MIX) >> np.uint64(shift))
     while True:
         j = table[s]
         if j < 0:
-            if add:
-                table[s] = i
-                hashes[s] = h
+            table[s] = i
+            hashes[s] = h
             return s, False
-        if hashes[s] == h and _same(cp, starts[j], ends[j], a, b):
-            return s, True
+        if hashes[s] == h:
+            c, d = _span(offsets, n, sep, j)
+            if _same(cp, c, d, a, b):
+                return s, True
         s = (s + 1) & mask
 
 
@@ -73,32 +80,33 @@ def _table(m):
 
 
 @numba.njit(cache=True)
-def _top_chars(cp, pre, pw, starts, ends):
-    """len x count of the most frequent slice, the first seen among equally frequent ones (Counter.most_common)."""
-    m = len(starts)
+def _top_chars(cp, pre, pw, offsets, n, sep):
+    """len x count of the most frequent n-gram, the first seen among equally frequent ones (Counter.most_common)."""
+    m = len(offsets) - n
     table, hashes, shift = _table(m)
     counts = np.zeros(len(table), np.int64)
     best_slot, best_count, best_first = -1, 0, m
     for i in range(m):
-        s, _ = _find_or_add(cp, pre, pw, starts, ends, i, table, hashes, shift, True)
+        s, _ = _find_or_add(cp, pre, pw, offsets, n, sep, i, table, hashes, shift)
         counts[s] += 1
         c, first = counts[s], table[s]
         if c > best_count or (c == best_count and first < best_first):
             best_slot, best_count, best_first = s, c, first
-    j = table[best_slot]
-    return (ends[j] - starts[j]) * best_count
+    a, b = _span(offsets, n, sep, table[best_slot])
+    return (b - a) * best_count
 
 
 @numba.njit(cache=True)
-def _dup_chars(cp, pre, pw, starts, ends, n):
-    """Characters of slices seen before, skipping n slices after each repeat (datatrove find_all_duplicate)."""
-    m = len(starts)
+def _dup_chars(cp, pre, pw, offsets, n, sep):
+    """Characters of n-grams seen before, skipping n positions after each repeat (datatrove find_all_duplicate)."""
+    m = max(0, len(offsets) - n)
     table, hashes, shift = _table(m)
     chars, i = 0, 0
     while i < m:
-        _, found = _find_or_add(cp, pre, pw, starts, ends, i, table, hashes, shift, True)
+        _, found = _find_or_add(cp, pre, pw, offsets, n, sep, i, table, hashes, shift)
         if found:
-            chars += ends[i] - starts[i]
+            a, b = _span(offsets, n, sep, i)
+            chars += b - a
             i += n
         else:
             i += 1
@@ -125,19 +133,12 @@ class Ngrams:
             self._joined[sep] = (cp, *_prefix_hashes(cp))
         return self._joined[sep]
 
-    def _slices(self, n: int, sep: str) -> tuple[np.ndarray, np.ndarray]:
-        """(start, end) in `sep.join(words)` of the n-gram at each position."""
-        m = max(0, len(self.words) - n + 1)
-        k = np.arange(m + n, dtype=np.int64)[: len(self.offsets)]
-        starts = self.offsets[k] + k * len(sep)  # start of word k in the joined string
-        return starts[:m], starts[n : n + m] - len(sep)
-
     def top_chars(self, n: int) -> int:
         """top_ngram_chars_python(words, n); words must have at least n entries (as for Counter.most_common)."""
         if len(self.words) < n:
             raise ValueError(f"top n-gram of {len(self.words)} words with n={n}: needs at least n words")
-        return int(_top_chars(*self._arrays(" "), *self._slices(n, " ")))
+        return int(_top_chars(*self._arrays(" "), self.offsets, n, 1))
 
     def dup_chars(self, n: int) -> int:
         """dup_ngram_chars_python(words, n)."""
-        return int(_dup_chars(*self._arrays(""), *self._slices(n, ""), n))
+        return int(_dup_chars(*self._arrays(""), self.offsets, n, 0))
