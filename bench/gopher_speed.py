@@ -4,8 +4,8 @@
 
 On the real corpus of bench/real_corpus.py (built once under /tmp/real-corpus, as bench.real_pipeline does), one
 process, one worker, cold caches on both sides:
-- `split_words`: main's chunk rules (`main_rules()` below: no plain-chunk fast path, main's `_suffix_len` and
-  `_join_specials`) against today's;
+- `split_words`: main's chunk rules (`main_rules()` below: no plain-chunk fast path, main's `_prefix_len`,
+  `_suffix_len` and `_join_specials`) against today's;
 - the n-gram counts: the string-based `top_ngram_chars_python` / `dup_ngram_chars_python` against the compiled
   ones (ngrams.py), on the same word lists;
 - the Gopher repetition rule (`reason`, as the filter runs it) and the whole filter stage (`filter_table` with the
@@ -32,6 +32,15 @@ from lifecycle.tasks.data.filter import words
 # --------------------------------------------------------------------------------------------------
 # main's versions of the chunk rules this branch short-cuts (frozen copies; also the reference of
 # tests/data/test_split_words_fast.py)
+
+
+def main_prefix_len(s: str) -> int:
+    c = s[0]
+    if s.startswith(".."):
+        return len(s) - len(s.lstrip("."))
+    if c in words._PREFIX_CHARS or words.unicodedata.category(c) == "So" or (c == "+" and not s[1:2].isdigit()):
+        return 1
+    return 3 if s.startswith("US$") else 2 if s.startswith(("C$", "A$")) else 0
 
 
 def main_suffix_len(s: str) -> int:
@@ -74,15 +83,16 @@ class PythonCounts:
 def main_rules(ngrams: bool = True):
     """Inside: words.py splits with main's chunk rules (no fast path, no prefilters) and, with `ngrams`, Gopher
     repetition counts n-grams with the string-based functions. Caches are cleared on entry and exit."""
-    saved = words._suffix_len, words._join_specials, words._WRAPPED, rep._ngram_counts
-    words._suffix_len, words._join_specials, words._WRAPPED = main_suffix_len, main_join_specials, words.re.compile("(?!)")
+    saved = words._prefix_len, words._suffix_len, words._join_specials, words._WRAPPED, rep._ngram_counts
+    words._prefix_len, words._suffix_len, words._join_specials = main_prefix_len, main_suffix_len, main_join_specials
+    words._WRAPPED = words.re.compile("(?!)")  # matches nothing: no fast path
     if ngrams:
         rep._ngram_counts = PythonCounts
     clear()
     try:
         yield
     finally:
-        words._suffix_len, words._join_specials, words._WRAPPED, rep._ngram_counts = saved
+        words._prefix_len, words._suffix_len, words._join_specials, words._WRAPPED, rep._ngram_counts = saved
         clear()
 
 

@@ -1,6 +1,7 @@
 """`split_words`'s shortcuts (issue 25) give exactly the tokens of the rules they skip: the plain-chunk fast path
-(`_WRAPPED`), the long-suffix prefilter of `_suffix_len` and the run search of `_join_specials`. The reference is
-the chunk splitter with main's versions of those two functions and no fast path (frozen copies in
+(`_WRAPPED`), the ASCII exit of `_prefix_len`, the long-suffix prefilter of `_suffix_len` and the prefix-pruned
+run search of `_join_specials`. The reference is the chunk splitter with main's versions of those three functions
+and no fast path (frozen copies in
 bench/gopher_speed.py, `main_rules`), compared on every distinct chunk of the bundled corpus and on random chunks
 built from the characters the rules act on."""
 

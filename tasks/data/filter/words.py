@@ -83,7 +83,7 @@ def _build_specials() -> dict[str, tuple[str, ...]]:
 
 _SPECIALS = _build_specials()
 _AFFIX_SPECIALS = {k for k in _SPECIALS if not k.isalnum()}  # re-joined when affix rules cut them apart
-_AFFIX_SPECIAL_MAX = max(map(len, _AFFIX_SPECIALS))
+_AFFIX_PREFIXES = frozenset(k[:i] for k in _AFFIX_SPECIALS for i in range(len(k) + 1))
 
 # Fast path of `_split_chunk`: an ASCII word or number, optionally after one ASCII prefix character and before one
 # ASCII suffix character (`(word`, `word,`, `"word"`, `12)`). For these the rules below always give
@@ -95,6 +95,8 @@ _WRAPPED = re.compile(rf"([{re.escape(_FAST_PREFIX)}]?)([A-Za-z]+|[0-9]+)([{re.e
 
 def _prefix_len(s: str) -> int:
     c = s[0]
+    if c.isascii() and c.isalnum() and c not in "UCA":  # none of the rules below starts with these
+        return 0
     if s.startswith(".."):
         return len(s) - len(s.lstrip("."))
     if c in _PREFIX_CHARS or unicodedata.category(c) == "So" or (c == "+" and not s[1:2].isdigit()):
@@ -186,9 +188,11 @@ def _join_specials(toks: list[str]) -> list[str]:
     spans = []
     for i in range(len(toks)):
         run = toks[i]
+        if run not in _AFFIX_PREFIXES:  # every shorter run of a special's run spells a prefix of that special
+            continue
         for j in range(i + 2, min(len(toks), i + 6) + 1):
             run += toks[j - 1]  # "".join(toks[i:j])
-            if len(run) > _AFFIX_SPECIAL_MAX:  # runs only grow
+            if run not in _AFFIX_PREFIXES:
                 break
             if run in _AFFIX_SPECIALS:
                 spans.append((i, j))
