@@ -80,3 +80,10 @@ def test_real_text():
 def test_codepoints_count_like_len():
     s = "a\ud800😀e\u0301"
     assert len(_codepoints(s)) == len(s) and _codepoints(s).dtype == np.uint32
+
+
+def test_rule_without_ngram_checks_passes_what_the_checks_would_reject():
+    text = "alpha beta gamma delta " * 40  # no duplicated line or paragraph; every n-gram repeats
+    assert rep.GopherRepetitionConfig().reason(text)[0] == "gopher_top_2_gram"
+    assert rep.GopherRepetitionConfig(top_ngram_char_frac=(), dup_ngram_char_frac=()).reason(text) is None
+    assert rep.GopherRepetitionConfig(top_ngram_char_frac=()).reason(text)[0] == "gopher_dup_5_grams"

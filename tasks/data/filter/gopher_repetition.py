@@ -101,6 +101,8 @@ class GopherRepetitionConfig(Rule):
             return "gopher_dup_line_frac", f"dup_line_frac={dup / len(lines):.3g}"
         if self.dup_line_char_frac is not None and chars / len(text) > self.dup_line_char_frac:
             return "gopher_dup_line_char_frac", f"dup_line_char_frac={chars / len(text):.3g}"
+        if not (self.top_ngram_char_frac or self.dup_ngram_char_frac):
+            return None  # no n-gram check: no words needed
         words = split_words(text) if words is None else words  # the paragraph and line checks need no words
         grams = _ngram_counts(words)  # code points and prefix hashes once, for every n
         for n, frac in self.top_ngram_char_frac:
