@@ -85,12 +85,12 @@ _SPECIALS = _build_specials()
 _AFFIX_SPECIALS = {k for k in _SPECIALS if not k.isalnum()}  # re-joined when affix rules cut them apart
 _AFFIX_PREFIXES = frozenset(k[:i] for k in _AFFIX_SPECIALS for i in range(len(k) + 1))
 
-# Fast path of `_split_chunk`: an ASCII word or number, optionally after one ASCII prefix character and before one
-# ASCII suffix character (`(word`, `word,`, `"word"`, `12)`). For these the rules below always give
-# (prefix, core, suffix) unless a special case is involved, which the fast path checks (see `_split_chunk`).
+# Fast path of `_split_chunk`: a word (letters of any script: str.isalpha) or an ASCII number, optionally after one
+# ASCII prefix character and before one ASCII suffix character (`(word`, `word,`, `"wörter"`, `12)`). For these the
+# rules below always give (prefix, core, suffix) unless a special case is involved, which the fast path checks.
 _FAST_PREFIX = "".join(sorted(c for c in _PREFIX_CHARS if c.isascii() and c not in ".+$"))
 _FAST_SUFFIX = "".join(sorted(c for c in _SUFFIX_CHARS if c.isascii() and c != "."))
-_WRAPPED = re.compile(rf"([{re.escape(_FAST_PREFIX)}]?)([A-Za-z]+|[0-9]+)([{re.escape(_FAST_SUFFIX)}]?)")
+_WRAPPED = re.compile(rf"([{re.escape(_FAST_PREFIX)}]?)([^\W\d_]+|[0-9]+)([{re.escape(_FAST_SUFFIX)}]?)")
 
 
 def _prefix_len(s: str) -> int:
@@ -138,8 +138,9 @@ def _split_chunk(s: str) -> tuple[str, ...]:
     if s in _SPECIALS:
         return _SPECIALS[s]
     if m := _WRAPPED.fullmatch(s):  # a prefix char is cut off, then a suffix char, then the core is one token,
-        pre, core, suf = m.groups()  # unless one of the strings the rules look up is a special case
-        if core not in _SPECIALS and pre + core not in _SPECIALS and core + suf not in _SPECIALS:
+        pre, core, suf = m.groups()  # unless one of the strings the rules look up is a special case ([^\W\d_]
+        if ((core.isalpha() or core.isascii())  # also has non-decimal digits such as "²": those take the rules)
+                and core not in _SPECIALS and pre + core not in _SPECIALS and core + suf not in _SPECIALS):
             return tuple(t for t in (pre, core, suf) if t)
     prefixes: list[str] = []
     suffixes: list[str] = []
