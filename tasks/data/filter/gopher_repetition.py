@@ -1,7 +1,9 @@
 """Gopher repetition rules (Rae et al. 2021, table A1), following datatrove 0.10.1
 `src/datatrove/pipeline/filters/gopher_repetition_filter.py` line by line so that our decisions can be
 benchmarked against it (bench/filter_agreement.py): duplicate paragraph/line fractions and character fractions,
-top 2/3/4-gram character fractions, duplicated 5..10-gram character fractions.
+top 2/3/4-gram character fractions, duplicated 5..10-gram character fractions. The n-gram counts run compiled
+(ngrams.py: hashed slices of the joined words, confirmed by comparing code points, so exactly the values of the
+string-based `*_python` definitions kept here as the reference).
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ def _ngrams(words: list[str], n: int, sep: str) -> list[str]:
     return list(map(sep.join, zip(*(words[k:] for k in range(n)))))
 
 
-def top_ngram_chars(words: list[str], n: int) -> int:
+def top_ngram_chars_python(words: list[str], n: int) -> int:
     """Characters covered by the most frequent n-gram (space-joined length x count): datatrove `find_top_duplicate`.
-    Ties go to the n-gram seen first (Counter.most_common keeps insertion order among equal counts)."""
+    Ties go to the n-gram seen first (Counter.most_common keeps insertion order among equal counts).
+    The string-based definition: the reference of `top_ngram_chars` in tests and bench.gopher_speed."""
     gram, c = Counter(_ngrams(words, n, " ")).most_common(1)[0]
     return len(gram) * c
 
 
-def dup_ngram_chars(words: list[str], n: int) -> int:
+def dup_ngram_chars_python(words: list[str], n: int) -> int:
     """Characters in repeated n-grams, skipping past each repeat: datatrove `find_all_duplicate` (its n-grams
-    joined without a separator, built in C before the loop)."""
+    joined without a separator). The string-based definition: the reference of `dup_ngram_chars`."""
     grams = _ngrams(words, n, "")
     seen: set[str] = set()
     add, chars, i, end = seen.add, 0, 0, len(grams)
@@ -46,6 +49,23 @@ def dup_ngram_chars(words: list[str], n: int) -> int:
             add(gram)
             i += 1
     return chars
+
+
+def _ngram_counts(words: list[str]):
+    """The compiled counts of one word list (ngrams.py; numba is imported on the first call only)."""
+    from lifecycle.tasks.data.filter.ngrams import Ngrams
+
+    return Ngrams(words)
+
+
+def top_ngram_chars(words: list[str], n: int) -> int:
+    """`top_ngram_chars_python`'s value, computed by the compiled kernel of ngrams.py."""
+    return _ngram_counts(words).top_chars(n)
+
+
+def dup_ngram_chars(words: list[str], n: int) -> int:
+    """`dup_ngram_chars_python`'s value, computed by the compiled kernel of ngrams.py."""
+    return _ngram_counts(words).dup_chars(n)
 
 
 class GopherRepetitionConfig(Rule):
@@ -81,14 +101,17 @@ class GopherRepetitionConfig(Rule):
             return "gopher_dup_line_frac", f"dup_line_frac={dup / len(lines):.3g}"
         if self.dup_line_char_frac is not None and chars / len(text) > self.dup_line_char_frac:
             return "gopher_dup_line_char_frac", f"dup_line_char_frac={chars / len(text):.3g}"
+        if not (self.top_ngram_char_frac or self.dup_ngram_char_frac):
+            return None  # no n-gram check: no words needed
         words = split_words(text) if words is None else words  # the paragraph and line checks need no words
+        grams = _ngram_counts(words)  # code points and prefix hashes once, for every n
         for n, frac in self.top_ngram_char_frac:
             if len(words) >= n:
-                r = top_ngram_chars(words, n) / len(text)
+                r = grams.top_chars(n) / len(text)
                 if r > frac:
                     return f"gopher_top_{n}_gram", f"top_{n}_gram_char_frac={r:.3g}"
         for n, frac in self.dup_ngram_char_frac:
-            r = dup_ngram_chars(words, n) / len(text)
+            r = grams.dup_chars(n) / len(text)
             if r > frac:
                 return f"gopher_dup_{n}_grams", f"dup_{n}_gram_char_frac={r:.3g}"
         return None

@@ -83,10 +83,20 @@ def _build_specials() -> dict[str, tuple[str, ...]]:
 
 _SPECIALS = _build_specials()
 _AFFIX_SPECIALS = {k for k in _SPECIALS if not k.isalnum()}  # re-joined when affix rules cut them apart
+_AFFIX_PREFIXES = frozenset(k[:i] for k in _AFFIX_SPECIALS for i in range(len(k) + 1))
+
+# Fast path of `_split_chunk`: a word (letters of any script: str.isalpha) or an ASCII number, optionally after one
+# ASCII prefix character and before one ASCII suffix character (`(word`, `word,`, `"wörter"`, `12)`). For these the
+# rules below always give (prefix, core, suffix) unless a special case is involved, which the fast path checks.
+_FAST_PREFIX = "".join(sorted(c for c in _PREFIX_CHARS if c.isascii() and c not in ".+$"))
+_FAST_SUFFIX = "".join(sorted(c for c in _SUFFIX_CHARS if c.isascii() and c != "."))
+_WRAPPED = re.compile(rf"([{re.escape(_FAST_PREFIX)}]?)([^\W\d_]+|[0-9]+)([{re.escape(_FAST_SUFFIX)}]?)")
 
 
 def _prefix_len(s: str) -> int:
     c = s[0]
+    if c.isascii() and c.isalnum() and c not in "UCA":  # none of the rules below starts with these
+        return 0
     if s.startswith(".."):
         return len(s) - len(s.lstrip("."))
     if c in _PREFIX_CHARS or unicodedata.category(c) == "So" or (c == "+" and not s[1:2].isdigit()):
@@ -106,10 +116,20 @@ def _is_suffix(s: str, p: int) -> bool:
     return prev.isdigit() and (tail == "+" or tail in _UNITS or tail in _CURRENCY or tail in ("US$", "C$", "A$"))
 
 
+# every suffix of two or more characters `_is_suffix` can accept (the others are single characters), so that a
+# longer tail outside this set is rejected without evaluating the rules
+_LONG_SUFFIXES = frozenset({"……", "'s", "'S", "’s", "’S", "US$", "C$", "A$"} | {u for u in _UNITS if len(u) > 1})
+
+
 def _suffix_len(s: str) -> int:
+    """Length of the longest suffix of `s` (at most 4 characters) `_is_suffix` accepts, 0 if none."""
     if s.endswith(".."):
         return len(s) - len(s.rstrip("."))
-    return next((len(s) - p for p in range(max(0, len(s) - 4), len(s)) if _is_suffix(s, p)), 0)
+    n = len(s)
+    for p in range(max(0, n - 4), n - 1):
+        if s[p:] in _LONG_SUFFIXES and _is_suffix(s, p):
+            return n - p
+    return 1 if n and _is_suffix(s, n - 1) else 0
 
 
 @lru_cache(maxsize=1 << 17)
@@ -117,6 +137,11 @@ def _split_chunk(s: str) -> tuple[str, ...]:
     """Tokens of one whitespace-free chunk, following spaCy's Tokenizer._split_affixes/_attach_tokens."""
     if s in _SPECIALS:
         return _SPECIALS[s]
+    if m := _WRAPPED.fullmatch(s):  # a prefix char is cut off, then a suffix char, then the core is one token,
+        pre, core, suf = m.groups()  # unless one of the strings the rules look up is a special case ([^\W\d_]
+        if ((core.isalpha() or core.isascii())  # also has non-decimal digits such as "²": those take the rules)
+                and core not in _SPECIALS and pre + core not in _SPECIALS and core + suf not in _SPECIALS):
+            return tuple(t for t in (pre, core, suf) if t)
     prefixes: list[str] = []
     suffixes: list[str] = []
     last = -1
@@ -159,8 +184,19 @@ def _split_chunk(s: str) -> tuple[str, ...]:
 
 def _join_specials(toks: list[str]) -> list[str]:
     """Re-join runs of tokens that spell a special case containing affix characters (`):`, `''`, `'d`)."""
-    spans = [(i, j) for i in range(len(toks)) for j in range(i + 2, min(len(toks), i + 6) + 1)
-             if "".join(toks[i:j]) in _AFFIX_SPECIALS]
+    if len(toks) < 2:
+        return toks
+    spans = []
+    for i in range(len(toks)):
+        run = toks[i]
+        if run not in _AFFIX_PREFIXES:  # every shorter run of a special's run spells a prefix of that special
+            continue
+        for j in range(i + 2, min(len(toks), i + 6) + 1):
+            run += toks[j - 1]  # "".join(toks[i:j])
+            if run not in _AFFIX_PREFIXES:
+                break
+            if run in _AFFIX_SPECIALS:
+                spans.append((i, j))
     if not spans:
         return toks
     taken, chosen = set(), []
