@@ -45,11 +45,15 @@ class QualityConfig(BaseModel):
     seed: int = 0
     """Salt of the negative sample and the held-out split; also fastText's seed."""
     epoch: int = Field(20, ge=1)
+    """fastText training epochs (its default 5 gave F1 0.828 on the bundled corpus, 20 gave 0.950)."""
     lr: float = Field(0.5, gt=0)
+    """fastText learning rate (its default 0.1 was too low at these epochs, see `epoch`)."""
     word_ngrams: int = Field(2, ge=1)
     """fastText wordNgrams (DCLM: 2)."""
     dim: int = Field(64, ge=1)
+    """fastText word-vector dimension."""
     min_count: int = Field(1, ge=1)
+    """fastText minCount: words seen fewer times are dropped from the vocabulary."""
     max_chars: int = Field(10_000, ge=100)
     """Characters of a document the classifier reads (training and scoring)."""
     batch_rows: int = Field(4096, ge=1)
