@@ -122,6 +122,9 @@ def run_ours(src: Path, wd: Path, workers: int) -> dict:
     cmd = [str(ROOT / ".venv/bin/lifecycle"), "run", str(path), "--until", "scrub", "--json",
            "--set", f"orchestration.dask_workers={workers}"]
     out, info = measured(cmd, "lifecycle run", cwd=wd)
+    # not timed: stop the embedded Prefect server the run started in this throwaway work dir (it would idle an hour)
+    subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "down", "--set", f"workdir={wd}"], cwd=wd, check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
     summary = json.loads(out.strip().splitlines()[-1])
     t = summary.get("timing") or {}
     first, last = t.get("first_stage_start"), t.get("last_stage_end")
