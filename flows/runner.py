@@ -131,11 +131,12 @@ class ShardRunner:
         return futures.result()  # raises the first shard failure (after that shard's retries)
 
     def close(self) -> None:
-        if self._runner is not None:
+        was_open = self._runner is not None
+        if was_open:
             self.timing["dask_close_start"] = time.time()
-            self._stack.close()
-            self.timing["dask_closed"] = time.time()
         self._stack.close()
+        if was_open:
+            self.timing["dask_closed"] = time.time()
         self._runner = None
 
 
