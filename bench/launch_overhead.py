@@ -43,7 +43,7 @@ PHASES = [  # (label, what it measures)
     ("process group init", "deepspeed.init_distributed over gloo, without the op load"),
     ("op load", "loading the built shm op (DeepSpeed's JIT loader: ninja check + dlopen)"),
     ("engine build", "model init, AdamW, deepspeed.initialize (ZeRO-2 partitioning)"),
-    ("peak FLOPS probe", "0.3 s matmul probe for MFU, once per machine (cached), none with logging.peak_flops_per_rank"),
+    ("peak FLOPS probe", "0.3 s matmul probe for MFU, every launch, none with logging.peak_flops_per_rank"),
     ("checkpointer and restore", "checkpointer, restore check (nothing to restore here)"),
     ("data loader start", "prefetch thread started"),
     ("first batch", "waiting for the first micro-batch"),

@@ -133,40 +133,6 @@ def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 512,
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def peak_flops_cache() -> Path:
-    """Where measured peak FLOP/s are kept per machine: $XDG_CACHE_HOME (else ~/.cache)/lifecycle/peak-flops.json."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lifecycle" / "peak-flops.json"
-
-
-def cached_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """`measure_peak_flops` once per machine, device, dtype, thread count and torch version; later launches read
-    it from `peak_flops_cache()` (the probe is 0.3 s of every launch otherwise). It only scales the logged MFU: no
-    training result depends on it. Delete the file to measure again."""
-    import socket
-
-    key = f"{socket.gethostname()}|{device}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-    path = peak_flops_cache()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
-        return float(cache[key])
-    peak = measure_peak_flops(device, dtype=dtype)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            cache = json.loads(path.read_text())  # another rank may have written its key meanwhile
-        except (OSError, ValueError):
-            cache = {}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each rank its own: they may write at once
-        tmp.write_text(json.dumps({**cache, key: peak}, indent=2, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measure again next launch
-    return peak
-
-
 def injected_faults() -> set[int]:
     """Data steps whose loss is made NaN (fault injection for tests and benchmarks only):
     LIFECYCLE_FAULT_NAN_DATA_STEPS="17,40"."""
@@ -280,7 +246,8 @@ class Trainer:
         self.engine, self.scheduler = self._build_engine()
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
-        self.peak = cfg.logging.peak_flops_per_rank or cached_peak_flops(self.device, dtype)
+        # probed at every launch, under the load the run itself meets: a value cached from a busier moment made MFU > 1
+        self.peak = cfg.logging.peak_flops_per_rank or measure_peak_flops(self.device, dtype=dtype)
         phase("peak FLOPS probe")
         self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say,
                                               tier=launch.get("memory_tier"))

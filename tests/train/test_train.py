@@ -400,23 +400,6 @@ def test_accelerator_picks_device_and_backend(monkeypatch):
     assert launch_args(cuda, 29500, Path("/tmp"), 1) == ["--num_gpus", str(CFG.batch.num_ranks), "--master_port", "29500"]
 
 
-def test_peak_flops_are_measured_once_per_machine_and_setting(tmp_path, monkeypatch):
-    from lifecycle.tasks.train import trainer
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    measured = []
-    monkeypatch.setattr(trainer, "measure_peak_flops", lambda device, dtype: measured.append(dtype) or 2e10)
-    cpu = torch.device("cpu")
-    assert trainer.cached_peak_flops(cpu) == 2e10 and measured == [torch.float32]
-    assert trainer.cached_peak_flops(cpu) == 2e10 and measured == [torch.float32]  # the next launch reads it
-    assert trainer.cached_peak_flops(cpu, torch.bfloat16) == 2e10 and measured == [torch.float32, torch.bfloat16]
-    cache = json.loads(trainer.peak_flops_cache().read_text())
-    assert trainer.peak_flops_cache() == tmp_path / "lifecycle" / "peak-flops.json" and len(cache) == 2
-    assert all(f"threads={torch.get_num_threads()}|torch={torch.__version__}" in k for k in cache)
-    trainer.peak_flops_cache().write_text("{torn")  # a damaged cache is measured again, not an error
-    assert trainer.cached_peak_flops(cpu) == 2e10 and len(measured) == 3
-
-
 def test_a_rank_imports_deepspeed_without_mlflow():
     """DeepSpeed's autotuner would import MLflow (and pandas) on every `import deepspeed`: most of that import's
     time in a rank. The rank keeps it out, and DeepSpeed takes it as not installed."""
