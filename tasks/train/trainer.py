@@ -37,6 +37,7 @@ from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
+from lifecycle.tasks.train.parallel.mesh import Grid
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.supervise import write_heartbeat
@@ -140,23 +141,33 @@ def injected_faults() -> set[int]:
     return {int(x) for x in raw.split(",") if x.strip()}
 
 
-def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, rank: int, micro: int):
-    """(x, y) int64 tensors (B, T) of random windows, a pure function of (seed, step, rank, micro)."""
+def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, micro: int):
+    """(x, y) int64 tensors (B, T) of random windows: the micro-batch `micro` of data-parallel rank `dp_rank`.
+
+    Sequence j of a step's global batch is a pure function of (seed, step, j), and the rank/micro split only
+    says which j a micro-batch holds (j = (dp_rank·grad_accum + micro)·B + b). So every layout with the same
+    global batch (dp=2 × accum=1, dp=1 × accum=2, tp or pp groups reading one dp shard) trains on the same
+    sequences, which is what lets a checkpoint change layout and a parallel run be compared with one rank."""
     T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     # We recreate np.memmap every batch to avoid a memory leak (nanoGPT): a long-lived map keeps every
     # page it ever touched accounted to the process.
     data = shards.memmap("train")
     sizes = np.array([len(d) - T for d in data], dtype=np.float64).clip(min=0)
-    rng = np.random.default_rng([cfg.seed, step, rank, micro])
-    which = rng.choice(len(data), size=B, p=sizes / sizes.sum())
-    starts = [int(rng.integers(0, int(sizes[k]))) for k in which]
-    x = np.stack([data[k][i : i + T] for k, i in zip(which, starts)]).astype(np.int64)
-    y = np.stack([data[k][i + 1 : i + 1 + T] for k, i in zip(which, starts)]).astype(np.int64)
-    return torch.from_numpy(x), torch.from_numpy(y)
+    cum = np.cumsum(sizes / sizes.sum())
+    first = (dp_rank * cfg.batch.grad_accum + micro) * B
+    xs, ys = [], []
+    for j in range(first, first + B):
+        rng = np.random.default_rng([cfg.seed, step, j])
+        k = min(int(np.searchsorted(cum, rng.random(), side="right")), len(data) - 1)
+        i = int(rng.integers(0, int(sizes[k])))
+        xs.append(data[k][i : i + T])
+        ys.append(data[k][i + 1 : i + 1 + T])
+    return torch.from_numpy(np.stack(xs).astype(np.int64)), torch.from_numpy(np.stack(ys).astype(np.int64))
 
 
 def val_batches(shards: TokenShards, cfg: TrainConfig, rank: int, world: int):
-    """Fixed non-overlapping validation windows, a disjoint slice per rank (wrapping on a short shard)."""
+    """Fixed non-overlapping validation windows, a disjoint slice per data-parallel rank (`rank` of `world`
+    data-parallel ranks; wrapping on a short shard)."""
     T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     data = np.concatenate(shards.memmap("val"))
     n_win = (len(data) - 1) // T
@@ -243,6 +254,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != cfg.batch.num_ranks:
             raise RuntimeError(f"launched with {self.world} ranks but train.batch.num_ranks={cfg.batch.num_ranks}")
+        self.grid = Grid.of(cfg)
+        self.dp_rank = self.grid.coords(self.rank)["dp"]  # the data shard: shared by a tp/sp/pp group
         self.engine, self.scheduler = self._build_engine()
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
@@ -354,7 +367,7 @@ class Trainer:
         cfg = self.cfg
         keys = ((s, data_step(s, self.skipped), m) for s in range(self.step, cfg.max_steps)
                 for m in range(cfg.batch.grad_accum))
-        return Prefetcher(lambda k: get_batch(self.shards, cfg, k[1], self.rank, k[2]), keys, cfg.launch.prefetch)
+        return Prefetcher(lambda k: get_batch(self.shards, cfg, k[1], self.dp_rank, k[2]), keys, cfg.launch.prefetch)
 
     # ----------------------------------------------------------------------------------------------
     # the step
@@ -438,7 +451,7 @@ class Trainer:
         """Validation loss over eval_batches fixed windows per rank; its time is left out of the next record."""
         self.engine.eval()
         losses = [self.engine(x.to(self.device), y.to(self.device))[1].item()
-                  for x, y in val_batches(self.shards, self.cfg, self.rank, self.world)]
+                  for x, y in val_batches(self.shards, self.cfg, self.dp_rank, self.grid.dp)]
         self.engine.train()
         val_loss = mean_over_ranks(sum(losses) / len(losses), self.device)
         self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
