@@ -122,3 +122,37 @@ def test_verification_against_the_index_uses_the_signature_estimate(tmp_path, th
     kept = sorted(r["source_id"] for r in second.read().to_pylist())
     assert kept == (["b0", "b2"] if b0_kept else ["b2"])
     assert by_source(second)["b1"]["duplicate_kind"] == "exact"
+
+
+def collect_rows(tmp_path, name, rows, wd, incremental=False):
+    p = tmp_path / f"{name}.jsonl"
+    p.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in rows))
+    return run_collect(CollectConfig(inputs=[str(p)], incremental=incremental), wd)
+
+
+def test_a_rerun_over_the_same_documents_keeps_them_and_still_drops_copies_of_history(tmp_path):
+    """collect.incremental false (the default) re-reads every input: after any upstream change the documents
+    the last run kept reach dedup again. They are this run's corpus, not copies of themselves (same doc_id =
+    same source and text); a copy under another source is still a duplicate of history."""
+    wd = str(tmp_path / "w")
+    first = run_dedup(collect_rows(tmp_path, "one", [("a0", A), ("a1", B)], wd), DedupConfig(), wd)
+    assert first.num_rows == 2
+    # the same inputs plus more, as a rerun after a changed filter would see them (a new parent dataset)
+    again = run_dedup(collect_rows(tmp_path, "two", [("a0", A), ("a1", B), ("c0", C), ("x9", B.upper())], wd),
+                      DedupConfig(), wd)
+    assert sorted(r["source_id"] for r in again.read().to_pylist()) == ["a0", "a1", "c0"]
+    rej = by_source(again)
+    assert set(rej) == {"x9"} and rej["x9"]["duplicate_kind"] == "exact"
+    # a near copy of a re-read document is a duplicate within this run (of its doc_id), not of history
+    near = run_dedup(collect_rows(tmp_path, "three", [("a0", A), ("n1", A.replace("winter", "summer"))], wd),
+                     DedupConfig(), wd)
+    assert [r["source_id"] for r in near.read().to_pylist()] == ["a0"]
+    assert "earlier run" not in by_source(near)["n1"]["detail"]
+
+
+def test_an_incremental_collect_that_delivers_a_document_again_drops_it_as_a_copy_of_history(tmp_path):
+    wd = str(tmp_path / "w")
+    run_dedup(collect_rows(tmp_path, "one", [("a0", A), ("a1", B)], wd, incremental=True), DedupConfig(), wd)
+    later = run_dedup(collect_rows(tmp_path, "two", [("a0", A), ("c0", C)], wd, incremental=True), DedupConfig(), wd)
+    assert [r["source_id"] for r in later.read().to_pylist()] == ["c0"]
+    assert "kept by an earlier run" in by_source(later)["a0"]["detail"]

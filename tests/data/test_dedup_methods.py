@@ -234,6 +234,37 @@ def test_paragraph_filter_persists_across_runs_and_reruns_are_reused(tmp_path):
         run_dedup(make(tmp_path, [OTHER], "c"), cfg, wd)
 
 
+def make_rows(tmp_path, rows, name, incremental=False):
+    p = tmp_path / f"{name}.jsonl"
+    p.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in rows))
+    return run_collect(CollectConfig(inputs=[str(p)], incremental=incremental), str(tmp_path / "w"))
+
+
+def test_a_rerun_over_the_same_documents_keeps_their_paragraphs(tmp_path):
+    """collect.incremental false re-reads every input: documents the last run kept come back after any upstream
+    change. Their paragraphs are in the published filter because of them, so they are checked against this
+    run's paragraphs only: kept as they were, while a paragraph they share with an earlier document of this
+    run, or a new document's copy of history, is still cut."""
+    wd = str(tmp_path / "w")
+    cfg = DedupConfig(paragraphs={"enabled": True, "min_chars": 20, "min_doc_chars": 30})
+    body = "other unrelated content about cooking pasta with a slow tomato sauce for a family dinner"
+    first = run_dedup(make_rows(tmp_path, [("a0", OTHER + "\n\n" + FOOTER), ("a1", body + "\n\n" + FOOTER)], "one"),
+                      cfg, wd)
+    assert [r["text"] for r in first.read().to_pylist()] == [OTHER + "\n\n" + FOOTER, body]
+    again = run_dedup(make_rows(tmp_path, [("a0", OTHER + "\n\n" + FOOTER), ("a1", body + "\n\n" + FOOTER),
+                                           ("n0", BASE + "\n\n" + OTHER)], "two"), cfg, wd)
+    kept = {r["source_id"]: r for r in again.read().to_pylist()}
+    assert kept["a0"]["text"] == OTHER + "\n\n" + FOOTER and kept["a0"]["dedup_cuts"] == []  # not a copy of itself
+    assert kept["a1"]["text"] == body  # its footer follows a0's in this run, as before
+    assert kept["n0"]["text"] == BASE  # a new document: OTHER is a paragraph of a0
+    assert again.manifest()["stats"]["counters"]["documents_met_again"] == 2
+    # an incremental collect that delivers kept text again: a duplicate of history (exact, before paragraphs)
+    later = run_dedup(make_rows(tmp_path, [("a0", OTHER + "\n\n" + FOOTER), ("z0", BASE + "\n\n" + body)], "three",
+                                incremental=True), cfg, wd)
+    assert "kept by an earlier run" in rejected(later)["a0"]["detail"]
+    assert rejected(later)["z0"]["duplicate_kind"] == "paragraph"  # both paragraphs seen in history
+
+
 def test_paragraphs_after_simhash_and_index_follows_the_final_decision(tmp_path):
     wd = str(tmp_path / "w")
     cfg = DedupConfig(method="simhash", paragraphs={"enabled": True, "min_chars": 20})

@@ -4,10 +4,11 @@ lock that serialises publishing, and which published parts a run over a given pa
 from __future__ import annotations
 
 import fcntl
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from lifecycle.core.dataset import DatasetRef
+from lifecycle.core.dataset import MANIFEST, DatasetRef
 
 
 @contextmanager
@@ -28,3 +29,16 @@ def base_parts(parts: list[dict], parent: DatasetRef) -> list[dict]:
         if p["parent_sha256"] == parent.sha256:
             return parts[:k]
     return parts
+
+
+def collected_incrementally(parent: DatasetRef) -> bool:
+    """Whether the collect dataset upstream of `parent` was collected incrementally (`collect.incremental`):
+    found by walking the parents' manifests. False when there is no collect upstream (a dataset made by hand)."""
+    manifest, seen = parent.manifest(), 0
+    while manifest.get("stage") != "collect" and manifest.get("parents") and seen < 64:
+        try:
+            manifest = json.loads(Path(manifest["parents"][0]["manifest"]).read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        seen += 1
+    return manifest.get("stage") == "collect" and bool((manifest.get("config") or {}).get("incremental"))

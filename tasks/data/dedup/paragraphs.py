@@ -27,6 +27,7 @@ rate for the number of keys inserted so far ((1 - e^{-hN/m})^h) and the rate mea
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import re
@@ -183,15 +184,41 @@ def cut_ranges(spans: list[tuple[int, int]], cut: list[bool], size: int) -> list
     return ranges
 
 
-def apply(texts: list[str], bloom: Bloom, cfg: ParagraphConfig) -> tuple[list[str], list[list[dict]], list[dict]]:
+class Rereads:
+    """Documents an earlier run kept, met again by a run whose collect re-read every input (`collect.incremental:
+    false`): the published filter holds their paragraphs because of them, so they are checked against this run's
+    own paragraphs only (`own`, a filter of the same size), as the MinHash index leaves out a run's own doc_ids.
+    `known`: the sorted doc_ids (64-bit) whose paragraphs the published filter holds."""
+
+    def __init__(self, known: np.ndarray, cfg: "ParagraphConfig"):
+        self.known, self.own = known, Bloom.sized(cfg.capacity, cfg.fp_rate)
+
+    def mask(self, doc_ids: list[str]) -> np.ndarray:
+        keys = np.array([int(d, 16) for d in doc_ids], np.uint64)
+        at = np.searchsorted(self.known, keys).clip(max=max(0, len(self.known) - 1))
+        return (self.known[at] == keys) if len(self.known) else np.zeros(len(keys), np.bool_)
+
+
+def doc_keys(doc_ids: list[str]) -> np.ndarray:
+    """doc_ids (16 hex digits) as sorted unique uint64."""
+    return np.unique(np.array([int(d, 16) for d in doc_ids], np.uint64))
+
+
+def apply(texts: list[str], bloom: Bloom, cfg: ParagraphConfig, reread: np.ndarray | None = None,
+          own: Bloom | None = None) -> tuple[list[str], list[list[dict]], list[dict]]:
     """Documents in order -> (new texts, cut ranges per document, per-document facts {paragraphs, cut, cut_bytes,
     left, short}); `left`: characters left (stripped), `short`: a document left under `min_doc_chars`. Updates
-    `bloom`."""
+    `bloom`. With `own` (see `Rereads`), documents with `reread` set are checked against `own` alone, which
+    every paragraph of this run is added to as well."""
     encoded = [t.encode() for t in texts]
     spans = [split(b, cfg.split) for b in encoded]
     paras = [b[s:e] for b, sp in zip(encoded, spans) for s, e in sp]
     small = np.array([len(p.strip().decode(errors="replace")) < cfg.min_chars for p in paras], np.bool_)
-    seen = bloom.check_add(keys_of(paras), small) if paras else np.zeros(0, np.bool_)
+    keys = keys_of(paras) if paras else None
+    seen = bloom.check_add(keys, small) if paras else np.zeros(0, np.bool_)
+    if own is not None and paras:
+        seen_here = own.check_add(keys, small)
+        seen = np.where(np.repeat(reread, [len(sp) for sp in spans]), seen_here, seen)
     out_texts, cuts, facts, k = [], [], [], 0
     for b, sp in zip(encoded, spans):
         cut = [bool(x) for x in seen[k : k + len(sp)]]
@@ -210,11 +237,15 @@ def apply(texts: list[str], bloom: Bloom, cfg: ParagraphConfig) -> tuple[list[st
     return out_texts, cuts, facts
 
 
-def dedup_table(kept: pa.Table, bloom: Bloom, cfg: ParagraphConfig,
-                stats: StageStats) -> tuple[pa.Table, list[bool], list[dict]]:
+def dedup_table(kept: pa.Table, bloom: Bloom, cfg: ParagraphConfig, stats: StageStats,
+                rereads: Rereads | None = None) -> tuple[pa.Table, list[bool], list[dict]]:
     """Cut the paragraphs `bloom` has seen from the kept rows (in order): (rows still kept, with the new text and
     `dedup_cuts`; per input row, still kept?; the rejected rows of documents left too short)."""
-    texts, cuts, facts = apply(kept.column("text").to_pylist(), bloom, cfg)
+    reread = rereads.mask(kept.column("doc_id").to_pylist()) if rereads is not None else None
+    texts, cuts, facts = apply(kept.column("text").to_pylist(), bloom, cfg, reread,
+                               rereads.own if rereads is not None else None)
+    if reread is not None:
+        stats.counters["documents_met_again"] += int(reread.sum())
     still = [not f["short"] for f in facts]
     short = []
     for r, f in zip(kept.select(["doc_id", "source_id"]).to_pylist(), facts):
@@ -245,25 +276,32 @@ def bloom_dir(workdir: str | Path, cfg: ParagraphConfig) -> Path:
     return Path(workdir) / "dedup-bloom" / key[:16]
 
 
-def base_bloom(workdir: str | Path, cfg: ParagraphConfig, parent: DatasetRef) -> tuple[Bloom, str]:
-    """(the filter a run over `parent` starts from, its state for the fingerprint): the state published last
-    before the first run over the same parent (as `base_parts`), a fresh empty filter if none."""
+def base_bloom(workdir: str | Path, cfg: ParagraphConfig,
+               parent: DatasetRef) -> tuple[Bloom, str, np.ndarray | None]:
+    """(the filter a run over `parent` starts from, its state for the fingerprint, the doc_ids whose paragraphs
+    it holds): the state published last before the first run over the same parent (as `base_parts`), a fresh
+    empty filter if none."""
     directory = bloom_dir(workdir, cfg)
     with locked(directory):
         m = directory / BLOOM_MANIFEST
         parts = base_parts(json.loads(m.read_text())["parts"], parent) if m.exists() else []
         if not parts:
-            return Bloom.sized(cfg.capacity, cfg.fp_rate), "empty"
+            return Bloom.sized(cfg.capacity, cfg.fp_rate), "empty", None
         last = parts[-1]
-        path = directory / last["path"]
-        if not path.exists() or sha256_file(path) != last["sha256"]:
-            raise RuntimeError(f"dedup paragraph filter {path}: missing or not the sha256 in {m}; remove "
-                               f"{directory} (forgetting paragraph history) or restore the file")
-        return Bloom.from_bytes(path.read_bytes(), str(path)), last["sha256"]
+        files = [(last["path"], last["sha256"])] + ([(last["docs"], last["docs_sha256"])] if "docs" in last else [])
+        for name, digest in files:
+            path = directory / name
+            if not path.exists() or sha256_file(path) != digest:
+                raise RuntimeError(f"dedup paragraph filter {path}: missing or not the sha256 in {m}; remove "
+                                   f"{directory} (forgetting paragraph history) or restore the file")
+        known = np.load(directory / last["docs"], allow_pickle=False) if "docs" in last else None
+        state = last["sha256"] if "docs" not in last else sha256_json([last["sha256"], last["docs_sha256"]])
+        return Bloom.from_bytes((directory / last["path"]).read_bytes(), str(directory / last["path"])), state, known
 
 
 def publish_bloom(ref: DatasetRef, parent: DatasetRef, cfg: ParagraphConfig, workdir: str | Path) -> None:
-    """Publish a committed dataset's filter (the state after its run) once: state file first, manifest last."""
+    """Publish a committed dataset's filter (the state after its run) once: state file and the doc_ids whose
+    paragraphs it holds (the last state's and this dataset's kept documents) first, manifest last."""
     directory = bloom_dir(workdir, cfg)
     with locked(directory):
         m = directory / BLOOM_MANIFEST
@@ -272,6 +310,15 @@ def publish_bloom(ref: DatasetRef, parent: DatasetRef, cfg: ParagraphConfig, wor
             return
         name = f"state-{len(parts):05d}.bloom"
         atomic_write_bytes(directory / name, (ref.dir / BLOOM_FILE).read_bytes())
+        before = np.load(directory / parts[-1]["docs"], allow_pickle=False) if parts and "docs" in parts[-1] \
+            else np.zeros(0, np.uint64)
+        kept = ref.read(columns=["doc_id"])  # no columns at all when every row was rejected
+        docs = np.union1d(before, doc_keys(kept.column("doc_id").to_pylist() if kept.num_columns else []))
+        buf = io.BytesIO()
+        np.save(buf, docs.astype(np.uint64), allow_pickle=False)
+        docs_name = f"state-{len(parts):05d}.docs.npy"
+        atomic_write_bytes(directory / docs_name, buf.getvalue())
         parts.append({"path": name, "sha256": sha256_file(directory / name), "dataset": ref.fingerprint,
-                      "dataset_path": str(ref.dir), "parent_sha256": parent.sha256})
+                      "dataset_path": str(ref.dir), "parent_sha256": parent.sha256,
+                      "docs": docs_name, "docs_sha256": sha256_file(directory / docs_name)})
         atomic_write_json(m, {"config": cfg.model_dump(mode="json"), "parts": parts})

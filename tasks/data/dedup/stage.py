@@ -62,7 +62,7 @@ from lifecycle.core.dataset import (
 from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.tasks.data.dedup import paragraphs as para
-from lifecycle.tasks.data.dedup.history import base_parts, locked as _locked
+from lifecycle.tasks.data.dedup.history import base_parts, collected_incrementally, locked as _locked
 from lifecycle.tasks.data.dedup.paragraphs import ParagraphConfig
 
 STAGE = "dedup"
@@ -263,10 +263,17 @@ def plan_signatures(parent: DatasetRef, cfg: DedupConfig, workdir: str) -> Stage
 
 
 class Index:
-    """The index parts an incremental run deduplicates against (read by DuckDB, never loaded whole)."""
+    """The index parts an incremental run deduplicates against (read by DuckDB, never loaded whole).
 
-    def __init__(self, directory: Path, parts: list[dict]):
-        self.dir, self.parts = directory, parts
+    `match_own_doc_ids`: whether an index row with the doc_id of one of this run's rows counts as a copy of it.
+    A doc_id is the hash of (source_id, text): the same document, not a copy. When collect re-reads every input
+    (`collect.incremental: false`) a rerun after any upstream change (a filter threshold, a tombstone, a code
+    upgrade) reaches dedup with the documents the last run kept: they are this run's corpus again, not
+    duplicates of it, so those index rows are left out. An incremental collect reads only new or changed files,
+    and a document it meets again was delivered again: it stays a duplicate of the run that kept it."""
+
+    def __init__(self, directory: Path, parts: list[dict], match_own_doc_ids: bool = True):
+        self.dir, self.parts, self.match_own_doc_ids = directory, parts, match_own_doc_ids
         self.state = sha256_json([(p["path"], p["sha256"]) for p in parts])
         for p in parts:  # the state names these bytes: refuse a part that changed or vanished
             if not (directory / p["path"]).exists() or sha256_file(directory / p["path"]) != p["sha256"]:
@@ -428,6 +435,8 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
     if m:
         _files_table(con, "index_files", index.paths, index.counts, 0)
         con.execute(f"CREATE TABLE idx AS {_nodes('index_files', index.paths, 's.doc_id, s.exact_hash AS h')}")
+        if not index.match_own_doc_ids:  # this run's own documents, kept before: not copies of themselves
+            con.execute("DELETE FROM idx WHERE doc_id IN (SELECT doc_id FROM docs)")
     else:
         con.execute("CREATE TABLE idx (node BIGINT, file_idx INT, row BIGINT, doc_id VARCHAR, h VARCHAR)")
     exact = "true" if cfg.exact else "false"
@@ -447,8 +456,8 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
     if cfg.near:
         value = "s.simhash" if cfg.method == "simhash" else "s.signature"
         con.execute(f"CREATE VIEW sigs AS {_nodes('sig_files', sig_files, 's.band_keys, ' + value)}")
-        con.execute(f"CREATE VIEW index_sigs AS {_nodes('index_files', index.paths, 's.band_keys, ' + value)}"
-                    if m else "CREATE VIEW index_sigs AS SELECT * FROM sigs WHERE false")
+        con.execute(f"CREATE VIEW index_sigs AS SELECT * FROM ({_nodes('index_files', index.paths, 's.band_keys, ' + value)}) "
+                    "WHERE node IN (SELECT node FROM idx)" if m else "CREATE VIEW index_sigs AS SELECT * FROM sigs WHERE false")
         con.execute("""
             CREATE TABLE bk AS
             SELECT node, generate_subscripts(band_keys, 1) AS band, unnest(band_keys) AS key
@@ -507,7 +516,8 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
 
 
 def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: DatasetRef,
-          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY, bloom: para.Bloom | None = None) -> StageStats:
+          index: Index | None = None, memory_limit: str = DUCKDB_MEMORY, bloom: para.Bloom | None = None,
+          rereads: para.Rereads | None = None) -> StageStats:
     """The global half: decide every row of `parent` from its signature dataset `sigs` (one file per parent
     file, same rows in the same order) in DuckDB (`decide`, at most `memory_limit`, spilling beyond it), then
     write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time.
@@ -554,7 +564,7 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
                 if part is not None:
                     stats.counters["duplicate_of_earlier_run"] += 1
             if bloom is not None:
-                kept, still, short = para.dedup_table(kept, bloom, cfg.paragraphs, stats)
+                kept, still, short = para.dedup_table(kept, bloom, cfg.paragraphs, stats, rereads)
                 rejected += short
                 mask = np.asarray(keep, dtype=bool).copy()  # final keep over the file's rows: index rows follow it
                 mask[mask] = still
@@ -613,21 +623,24 @@ def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: Da
     extra = {"signatures": {"stage": signatures.stage, "sha256": signatures.sha256,
                             "manifest": str(signatures.manifest_path)}}
     fp_config = fingerprint_config(cfg)
-    index = bloom = None
+    index = bloom = rereads = None
+    incremental_collect = collected_incrementally(parent) if cfg.incremental else False
     if cfg.incremental:
         directory = index_dir(workdir, cfg)
         with _locked(directory):
-            index = Index(directory, base_parts(_read_parts(directory), parent))
+            index = Index(directory, base_parts(_read_parts(directory), parent), match_own_doc_ids=incremental_collect)
         # the index state is part of the fingerprint: a dataset is reused only against the same index
         fp_config["index_state"] = index.state
     if cfg.paragraphs.enabled:
         if cfg.incremental:
-            bloom, fp_config["bloom_state"] = para.base_bloom(workdir, cfg.paragraphs, parent)
+            bloom, fp_config["bloom_state"], known = para.base_bloom(workdir, cfg.paragraphs, parent)
+            if known is not None and not incremental_collect:
+                rereads = para.Rereads(known, cfg.paragraphs)
         else:
             bloom = para.Bloom.sized(cfg.paragraphs.capacity, cfg.paragraphs.fp_rate)
 
     def build(w: DatasetWriter) -> dict:
-        stats = dedup(parent, cfg, w, signatures, index, memory_limit, bloom)
+        stats = dedup(parent, cfg, w, signatures, index, memory_limit, bloom, rereads)
         return {"stats": stats, "extra": {**extra, **({"paragraph_bloom": bloom.report(cfg.paragraphs)} if bloom else {})}}
 
     ref = materialize(workdir, STAGE, fp_config, code, build, parents=[parent])
