@@ -253,8 +253,15 @@ def _artifact_uri(tracker: Tracker, name: str) -> str:
 def _warm_start(tracker: Tracker, cfg: PipelineConfig, summary: RunSummary):
     """`train.init_from: champion`: (champion's weights, tokenize config using its tokenizer) when the model
     config is unchanged, else (None, None: the configured tokenize config). The decision goes on the parent run."""
-    found = Registry(tracker).champion_package()
-    weights, reason = (None, "no champion registered yet") if found is None else warm_start(found[1], cfg.train)
+    registry = Registry(tracker)
+    found, taint = registry.champion_package(), registry.champion_taint()
+    if found is None:
+        weights, reason = None, "no champion registered yet"
+    elif taint is not None:
+        weights, reason = None, (f"champion version {taint[0]} was trained on forgotten documents (tombstones "
+                                 f"{taint[1][:200]})")
+    else:
+        weights, reason = warm_start(found[1], cfg.train)
     tok_cfg = None
     if weights is not None:
         tok_cfg = cfg.tokenize.model_copy(update={"tokenizer_file": str(found[1] / "tokenizer.json")})

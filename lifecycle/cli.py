@@ -350,14 +350,18 @@ def cmd_forget(args: argparse.Namespace) -> int:
         knobs[key] = yaml.safe_load(value)
     ucfg = UnlearnConfig(**knobs)
     check_workdir(cfg.workdir)
-    from lifecycle.lineage.forgetting import record_request, unlearn_champion
+    from lifecycle.lineage.forgetting import record_request, taint_versions, unlearn_champion
 
     info = sys.stderr if args.json else sys.stdout
     with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget"):
         rows = record_request(cfg, args.ids, args.reason)
+        tainted = taint_versions(cfg, rows)
     for r in rows:
         print(f"tombstone {r['tombstone_id']}: doc_id {r['doc_id']} source_id {r['source_id']} ({r['reason']}, "
               f"{r['created_at']}) in {cfg.workdir}/tombstones.parquet", file=info)
+    if tainted:
+        print(f"model versions trained on them, tagged lifecycle.forget.tainted: {', '.join(tainted)} (a tainted "
+              "champion gives way to the next version without them and is no warm start)", file=info)
     if args.retrain:
         # a rebuild of the whole corpus without the documents, not a run on new data: deduplicated within itself,
         # not against the dedup index of earlier runs (which holds these very documents, kept by the run before)
@@ -365,10 +369,11 @@ def cmd_forget(args: argparse.Namespace) -> int:
         print("retraining: a full run (collect.incremental=false, dedup.incremental=false)", file=info)
         return cmd_run(argparse.Namespace(config=args.config, set=rebuild, until=None, json=args.json,
                                           verbose=args.verbose, wait=args.wait))
-    result = {"status": "recorded", "tombstones": rows}
+    result = {"status": "recorded", "tombstones": rows, "tainted_versions": tainted}
     if args.unlearn:
         with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget --unlearn"):
-            result = {**unlearn_champion(cfg, rows, ucfg, log=lambda s: print(s, file=info)), "tombstones": rows}
+            result = {**unlearn_champion(cfg, rows, ucfg, log=lambda s: print(s, file=info)), "tombstones": rows,
+                      "tainted_versions": tainted}
         if result["status"] == "registered":
             m, p = result["model"], result["promotion"]
             print(f"unlearned: registered {m['name']} version {m['version']} (from {result['champion']}); "

@@ -288,6 +288,21 @@ def clusters(con, doc_ids: list[str]) -> list[dict]:
     return out
 
 
+def trained_token_datasets(con, doc_ids: list[str]) -> list[str]:
+    """sha256 of every token dataset whose train split holds one of these documents."""
+    return [r["sha256"] for r in cat.query(con, """
+        SELECT DISTINCT d.sha256 FROM tokens t JOIN datasets d ON d.path = t.dataset_path
+        WHERE t.doc_id IN (SELECT unnest(?)) AND t.split = 'train'""", [doc_ids])]
+
+
+def versions_trained_on(con, doc_ids: list[str], trained: list[str] | None = None) -> list[dict]:
+    """Every registered model version trained on one of these documents (name, version, aliases, run_id,
+    checkpoint_dir)."""
+    trained = trained_token_datasets(con, doc_ids) if trained is None else trained
+    return cat.query(con, "SELECT name, version, aliases, run_id, checkpoint_dir FROM models "
+                          "WHERE tokenize_sha256 IN (SELECT unnest(?)) ORDER BY name, version", [trained])
+
+
 def forget_report(con, source_ids: list[str], workdir: Path | None = None) -> dict:
     """Every dataset, checkpoint, model package and model version that holds a document with these source ids or
     doc_ids; with `workdir`, also each document's raw file and record, its near-duplicate cluster and its
@@ -312,20 +327,17 @@ def forget_report(con, source_ids: list[str], workdir: Path | None = None) -> di
         FROM signatures s LEFT JOIN datasets d ON d.path = s.dataset_path WHERE s.doc_id IN (SELECT unnest(?))
         GROUP BY ALL
         ORDER BY 1, 2""", [doc_ids, doc_ids, doc_ids, doc_ids])
-    token_trained = cat.query(con, """
-        SELECT DISTINCT d.sha256 FROM tokens t JOIN datasets d ON d.path = t.dataset_path
-        WHERE t.doc_id IN (SELECT unnest(?)) AND t.split = 'train'""", [doc_ids])
+    token_trained = trained_token_datasets(con, doc_ids)
     token_any = cat.query(con, """
         SELECT DISTINCT d.sha256 FROM tokens t JOIN datasets d ON d.path = t.dataset_path
         WHERE t.doc_id IN (SELECT unnest(?))""", [doc_ids])
-    trained = [r["sha256"] for r in token_trained]
+    trained = token_trained
     anytok = [r["sha256"] for r in token_any]
     checkpoints = cat.query(con, "SELECT run_dir, step, tag_dir, marker_sha256, token_dataset_sha256 FROM checkpoints "
                                  "WHERE token_dataset_sha256 IN (SELECT unnest(?)) ORDER BY run_dir, step", [trained])
     packages = cat.query(con, "SELECT d.sha256, d.path FROM datasets d JOIN parents p ON p.dataset_sha256 = d.sha256 "
                               "WHERE d.stage = 'checkpoint' AND p.parent_sha256 IN (SELECT unnest(?))", [anytok])
-    models = cat.query(con, "SELECT name, version, aliases, run_id, checkpoint_dir FROM models "
-                            "WHERE tokenize_sha256 IN (SELECT unnest(?)) ORDER BY name, version", [trained])
+    models = versions_trained_on(con, doc_ids, trained)
     raw = cat.query(con, "SELECT DISTINCT r.path, r.sha256 FROM raw_inputs r JOIN datasets d ON d.sha256 = "
                          "r.dataset_sha256 JOIN kept k ON k.dataset_path = d.path WHERE k.doc_id IN (SELECT unnest(?)) "
                          "UNION SELECT DISTINCT r.path, r.sha256 FROM raw_inputs r JOIN datasets d ON d.sha256 = "

@@ -45,6 +45,24 @@ def record_request(cfg, ids: list[str], reason: str) -> list[dict]:
             if r["tombstone_id"] in want]
 
 
+def taint_versions(cfg, tombstones: list[dict]) -> list[str]:
+    """Tag every registered model version trained on the tombstoned documents (`Registry.taint`): the champion
+    among them gives way to the next version without them, and is no longer a warm start. Returns
+    "name/version" of the versions tagged (none when nothing was registered yet)."""
+    from lifecycle.lineage import catalog as cat
+    from lifecycle.lineage.cli import versions_trained_on
+
+    tracker = Tracker(cfg.tracking, cfg.workdir, default_experiment=cfg.name)
+    if not (Path(cfg.workdir) / "datasets").is_dir():
+        return []
+    con = cat.connect(cfg.workdir, tracker.uri)
+    try:
+        versions = versions_trained_on(con, sorted({t["doc_id"] for t in tombstones}))
+    finally:
+        con.close()
+    return Registry(tracker).taint(versions, sorted({t["tombstone_id"] for t in tombstones})) if versions else []
+
+
 class UnlearnRequest(BaseModel):
     """The MLflow parent run's config (and run key) of one unlearning."""
 

@@ -12,6 +12,7 @@ from lifecycle.lineage.tracking import Tracker
 
 CHAMPION = "champion"  # registry alias of the best model version so far
 PROMOTION_METRIC = "val_bpb"  # lower is better; comparable across tokenizers
+TAINT_TAG = "lifecycle.forget.tainted"  # tombstone ids of forgotten documents a version was trained on
 EVAL_SET_TAG = "lifecycle.eval_set_sha256"  # digest of the evaluation set a version's metrics were computed on
 
 # (champion's package directory) -> (its PROMOTION_METRIC on the candidate's evaluation set, how) or (None, why not)
@@ -107,6 +108,28 @@ class Registry:
         manifest = champ.tags.get("lifecycle.model_package_manifest")
         return (str(champ.version), Path(manifest).parent) if manifest else None
 
+    def taint(self, versions: list[dict], tombstone_ids: list[str]) -> list[str]:
+        """Tag each version ({name, version}) as trained on forgotten documents (`TAINT_TAG`: the tombstone ids,
+        added to any it had). A tainted champion is replaced by the next version that is not tainted, whatever
+        the metric (`promote`), and is never a warm start. Returns "name/version" of the versions tagged."""
+        done = []
+        for v in versions:
+            mv = self.client.get_model_version(v["name"], str(v["version"]))
+            ids = sorted(set(filter(None, mv.tags.get(TAINT_TAG, "").split(","))) | set(tombstone_ids))
+            self.client.set_model_version_tag(v["name"], str(v["version"]), TAINT_TAG, ",".join(ids)[:7900])
+            done.append(f"{v['name']}/{v['version']}")
+        return done
+
+    def champion_taint(self) -> tuple[str, str] | None:
+        """(version, tombstone ids) when the champion was trained on forgotten documents, else None."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            champ = self.client.get_model_version_by_alias(self.model_name, CHAMPION)
+        except MlflowException:
+            return None
+        return (str(champ.version), champ.tags[TAINT_TAG]) if champ.tags.get(TAINT_TAG) else None
+
     def promotion(self, name: str, version: str) -> dict[str, str]:
         """The promotion record of a version (`lifecycle.promotion.*` tags), also copied to the parent run."""
         tags = self.client.get_model_version(name, version).tags
@@ -124,8 +147,9 @@ class Registry:
         compared. Different sets (or a champion registered without a digest): the champion is re-scored on the
         candidate's set by `rescore(champion's package dir)` and that value is compared; when there is no
         `rescore`, or it cannot score the champion (package gone, another tokenizer), promotion is refused with
-        the reason. The decision, the reason, both numbers and both digests are tags on the new version and on
-        the parent run (`lifecycle.promotion.*`)."""
+        the reason. A champion tagged as trained on forgotten documents (`taint`) is replaced by any version
+        that is not, with that reason. The decision, the reason, both numbers and both digests are tags on the new
+        version and on the parent run (`lifecycle.promotion.*`)."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -161,6 +185,13 @@ class Registry:
             else:
                 decision = "not_promoted"
                 reason = f"{PROMOTION_METRIC} {candidate:.6g} >= champion's {champ_value:.6g} ({comparison})"
+        tainted = champ.tags.get(TAINT_TAG) if champ is not None else None
+        if (decision != "promoted" and candidate is not None and tainted
+                and not self.client.get_model_version(name, version).tags.get(TAINT_TAG)):
+            decision = "promoted"
+            reason = (f"champion version {champ.version} was trained on forgotten documents (tombstones "
+                      f"{tainted[:200]}); a version without them replaces it whatever the metric (the metric "
+                      f"gate said: {reason})")
         if decision == "promoted":
             self.client.set_registered_model_alias(name, CHAMPION, version)
         record = {"decision": decision, "reason": reason, "metric": PROMOTION_METRIC,

@@ -60,6 +60,26 @@ def test_same_digest_compares_registered_values(reg, tmp_path):
     assert str(MlflowClient(reg.tracker.uri).get_model_version_by_alias(reg.model_name, CHAMPION).version) == "3"
 
 
+def test_a_champion_trained_on_forgotten_documents_gives_way_to_the_next_clean_version(reg, tmp_path):
+    """`lifecycle forget` tags the versions trained on the documents (Registry.taint): the tainted champion is
+    replaced by the next version without them, even one the metric gate would refuse (a retrain with a new
+    tokenizer is not comparable), and a tainted candidate never wins that way."""
+    name, v1 = register(reg, tmp_path, 1.0, "A" * 64, package="old")
+    assert reg.promote(name, v1, 1.0, "A" * 64)["decision"] == "promoted"
+    assert reg.champion_taint() is None
+    assert reg.taint([{"name": name, "version": v1}], ["t2", "t1"]) == [f"{name}/{v1}"]
+    reg.taint([{"name": name, "version": v1}], ["t1", "t3"])
+    assert reg.champion_taint() == (str(v1), "t1,t2,t3")
+    _, tainted = register(reg, tmp_path, 0.5, "A" * 64, package="also-tainted")
+    reg.taint([{"name": name, "version": tainted}], ["t1"])
+    d = reg.promote(name, tainted, 0.5, "A" * 64)  # better metric, same set: promoted by the metric only
+    assert d["decision"] == "promoted" and "forgotten" not in d["reason"]
+    _, clean = register(reg, tmp_path, 9.0, "B" * 64, package="retrained")  # worse, and not comparable
+    d = reg.promote(name, clean, 9.0, "B" * 64)
+    assert d["decision"] == "promoted" and "trained on forgotten documents (tombstones t1)" in d["reason"]
+    assert reg.champion_taint() is None
+
+
 def test_different_digest_rescores_the_champion_on_the_candidates_set(reg, tmp_path):
     name, v1 = register(reg, tmp_path, 2.0, "A" * 64, package="champ")
     reg.promote(name, v1, 2.0, "A" * 64)

@@ -137,8 +137,12 @@ def test_unlearn_reaches_the_never_seen_level_within_the_loss_bound(world):
     assert model["metrics"]["forgotten_ma_after"] == pytest.approx(m["forgotten_ma_after"])
     client = MlflowClient(tracking_uri=f"sqlite:///{world['wd']}/mlflow.db")
     mv = client.get_model_version("lifecycle-demo-gpt", u["model"]["version"])
-    assert mv.tags["lifecycle.unlearned"] == "true" and mv.tags["lifecycle.promotion.decision"] in (
-        "promoted", "not_promoted")
+    assert mv.tags["lifecycle.unlearned"] == "true"
+    # version 1 trained on the document: tagged by the forget request, so the unlearned version replaces it
+    assert u["tainted_versions"] == ["lifecycle-demo-gpt/1"]
+    assert client.get_model_version("lifecycle-demo-gpt", "1").tags["lifecycle.forget.tainted"] == ",".join(
+        t["tombstone_id"] for t in u["tombstones"])
+    assert mv.tags["lifecycle.promotion.decision"] == "promoted", mv.tags
     # the champion gate compared the two on the same evaluation set (not "not comparable")
     assert mv.tags["lifecycle.promotion.comparison"].startswith("same eval set"), mv.tags
     assert mv.tags["lifecycle.promotion.candidate_eval_set"] == mv.tags["lifecycle.promotion.champion_eval_set"]
