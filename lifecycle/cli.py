@@ -364,7 +364,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
               "champion gives way to the next version without them and is no warm start)", file=info)
     if args.retrain:
         # a rebuild of the whole corpus without the documents, not a run on new data: deduplicated within itself,
-        # not against the dedup index of earlier runs (which holds these very documents, kept by the run before)
+        # not against the dedup index and paragraph filter of earlier runs (they hold the forgotten document's
+        # signature and paragraphs)
         rebuild = (args.set or []) + ["collect.incremental=false", "dedup.incremental=false"]
         print("retraining: a full run (collect.incremental=false, dedup.incremental=false)", file=info)
         return cmd_run(argparse.Namespace(config=args.config, set=rebuild, until=None, json=args.json,
