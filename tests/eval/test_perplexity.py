@@ -113,3 +113,19 @@ def test_select_on_perplexity_keeps_the_lowest_and_reuses_the_scores(setup):
     assert under.fingerprint != top.fingerprint
     assert run_perplexity(scored, PerplexityConfig(enabled=True, max_tokens=32, threads=1), str(wd),
                           model=ScoringModel.of_package("1", package.dir)).reused
+
+
+def test_either_scorer_runs_alone_and_select_names_a_scored_column():
+    from lifecycle.config import load_config
+    from lifecycle.tasks.stages import BY_NAME, enabled, input_of
+
+    alone = load_config(None, ["perplexity.enabled=true", f"select.column={COLUMN}", "select.threshold=40"])
+    assert enabled(BY_NAME["perplexity"], alone) and enabled(BY_NAME["select"], alone)
+    assert not enabled(BY_NAME["quality"], alone)
+    assert input_of("select", {"scrub", "perplexity"}) == "perplexity" and input_of("select", {"scrub"}) == "scrub"
+    with pytest.raises(Exception, match="select.column is quality_fasttext, written by quality, which is off"):
+        load_config(None, ["perplexity.enabled=true"])
+    both = load_config(None, ["perplexity.enabled=true", "quality.enabled=true",
+                              "quality.reference_inputs=[corpus/python-docs/part-00000.jsonl.gz]"])
+    assert both.select.column == "quality_fasttext"
+    assert not enabled(BY_NAME["perplexity"], load_config(None, []))
