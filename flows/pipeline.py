@@ -21,7 +21,7 @@ from prefect import get_run_logger
 from prefect.context import get_run_context
 
 from lifecycle.config import PipelineConfig, load_config
-from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
+from lifecycle.core.dataset import DatasetDamaged, DatasetRef, RawFile, sha256_json
 from lifecycle.core.fs import sha256_file
 from lifecycle.core.latest import latest_targets, point_latest
 from lifecycle.core.locking import workdir_lock
@@ -277,10 +277,12 @@ def _scoring_model(champion: tuple[str, Path] | None) -> tuple[ScoringModel | No
     if champion is None:
         return None, "no champion registered yet: nothing to score perplexity with"
     version, package = champion
+    if not Path(package).is_dir():
+        return None, f"the champion's package {package} (version {version}) is gone"
     try:
         return ScoringModel.of_package(version, package), f"champion version {version}"
-    except FileNotFoundError:
-        return None, f"the champion's package {package} (version {version}) is gone"
+    except DatasetDamaged as e:
+        return None, f"the champion's package (version {version}) is damaged: {e}"
 
 
 def _skip(tracker: Tracker, summary: RunSummary, stage, reason: str) -> None:

@@ -18,8 +18,6 @@ from lifecycle.lineage.tracking import Tracker
 from tests.conftest import ROOT, corpus_records, last_json, lifecycle
 from tests.eval.test_perplexity import train_package
 
-pytestmark = pytest.mark.e2e
-
 CONFIG = ROOT / "deploy/configs/demo.yaml"
 COLUMN = "quality_perplexity"
 
@@ -47,6 +45,19 @@ def register(wd: Path, tokens: DatasetRef, steps: int, seed: int) -> str:
     return version
 
 
+def test_scoring_model_or_the_reason(tmp_path):
+    from lifecycle.flows.pipeline import _scoring_model
+
+    assert _scoring_model(None) == (None, "no champion registered yet: nothing to score perplexity with")
+    model, why = _scoring_model(("3", tmp_path / "gone"))
+    assert model is None and why == f"the champion's package {tmp_path / 'gone'} (version 3) is gone"
+    (tmp_path / "broken").mkdir()
+    model, why = _scoring_model(("4", tmp_path / "broken"))
+    assert model is None and "(version 4) is damaged" in why and "_manifest.json" in why
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # four `lifecycle run`s and two tiny trainings: minutes
 def test_perplexity_skips_without_champion_then_scores_with_it(tmp_path):
     src = tmp_path / "in" / "docs.jsonl"
     src.parent.mkdir()
@@ -68,7 +79,9 @@ def test_perplexity_skips_without_champion_then_scores_with_it(tmp_path):
     scored = json.loads(Path(second["datasets"]["perplexity"]).read_text())
     assert scored["scoring_model"]["version"] == v1 and scored["config"]["champion_version"] == v1
     selected = json.loads(Path(second["datasets"]["select"]).read_text())
-    assert selected["stats"]["rejected_by_reason"] == {"low_quality": 20}
+    n = selected["stats"]["rows_in"]
+    assert selected["stats"]["rows_kept"] == round(n / 2) and selected["stats"]["rejected_by_reason"] == {
+        "low_quality": n - round(n / 2)}
     tok = DatasetRef.from_dir(Path(second["datasets"]["tokenize"]).parent)
     side = tok.read()
     assert COLUMN in side.column_names and all(s is not None for s in side.column(COLUMN).to_pylist())
