@@ -1,7 +1,9 @@
 """The lifecycle flow: the README's diagram, one registered stage per line. It computes nothing itself.
 
-collect -> filter -> dedup -> scrub [-> decontaminate -> quality -> select] -> tokenize -> train -> evaluate
--> checkpoint (+ register); the bracketed stages are off unless their config section turns them on.
+collect -> filter -> dedup -> scrub [-> decontaminate -> quality -> perplexity -> select] -> tokenize -> train
+-> evaluate -> checkpoint (+ register); the bracketed stages are off unless their config section turns them on.
+perplexity scores with the registry's champion, found once per run with `train.init_from: champion`'s lookup;
+with no champion it is skipped, with the reason on the run (`RunSummary.skipped`, parent-run tag).
 
 Each stage returns a small reference (a `DatasetRef`, or the train stage's `TrainResult`); rows stay in Parquet.
 Every stage is logged to its own nested MLflow run under one parent run per flow run (`lineage.tracking`).
@@ -19,7 +21,7 @@ from prefect import get_run_logger
 from prefect.context import get_run_context
 
 from lifecycle.config import PipelineConfig, load_config
-from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
+from lifecycle.core.dataset import DatasetDamaged, DatasetRef, RawFile, sha256_json
 from lifecycle.core.fs import sha256_file
 from lifecycle.core.latest import latest_targets, point_latest
 from lifecycle.core.locking import workdir_lock
@@ -34,8 +36,9 @@ from lifecycle.tasks.eval.checkpoint.stage import warm_start
 from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
 from lifecycle.tasks.eval.evaluate.metrics_text import scale_of, with_scale
 from lifecycle.tasks.eval.evaluate.stage import examples_of
-from lifecycle.tasks.stages import (CHECKPOINT, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, QUALITY, SCRUB, SELECT,
-                                    TOKENIZE, TRAIN, enabled, input_of)
+from lifecycle.tasks.eval.perplexity.stage import COLUMN as PERPLEXITY_COLUMN, ScoringModel
+from lifecycle.tasks.stages import (CHECKPOINT, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, PERPLEXITY, QUALITY,
+                                    SCRUB, SELECT, TOKENIZE, TRAIN, enabled, input_of)
 
 
 log = logging.getLogger(__name__)
@@ -87,13 +90,31 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
     try:
         docs = run(COLLECT, inputs=inputs)
         init_weights, tokenize_cfg = None, None
-        if cfg.train.init_from == "champion" and run.wants(TOKENIZE):
-            init_weights, tokenize_cfg = _warm_start(tracker, cfg, summary)
+        warm = cfg.train.init_from == "champion" and run.wants(TOKENIZE)
+        scoring = enabled(PERPLEXITY, cfg) and run.wants(PERPLEXITY)
+        # the champion as this run starts (before it registers a model of its own), looked up once for both
+        registry = Registry(tracker) if warm or scoring else None
+        champion = registry.champion_package() if registry is not None else None
+        taint = registry.champion_taint() if champion is not None else None  # never a warm start nor a scorer
+        if warm:
+            init_weights, tokenize_cfg = _warm_start(tracker, champion, taint, cfg, summary)
         kept = run(FILTER, docs)
         unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
         clean = run(SCRUB, unique)
-        for stage in (DECONTAMINATE, QUALITY, SELECT):  # optional, off by default: tokenize then reads scrub's output
-            if enabled(stage, cfg):
+        # optional, off by default: tokenize then reads scrub's output
+        for stage in (DECONTAMINATE, QUALITY, PERPLEXITY, SELECT):
+            if not enabled(stage, cfg) or not run.wants(stage):
+                continue
+            if stage is PERPLEXITY:
+                model, why = (None, tainted_reason(taint)) if taint else _scoring_model(champion)
+                if model is None:
+                    _skip(tracker, summary, stage, why)
+                    continue
+                clean = run(stage, clean, model=model)
+            elif stage is SELECT and cfg.select.column == PERPLEXITY_COLUMN and PERPLEXITY.name in summary.skipped:
+                _skip(tracker, summary, stage, f"select.column is {PERPLEXITY_COLUMN}, which was not scored "
+                                               f"(perplexity skipped: {summary.skipped[PERPLEXITY.name]})")
+            else:
                 clean = run(stage, clean)
         tokens = run(TOKENIZE, clean, config=tokenize_cfg)
         trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None,
@@ -150,10 +171,13 @@ class _Logger:
         parent = input_of(stage.name, self.parents)  # an optional stage turned off is skipped over
         parents = [self.parents[parent]] if parent in self.parents else []
         raw = [RawFile(**r) for r in manifest["inputs"]] if not stage.parents or stage.optional else []
-        tags = {"lifecycle.quality_model_sha256": manifest["model_sha256"]} if "model_sha256" in manifest else None
+        tags = {"lifecycle.quality_model_sha256": manifest["model_sha256"]} if "model_sha256" in manifest else {}
+        if scorer := manifest.get("scoring_model"):  # perplexity: which registered champion scored the documents
+            tags.update({"lifecycle.scoring_model_version": scorer["version"],
+                         "lifecycle.scoring_model_package_sha256": scorer["package_sha256"]})
         self.tracker.log_stage(stage.name, section, outcome, inputs=parents, outputs=[ref], raw_inputs=raw,
                                metrics={**funnel_metrics(stats or {}), **manifest.get("metrics", {}), **extra},
-                               tags=tags)
+                               tags=tags or None)
         self.parents[stage.name] = ref
         _update_catalog(self.summary.workdir, with_models=False)
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
@@ -250,16 +274,40 @@ def _artifact_uri(tracker: Tracker, name: str) -> str:
     return f"{tracker.client.get_run(tracker.parent_id).info.artifact_uri}/{name}"
 
 
-def _warm_start(tracker: Tracker, cfg: PipelineConfig, summary: RunSummary):
+def _scoring_model(champion: tuple[str, Path] | None) -> tuple[ScoringModel | None, str]:
+    """The champion to score perplexity with, or (None, why there is none)."""
+    if champion is None:
+        return None, "no champion registered yet: nothing to score perplexity with"
+    version, package = champion
+    if not Path(package).is_dir():
+        return None, f"the champion's package {package} (version {version}) is gone"
+    try:
+        return ScoringModel.of_package(version, package), f"champion version {version}"
+    except DatasetDamaged as e:
+        return None, f"the champion's package (version {version}) is damaged: {e}"
+
+
+def _skip(tracker: Tracker, summary: RunSummary, stage, reason: str) -> None:
+    """An enabled optional stage that cannot run: said on the console and the flow log, kept in the summary and
+    on the MLflow parent run (`lifecycle.skipped.<stage>`); its children read its parent's output."""
+    summary.skipped[stage.name] = reason
+    tracker.set_parent_tag(f"lifecycle.skipped.{stage.name}", reason[:5000])
+    print(f"[{stage.name}] skipped: {reason}")
+    reporter().note(f"{stage.name} skipped: {reason}")
+
+
+def tainted_reason(taint: tuple[str, str]) -> str:
+    return f"champion version {taint[0]} was trained on forgotten documents (tombstones {taint[1][:200]})"
+
+
+def _warm_start(tracker: Tracker, found: tuple[str, Path] | None, taint: tuple[str, str] | None,
+                cfg: PipelineConfig, summary: RunSummary):
     """`train.init_from: champion`: (champion's weights, tokenize config using its tokenizer) when the model
     config is unchanged, else (None, None: the configured tokenize config). The decision goes on the parent run."""
-    registry = Registry(tracker)
-    found, taint = registry.champion_package(), registry.champion_taint()
     if found is None:
         weights, reason = None, "no champion registered yet"
     elif taint is not None:
-        weights, reason = None, (f"champion version {taint[0]} was trained on forgotten documents (tombstones "
-                                 f"{taint[1][:200]})")
+        weights, reason = None, tainted_reason(taint)
     else:
         weights, reason = warm_start(found[1], cfg.train)
     tok_cfg = None

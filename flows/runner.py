@@ -237,6 +237,8 @@ class RunSummary(BaseModel):
     """Each stage's committed `_manifest.json`."""
     stages: dict[str, str] = {}
     """computed, resumed (some shards came from an earlier attempt) or reused, per stage."""
+    skipped: dict[str, str] = {}
+    """Enabled stages that did not run, with the reason (perplexity with no champion registered)."""
     checkpoint: str | None = None
     model: dict[str, str] | None = None
     promotion: dict[str, Any] | None = None

@@ -24,9 +24,10 @@ from lifecycle.lineage.tracking import TrackingConfig
 from lifecycle.tasks.data.collect.stage import CollectConfig
 from lifecycle.tasks.data.decontaminate.stage import DecontaminateConfig
 from lifecycle.tasks.data.dedup.stage import DedupConfig
-from lifecycle.tasks.data.quality.stage import QualityConfig
+from lifecycle.tasks.data.quality.stage import COLUMN as FASTTEXT_COLUMN, QualityConfig
 from lifecycle.tasks.data.select.stage import SelectConfig
 from lifecycle.tasks.eval.evaluate.stage import EvaluateConfig
+from lifecycle.tasks.eval.perplexity.stage import COLUMN as PERPLEXITY_COLUMN, PerplexityConfig
 from lifecycle.tasks.data.filter.stage import FilterConfig
 from lifecycle.tasks.data.scrub.stage import ScrubConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig
@@ -86,8 +87,11 @@ class PipelineConfig(BaseModel):
                                                "(tasks/data/decontaminate/stage.py).")
     quality: QualityConfig = Field(QualityConfig(), description="Per-document quality scores (a fastText "
                                    "classifier), never dropping; off by default (tasks/data/quality/stage.py).")
-    select: SelectConfig = Field(SelectConfig(), description="The keep rule on the quality scores, run with "
-                                 "quality (tasks/data/select/stage.py).")
+    perplexity: PerplexityConfig = Field(PerplexityConfig(), description="Per-document perplexity under the "
+                                         "registered champion model, never dropping; skipped while there is no "
+                                         "champion; off by default (tasks/eval/perplexity/stage.py).")
+    select: SelectConfig = Field(SelectConfig(), description="The keep rule on a score column, run with quality "
+                                 "or perplexity (tasks/data/select/stage.py).")
     tokenize: TokenizeConfig = Field(TokenizeConfig(), description="BPE tokenizer and token shards "
                                      "(tasks/data/tokenize/stage.py).")
     train: TrainConfig = Field(TrainConfig(), description="Model, optimizer, DeepSpeed and checkpoints "
@@ -125,6 +129,17 @@ class PipelineConfig(BaseModel):
                              f"({self.train.init_from})")
         if self.tokenize.base_model is None:  # frozen model: set once, at validation
             object.__setattr__(self, "tokenize", self.tokenize.model_copy(update={"base_model": base}))
+        return self
+
+    @model_validator(mode="after")
+    def _select_column(self) -> "PipelineConfig":
+        """select reads a column that a scorer which is on writes."""
+        writers = {FASTTEXT_COLUMN: "quality", PERPLEXITY_COLUMN: "perplexity"}
+        on = [s for s in writers.values() if getattr(self, s).enabled]
+        if on and writers.get(self.select.column) not in (None, *on):
+            raise ValueError(f"select.column is {self.select.column}, written by {writers[self.select.column]}, "
+                             f"which is off; the scorer on ({', '.join(on)}) writes "
+                             f"{', '.join(c for c, s in writers.items() if s in on)}")
         return self
 
     @model_validator(mode="after")

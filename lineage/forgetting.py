@@ -27,18 +27,14 @@ from lifecycle.tasks.data.collect import tombstones as tb
 from lifecycle.tasks.eval import unlearn as ul
 
 
-def minhash_params(dedup) -> tb.MinHashParams:
-    return tb.MinHashParams(ngram=dedup.ngram, bands=dedup.bands, rows=dedup.rows, seed=dedup.seed,
-                            verify_jaccard=dedup.verify_jaccard)
-
-
 def record_request(cfg, ids: list[str], reason: str) -> list[dict]:
     """Tombstones for the documents `ids` (doc_ids or source_ids) in `cfg.workdir`'s ledger; returns the ledger
-    rows of all of them (the ones recorded earlier too), without their signatures."""
+    rows of all of them (the ones recorded earlier too), without their signatures. Near copies are
+    fingerprinted with the configured `dedup.method` (MinHash or SimHash, dedup's parameters)."""
     if not reason.strip():
         raise ValueError("--reason must say why the documents are forgotten (it is kept in the ledger)")
     docs = tb.find_documents(cfg.workdir, ids)
-    rows = tb.tombstone_rows(docs, reason, minhash_params(cfg.dedup))
+    rows = tb.tombstone_rows(docs, reason, tb.params_of(cfg.dedup))
     tb.add_tombstones(cfg.workdir, rows)
     want = {r["tombstone_id"] for r in rows}
     return [{k: v for k, v in r.items() if k != "signature"} for r in tb.read_ledger(cfg.workdir).to_pylist()

@@ -65,7 +65,10 @@ DECONTAMINATE = Stage("decontaminate", f"{_D}.decontaminate", "data", ("scrub",)
                       plan=f"{_D}.decontaminate.stage:plan_decontaminate", documents=True, optional=True)
 QUALITY = Stage("quality", f"{_D}.quality", "data", ("decontaminate",), run=f"{_D}.quality.stage:run_quality",
                 documents=True, optional=True)
-SELECT = Stage("select", f"{_D}.select", "data", ("quality",), plan=f"{_D}.select.stage:plan_select",
+# a data stage in the funnel whose code lives in the eval layer: it loads the champion model (train's code)
+PERPLEXITY = Stage("perplexity", "lifecycle.tasks.eval.perplexity", "data", ("quality",),
+                   run="lifecycle.tasks.eval.perplexity.stage:run_perplexity", documents=True, optional=True)
+SELECT = Stage("select", f"{_D}.select", "data", ("perplexity",), plan=f"{_D}.select.stage:plan_select",
                documents=True, optional=True)
 TOKENIZE = Stage("tokenize", f"{_D}.tokenize", "data", ("select",), run=f"{_D}.tokenize.stage:run_tokenize")
 TRAIN = Stage("train", "lifecycle.tasks.train", "train", ("tokenize",), run="lifecycle.tasks.train.launch:run_train")
@@ -74,8 +77,8 @@ EVALUATE = Stage("evaluate", "lifecycle.tasks.eval.evaluate", "eval", ("train", 
 CHECKPOINT = Stage("checkpoint", "lifecycle.tasks.eval.checkpoint", "eval", ("train", "tokenize"),
                    run="lifecycle.tasks.eval.checkpoint.stage:package_model", configured=False)
 
-STAGES: tuple[Stage, ...] = (COLLECT, FILTER, DEDUP, SCRUB, DECONTAMINATE, QUALITY, SELECT, TOKENIZE, TRAIN, EVALUATE,
-                              CHECKPOINT)
+STAGES: tuple[Stage, ...] = (COLLECT, FILTER, DEDUP, SCRUB, DECONTAMINATE, QUALITY, PERPLEXITY, SELECT, TOKENIZE, TRAIN,
+                              EVALUATE, CHECKPOINT)
 NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 DOCUMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.documents)
@@ -84,11 +87,11 @@ DATA_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.group == "data"
 
 def enabled(stage: Stage, cfg) -> bool:
     """Whether `stage` runs under the pipeline config `cfg` (an optional stage only when its section says so;
-    select runs with quality, whose scores it reads)."""
+    select runs with either scorer, quality or perplexity, whose scores it reads)."""
     if not stage.optional:
         return True
-    section = "quality" if stage.name == "select" else stage.name
-    return bool(getattr(getattr(cfg, section), "enabled", False))
+    sections = ("quality", "perplexity") if stage.name == "select" else (stage.name,)
+    return any(getattr(getattr(cfg, s), "enabled", False) for s in sections)
 
 
 def input_of(name: str, ran) -> str | None:

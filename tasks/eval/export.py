@@ -262,3 +262,20 @@ def register(sub) -> None:
                     help="another directory CHECKPOINT and --tokenizer may be read from. Repeatable.")
     hf.add_argument("--json", action="store_true", help="Print one JSON object.")
     hf.set_defaults(func=cmd_export_hf, names_run=True)  # CONFIG/--workdir: CHECKPOINT and --tokenizer lie in it
+
+
+def load_model_dir(model_dir: str | Path, tokenizer: str | Path | None = None):
+    """(model, tokenizer) from a packaged model (the registry's champion points at one) or a committed
+    checkpoint; the tokenizer is found as `lifecycle export hf` finds it unless given."""
+    from tokenizers import Tokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / ckpt.MODEL_CONFIG).is_file():
+        raise UsageError(f"--model {model_dir}: no {ckpt.MODEL_CONFIG} (expected a committed checkpoint "
+                         "train/.../checkpoints/step_N or a packaged model datasets/checkpoint/<fp>)")
+    try:
+        _verify_package(model_dir)  # the marker's hashes, of a checkpoint or of a packaged model's copies
+        tok_path = Path(tokenizer) if tokenizer else find_tokenizer(model_dir)
+    except ExportError as e:
+        raise UsageError(str(e)) from e
+    return ckpt.load_model(model_dir, check=False), Tokenizer.from_file(str(tok_path))

@@ -111,3 +111,77 @@ def test_collect_rejects_exact_and_near_copies_as_forgotten(tmp_path):
     again = _collect([first, second], wd, incremental=True)
     assert not again.reused and again.fingerprint != after.fingerprint
     assert again.manifest()["stats"]["rejected_by_reason"] == {"forgotten": 3}
+
+
+SIMHASH = tb.SimHashParams(k=6, blocks=8, ngram=3)  # NEAR is 6 bits from SECRET under 3-gram features
+
+
+def test_tombstones_follow_the_configured_dedup_method():
+    from lifecycle.tasks.data.dedup.stage import DedupConfig
+
+    assert tb.params_of(DedupConfig()) == tb.MinHashParams()
+    cfg = DedupConfig(method="simhash", simhash={"k": 4, "blocks": 8, "ngram": 2})
+    assert tb.params_of(cfg) == tb.SimHashParams(k=4, blocks=8, ngram=2)
+
+
+def test_simhash_ledger_holds_a_simhash_and_refuses_minhash_rows(tmp_path):
+    from lifecycle.tasks.data.dedup.simhash import simhashes
+
+    rows = tb.tombstone_rows([{"doc_id": "d-secret", "source_id": "diary-1", "text": SECRET}], "r", SIMHASH)
+    tb.add_tombstones(tmp_path, rows)
+    row = tb.read_ledger(tmp_path).to_pylist()[0]
+    assert row["method"] == "simhash" and row["signature"] == [] and (row["simhash_k"], row["simhash_blocks"]) == (6, 8)
+    assert row["simhash"] == int(simhashes([SECRET], 3)[0])  # dedup's own SimHash of the text
+    with pytest.raises(ValueError, match="dedup.method"):
+        tb.add_tombstones(tmp_path, tb.tombstone_rows([{"doc_id": "x", "source_id": "o", "text": NEAR}], "r",
+                                                      tb.MinHashParams()))
+
+
+@pytest.mark.parametrize("params", [tb.MinHashParams(), SIMHASH], ids=["minhash", "simhash"])
+def test_matcher_fires_on_near_copies_by_the_ledgers_method(tmp_path, params):
+    from lifecycle.tasks.data.dedup.simhash import hamming, simhashes
+
+    tb.add_tombstones(tmp_path, tb.tombstone_rows([{"doc_id": "d", "source_id": "diary-1", "text": SECRET}], "r",
+                                                  params))
+    f = tb.ForgetFilter.from_workdir(tmp_path)
+    assert f.params == params
+    m = f.matcher()
+    assert m.match(SECRET.upper())[1] == "exact"
+    hit = m.match(NEAR)
+    assert hit is not None and hit[1] == "near"
+    if isinstance(params, tb.SimHashParams):
+        d = int(hamming(simhashes([SECRET], 3), simhashes([NEAR], 3))[0])
+        assert 0 < d <= 6 and hit[3] == f"simhash hamming distance {d} <= k=6" and hit[2] == 1 - d / 64
+    else:
+        assert hit[3].startswith("signature agreement") and hit[2] > 0.7
+    assert all(m.match(r["text"]) is None for r in corpus_records(30))  # does not fire on unrelated documents
+
+
+def test_simhash_matcher_keeps_dedups_k(tmp_path):
+    """A copy beyond k bits is not a near copy, exactly as dedup would not merge it; within k it is."""
+    from lifecycle.tasks.data.dedup.simhash import hamming, simhashes
+
+    edited = SECRET.replace("the weather on each morning", "what the sky did on every single grey morning")
+    d = int(hamming(simhashes([SECRET], 3), simhashes([edited], 3))[0])
+    assert d > 0
+    for k, fires in ((d - 1, False), (d, True)):
+        wd = tmp_path / f"k{k}"
+        wd.mkdir()
+        p = tb.SimHashParams(k=k, blocks=max(6, k + 1), ngram=3)
+        tb.add_tombstones(wd, tb.tombstone_rows([{"doc_id": "d", "source_id": "s", "text": SECRET}], "r", p))
+        assert (tb.ForgetFilter.from_workdir(wd).matcher().match(edited) is not None) is fires, (k, d)
+
+
+def test_collect_rejects_near_copies_with_a_simhash_ledger(tmp_path):
+    wd = tmp_path / "w"
+    wd.mkdir()
+    src = tmp_path / "in" / "docs.jsonl"
+    src.parent.mkdir()
+    tb.add_tombstones(wd, tb.tombstone_rows([{"doc_id": "d", "source_id": "diary-1", "text": SECRET}], "r", SIMHASH))
+    _write(src, corpus_records(10) + [{"id": "diary-copy", "text": NEAR}])
+    out = _collect([src], wd)
+    rej = out.read_rejected().to_pylist()
+    assert [r["source_id"] for r in rej] == ["diary-copy"]
+    assert rej[0]["reason"] == "forgotten" and "near copy of tombstone" in rej[0]["detail"]
+    assert "simhash hamming distance" in rej[0]["detail"]
+    assert out.num_rows == 10

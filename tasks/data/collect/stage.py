@@ -534,7 +534,7 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
                 reason, detail = "too_large", f"{name}: {nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}"
             elif forgotten is not None and (hit := forgotten.match(rec["text"])):
                 reason = FORGOTTEN
-                detail = f"{name}: {hit[1]} copy of tombstone {hit[0]} (signature agreement {hit[2]:.2f})"
+                detail = f"{name}: {hit[1]} copy of tombstone {hit[0]} ({hit[3]})"
             if reason:
                 reject(make_doc_id(rec["source_id"], rec["text"]), rec["source_id"], reason, detail)
                 continue

@@ -1,7 +1,9 @@
 """Select: keep documents by a cheap rule on their quality scores (Dolma's "mix" after "tag").
 
-The scores come from the quality step (`quality_fasttext`); this step only decides. Rule: keep rows whose score
-is at least `threshold`, or (`top_fraction`) the best scoring share of the documents, ties broken by doc_id. A
+The scores come from the quality step (`quality_fasttext`, higher is better) or the perplexity step
+(`quality_perplexity`, under the champion model: lower is better, as for every `*_perplexity` column); this step
+only decides. Rule: keep rows whose score is at least `threshold` (at most, for a perplexity), or
+(`top_fraction`) the best scoring share of the documents, ties broken by doc_id. A
 dropped row is rejected with reason `low_quality`, its detail the column, the score and the cut. Its fingerprint
 is its own config and the scored dataset's: a new threshold redoes select and what follows, never the scores.
 """
@@ -28,9 +30,10 @@ class SelectConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     column: str = "quality_fasttext"
-    """Score column to select on (higher is better)."""
+    """Score column to select on: `quality_fasttext` (higher is better) or `quality_perplexity` (lower is better,
+    as for any `*_perplexity` column)."""
     threshold: float | None = 0.5
-    """Keep documents scoring at least this (null: use top_fraction)."""
+    """Keep documents scoring at least this; for a perplexity, at most this (null: use top_fraction)."""
     top_fraction: float | None = Field(None, gt=0.0, le=1.0)
     """Keep this share of the documents, best scores first (set threshold to null)."""
 
@@ -48,20 +51,30 @@ class SelectRun(SelectConfig):
     cut: tuple[float, str] | None = None
 
 
+def lower_is_better(column: str) -> bool:
+    """A perplexity is better low; every other score high."""
+    return column.endswith("_perplexity")
+
+
+def _key(score: float, doc_id: str, column: str) -> tuple[float, str]:
+    """Sort key, best first: the score (negated when higher is better), then doc_id."""
+    return (score if lower_is_better(column) else -score, doc_id)
+
+
 def resolve_cut(parent: DatasetRef, cfg: SelectConfig) -> SelectRun:
     if cfg.threshold is not None:
         return SelectRun(**cfg.model_dump())
     t = parent.read(["doc_id", cfg.column])
-    rows = sorted(zip(t.column(cfg.column).to_pylist(), t.column("doc_id").to_pylist()),
-                  key=lambda r: (-r[0], r[1]))
+    rows = sorted(((s, d) for s, d in zip(t.column(cfg.column).to_pylist(), t.column("doc_id").to_pylist())
+                   if s is not None), key=lambda r: _key(*r, cfg.column))
     k = max(1, round(cfg.top_fraction * len(rows))) if rows else 0
     return SelectRun(**cfg.model_dump(), cut=(rows[k - 1][0], rows[k - 1][1]) if k else None)
 
 
 def keeps(score: float, doc_id: str, cfg: SelectRun) -> bool:
     if cfg.threshold is not None:
-        return score >= cfg.threshold
-    return cfg.cut is not None and (-score, doc_id) <= (-cfg.cut[0], cfg.cut[1])
+        return score <= cfg.threshold if lower_is_better(cfg.column) else score >= cfg.threshold
+    return cfg.cut is not None and _key(score, doc_id, cfg.column) <= _key(*cfg.cut, cfg.column)
 
 
 def select_table(table: pa.Table, cfg: SelectRun) -> tuple[pa.Table, pa.Table, StageStats]:

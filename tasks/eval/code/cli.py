@@ -33,7 +33,8 @@ def cmd_eval_code(args) -> int:
         report = score_samples(samples, problems, ks, limits, args.workers)
     else:
         from lifecycle.tasks.eval.code.config import CodeEvalConfig
-        from lifecycle.tasks.eval.code.sampling import evaluate_model, load_model_dir
+        from lifecycle.tasks.eval.code.sampling import evaluate_model
+        from lifecycle.tasks.eval.export import load_model_dir
 
         # an invalid combination (k > num_samples) is a ValidationError: one line, exit 2 (lifecycle/cli.py)
         cfg = CodeEvalConfig(enabled=True, problems=args.problems, max_problems=args.max_problems,
