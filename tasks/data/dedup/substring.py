@@ -139,7 +139,7 @@ def merge_marks(text, sa, bounds, length, marks):
     for i in range(size // 2 - 1, -1, -1):
         _sift(heap, size, i, text, pos, ends, length)
     prev, prev_end = -1, 0
-    valid = repeated = False
+    valid = repeated = checked = False
     first = 0
     marked = groups = 0
     while size:
@@ -150,6 +150,13 @@ def merge_marks(text, sa, bounds, length, marks):
             _, lcp = _compare(text, prev, prev_end, p, pe, length)
             same = lcp >= length
         if same:
+            if not checked:  # the group's first repeat: its window (the same bytes in every member) inside a document?
+                checked = True
+                valid = True
+                for i in range(length):
+                    if text[p + i] == 0xFF:
+                        valid = False
+                        break
             if valid:  # one more copy of the group's window: mark all but the smallest position
                 if p < first:
                     _mark(marks, first)
@@ -160,15 +167,9 @@ def merge_marks(text, sa, bounds, length, marks):
                 if not repeated:
                     groups += 1
                     repeated = True
-        else:
-            valid = p + length <= pe
-            if valid:
-                for i in range(length):
-                    if text[p + i] == 0xFF:
-                        valid = False
-                        break
+        else:  # a new group; its validity is checked once it repeats (most windows never do)
             first = p
-            repeated = False
+            checked = valid = repeated = False
         prev, prev_end = p, pe
         idx[s] += 1
         if idx[s] < bounds[s + 1]:
