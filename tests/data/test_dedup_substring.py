@@ -223,3 +223,8 @@ def test_config_is_checked():
         DedupConfig(substring={"enabled": True, "min_length": 3})
     with pytest.raises(ValueError, match="shard_bytes"):
         DedupConfig(substring={"shard_bytes": 2**31})
+
+
+def test_empty_parent(tmp_path):
+    ref = run_dedup(make(tmp_path, [""]), cfg(), str(tmp_path / "w"))  # collect rejects the empty text: no files
+    assert ref.num_rows == 0 and ref.manifest()["substring"]["bytes_indexed"] == 0
