@@ -10,7 +10,8 @@ from lifecycle.tasks.stages import DATA_STAGES
 FUNNEL_STAGES = DATA_STAGES
 DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_near": "duplicate (near)",
                            "duplicate_simhash": "duplicate (near, simhash)",
-                           "duplicate_paragraph": "duplicate (paragraphs, bloom)"}
+                           "duplicate_paragraph": "duplicate (paragraphs, bloom)",
+                           "duplicate_substring": "duplicate (substrings, suffix array)"}
 
 
 def funnel_rows(manifests: dict[str, dict]) -> list[dict]:

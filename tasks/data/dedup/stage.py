@@ -62,15 +62,17 @@ from lifecycle.core.dataset import (
 from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.tasks.data.dedup import paragraphs as para
+from lifecycle.tasks.data.dedup import substring as sub
 from lifecycle.tasks.data.dedup.history import base_parts, collected_incrementally, locked as _locked
 from lifecycle.tasks.data.dedup.paragraphs import ParagraphConfig
+from lifecycle.tasks.data.dedup.substring import SubstringConfig
 
 STAGE = "dedup"
 SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
 INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
 INDEX_MANIFEST = "_index.json"
 REJECT_REASON = para.REJECT_REASON  # one reason for every removed copy; `duplicate_kind` says which step
-DUPLICATE_KINDS = ("exact", "near", "paragraph")
+DUPLICATE_KINDS = ("exact", "near", "paragraph", "substring")
 BLOOM_FILE = para.BLOOM_FILE  # the paragraph Bloom filter after this run, inside the dataset
 REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_kind", pa.string())]
 DUCKDB_MEMORY = "2GB"  # the global half's DuckDB memory limit (it spills to disk beyond it)
@@ -108,6 +110,8 @@ class DedupConfig(BaseModel):
     simhash: SimHashConfig = Field(SimHashConfig(), description="SimHash settings, used when method is simhash.")
     paragraphs: ParagraphConfig = Field(ParagraphConfig(), description="Paragraph-level exact dedup with a "
                                         "Bloom filter, after document dedup (tasks/data/dedup/paragraphs.py).")
+    substring: SubstringConfig = Field(SubstringConfig(), description="Exact-substring dedup with suffix arrays "
+                                       "(Lee et al. 2022), after paragraph dedup (tasks/data/dedup/substring.py).")
 
     exact: bool = Field(True, description="Drop exact duplicates of the normalised text (lowercase, collapsed whitespace).")
     near: bool = Field(True, description="Drop MinHash LSH near-duplicates.")
@@ -129,7 +133,8 @@ class DedupConfig(BaseModel):
 
 def fingerprint_config(cfg: DedupConfig) -> dict:
     """The config part of the dedup dataset's fingerprint: the method fields only where they are in use, so the
-    default (MinHash, no paragraphs) fingerprints exactly as before they existed."""
+    default (MinHash, no paragraphs, no substrings) fingerprints exactly as before they existed. `substring.shard_bytes`
+    never enters it: it changes no result."""
     d = cfg.model_dump(mode="json")
     if cfg.method == "minhash":
         del d["method"]
@@ -137,6 +142,10 @@ def fingerprint_config(cfg: DedupConfig) -> dict:
         del d["simhash"]
     if not cfg.paragraphs.enabled:
         del d["paragraphs"]
+    if cfg.substring.enabled:
+        del d["substring"]["shard_bytes"]
+    else:
+        del d["substring"]
     return d
 
 
@@ -517,12 +526,15 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
 
 def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: DatasetRef,
           index: Index | None = None, memory_limit: str = DUCKDB_MEMORY, bloom: para.Bloom | None = None,
-          rereads: para.Rereads | None = None) -> StageStats:
+          rereads: para.Rereads | None = None, report: dict | None = None) -> StageStats:
     """The global half: decide every row of `parent` from its signature dataset `sigs` (one file per parent
     file, same rows in the same order) in DuckDB (`decide`, at most `memory_limit`, spilling beyond it), then
     write kept rows, rejected rows and the index rows file by file: memory is one parent file at a time.
     With `bloom` (paragraph dedup on), the kept documents then lose their paragraphs seen before (`paragraphs`),
-    in parent order, and the filter is written into the dataset (`BLOOM_FILE`)."""
+    in parent order, and the filter is written into the dataset (`BLOOM_FILE`). With `substring.enabled`, the kept
+    documents of every file are set aside in the scratch directory while their text goes into the suffix arrays;
+    once all are in, each file's kept rows lose their repeated spans (`substring`) and are written; `report` (a
+    dict) then gets the suffix arrays' figures under "substring"."""
     method = f"simhash, hamming <= {cfg.simhash.k}" if cfg.method == "simhash" else None
     files = [str(p) for p in parent.files()]
     sig_files = [str(p) for p in sigs.files()]
@@ -539,6 +551,24 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
     index_schema = _index_schema(cfg)
     index_out = pq.ParquetWriter(index_path, index_schema, compression="zstd",
                                  write_page_checksum=True) if cfg.incremental else None
+    suffixes = sub.SuffixDedup(spill / "substring", cfg.substring) if cfg.substring.enabled else None
+    pending: list[tuple[Path, np.ndarray, str]] = []  # substring on: (kept rows set aside, keep mask, signature file)
+
+    def emit(kept: pa.Table, rejected: list[dict], keep, sig_path: str) -> None:
+        nonlocal index_rows
+        stats.rows_kept += kept.num_rows
+        if rejected:
+            stats.rejected[REJECT_REASON] += len(rejected)
+        stats.bytes_out += pc.sum(pc.binary_length(kept.column("text"))).as_py() or 0
+        if kept.num_rows:
+            writer.write_table(kept)
+        if rejected:
+            writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
+        if index_out is not None:
+            rows = pq.read_table(sig_path, columns=index_schema.names, page_checksum_verification=True).filter(keep)
+            index_out.write_table(rows.cast(index_schema))
+            index_rows += rows.num_rows
+
     try:
         if files:
             decide(con, cfg, files, sig_files, counts, index, spill)
@@ -570,19 +600,30 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
                 mask[mask] = still
                 keep = pa.array(mask)
             stats.rows_in += t.num_rows
-            stats.rows_kept += kept.num_rows
+            stats.bytes_in += pc.sum(pc.binary_length(t.column("text"))).as_py() or 0
+            if suffixes is None:
+                emit(kept, rejected, keep, sig_path)
+                continue
+            # substring dedup needs every file's text first: the rows rejected so far go out now, the kept wait
+            if para.CUT_COLUMN not in kept.column_names:
+                kept = kept.append_column(para.CUT_COLUMN, pa.array([[]] * kept.num_rows, para.CUT_TYPE))
+            suffixes.add(kept.column("text"))
+            stash = spill / "substring" / f"kept-{k:05d}.parquet"
+            pq.write_table(kept, stash, compression="lz4")
+            pending.append((stash, np.asarray(keep, dtype=bool).copy(), sig_path))
             if rejected:
                 stats.rejected[REJECT_REASON] += len(rejected)
-            stats.bytes_in += pc.sum(pc.binary_length(t.column("text"))).as_py() or 0
-            stats.bytes_out += pc.sum(pc.binary_length(kept.column("text"))).as_py() or 0
-            if kept.num_rows:
-                writer.write_table(kept)
-            if rejected:
                 writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
-            if index_out is not None:
-                rows = pq.read_table(sig_path, columns=index_schema.names, page_checksum_verification=True).filter(keep)
-                index_out.write_table(rows.cast(index_schema))
-                index_rows += rows.num_rows
+        if suffixes is not None:
+            suffixes.build()
+            for stash, mask, sig_path in pending:
+                kept, still, short = sub.dedup_table(pq.read_table(stash), suffixes, cfg.substring, para.CUT_COLUMN,
+                                                     para.CUT_TYPE, stats)
+                stash.unlink()
+                mask[mask] = still
+                emit(kept, short, pa.array(mask), sig_path)
+            if report is not None:
+                report["substring"] = suffixes.report()
     finally:
         con.close()
         shutil.rmtree(spill, ignore_errors=True)
@@ -640,8 +681,10 @@ def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: Da
             bloom = para.Bloom.sized(cfg.paragraphs.capacity, cfg.paragraphs.fp_rate)
 
     def build(w: DatasetWriter) -> dict:
-        stats = dedup(parent, cfg, w, signatures, index, memory_limit, bloom, rereads)
-        return {"stats": stats, "extra": {**extra, **({"paragraph_bloom": bloom.report(cfg.paragraphs)} if bloom else {})}}
+        report: dict = {}
+        stats = dedup(parent, cfg, w, signatures, index, memory_limit, bloom, rereads, report)
+        return {"stats": stats, "extra": {**extra, **({"paragraph_bloom": bloom.report(cfg.paragraphs)} if bloom else {}),
+                                          **report}}
 
     ref = materialize(workdir, STAGE, fp_config, code, build, parents=[parent])
     if cfg.incremental:
