@@ -26,8 +26,8 @@ def _cfg(parallel: dict, model: dict | None = None, engine: dict | None = None, 
             "batch": {"num_ranks": ranks}, "parallel": parallel, "engine": engine or {}, **extra}
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_sp_composes_with_every_zero_stage(zero):
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_sp_composes_with_zero_0_to_2(zero):
     cfg = TrainConfig.model_validate(_cfg({"sp": 2}, engine={"zero_stage": zero}, ranks=4))
     assert cfg.dp == 2 and cfg.global_batch == cfg.batch.micro_batch_size * 2
 
@@ -37,6 +37,7 @@ def test_sp_composes_with_every_zero_stage(zero):
     (_cfg({"sp": 4}, model={"n_kv_head": 2}, ranks=4), r"n_kv_head \(2\) must be divisible by .*sp"),
     (_cfg({"sp": 2}, model={"seq_len": 63}), r"seq_len \(63\) must be divisible by train.parallel.sp"),
     (_cfg({"sp": 2, "pp": 2}, ranks=4), "pipeline"),
+    (_cfg({"sp": 2}, engine={"zero_stage": 3}), "zero_stage=3"),
     (_cfg({"sp": 2}, moe={"num_experts": 4}), "num_experts"),
 ])
 def test_layouts_sp_does_not_compose_with_are_refused_with_the_reason(over, message):
@@ -193,10 +194,10 @@ def test_sp2_trains_the_single_rank_loss_curve_through_the_launch_path(tokens, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("zero", [0, 1])
 def test_sp2_under_the_other_zero_stages_trains_the_single_rank_loss_curve(tokens, tmp_path, zero):
-    """ZeRO 0, 1 and 3 under sp=2 (ZeRO-2 is the fast test above) against one rank: DeepSpeed reduces and shards
-    over dp × sp at every stage, so each tracks the single-rank curve too."""
+    """ZeRO 0 and 1 under sp=2 (ZeRO-2 is the fast test above) against one rank: DeepSpeed reduces and shards
+    over dp × sp, so each tracks the single-rank curve too. (ZeRO-3 did not, and is refused.)"""
     from lifecycle.tasks.train.launch import run_train
 
     one = run_train(tokens, _sp_config(1, 1), str(tmp_path / "one"))
