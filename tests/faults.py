@@ -32,8 +32,9 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 
 
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", checkpoint: dict | None = None,
-           model: dict | None = None, batch: dict | None = None, max_steps: int = 40, init_from: str = "scratch"):
-    """The faults' training run; `checkpoint`, `model` and `batch` override fields of those sections;
+           model: dict | None = None, batch: dict | None = None, max_steps: int = 40, init_from: str = "scratch",
+           parallel: dict | None = None):
+    """The faults' training run; `checkpoint`, `model`, `batch` and `parallel` override fields of those sections;
     `init_from: hf:<dir>` continues that checkpoint (its config.json gives the architecture)."""
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
@@ -44,6 +45,7 @@ def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", ch
                        batch={"micro_batch_size": 8, "num_ranks": ranks, **(batch or {})},
                        engine={"zero_stage": 2, "precision": precision, "accelerator": accelerator},
                        checkpoint={"every": 5, "keep_last": 2, **(checkpoint or {})}, logging={"every": 1},
+                       parallel=parallel or {},
                        launch={"threads_per_rank": 1, "timeout_s": 600})
 
 
@@ -207,12 +209,13 @@ def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, trai
 
 
 def kill_and_resume(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2,
-                    precision: str = "fp32", init_from: str = "scratch") -> dict:
+                    precision: str = "fp32", init_from: str = "scratch", parallel: dict | None = None) -> dict:
     """`kills` trials against one uninterrupted reference run; prints one line per trial and the totals.
     Returns {"kills", "identical" (bitwise-identical resumes), "identical_mid_run" (those killed before the final
     commit, i.e. really resumed)}."""
     rng = random.Random(seed)
-    opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision, "init_from": init_from}
+    opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision, "init_from": init_from,
+            **({"parallel": parallel} if parallel else {})}
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = str(Path(tmp) / "tokens")
         ref_proc = launch(tokdir, str(Path(tmp) / "ref"), opts)
@@ -234,7 +237,7 @@ def kill_and_resume(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ra
             mid += t["mid_run"] and same
             print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
                   f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
-    print(f"{accelerator}, {ranks} rank(s), {precision}: "
+    print(f"{accelerator}, {ranks} rank(s), {precision}{f', {parallel}' if parallel else ''}: "
           f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
           f"({mid} of them killed before the final commit, i.e. really resumed)")
     return {"kills": kills, "identical": identical, "identical_mid_run": mid}

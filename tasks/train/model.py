@@ -46,8 +46,8 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=False)
 
 
-def rope_tables(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (T, head_dim/2), computed in fp32 on every call.
+def rope_tables(cfg: ModelConfig, T: int, device: torch.device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (T, head_dim/2) for positions start..start+T-1, computed in fp32 on every call.
 
     Computing them per forward (cheap next to the matmuls) instead of keeping buffers means a bf16 cast of
     the module cannot round the angles, and the state dict holds only learned weights.
@@ -56,7 +56,7 @@ def rope_tables(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.T
     inv_freq = cfg.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
     if cfg.rope_scaling is not None:
         inv_freq = llama3_scaled(inv_freq, cfg.rope_scaling)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(start, start + T, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -81,6 +81,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal scaled-dot-product attention of q (B, H, T, D) over k, v (B, H_kv, T, D); H_kv may divide H (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                          enable_gqa=k.size(1) != q.size(1))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -92,6 +98,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.proj.residual_out = True  # scaled at init under gpt2_scaled
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # (q, k, v, dropout_p) -> y, all (B, heads, T, head_dim); sequence parallelism swaps in its all-to-all
+        # wrapper (lifecycle.tasks.train.parallel.sp)
+        self.attention = causal_attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, C = x.shape
@@ -102,7 +111,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         drop = self.cfg.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, enable_gqa=kvh != self.cfg.n_head)
+        y = self.attention(q, k, v, drop)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -170,6 +179,9 @@ class GPT(nn.Module):
         # Recompute each block's activations in backward instead of keeping them (set by the train loop from
         # `train.engine.activation_checkpointing`; not a ModelConfig field, since the weights do not depend on it).
         self.activation_checkpointing = False
+        # Under sequence parallelism this rank holds slice `seq_shard` of each sequence: its T tokens sit at
+        # positions seq_shard·T .. seq_shard·T + T - 1 (lifecycle.tasks.train.parallel.sp); 0 otherwise.
+        self.seq_shard = 0
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
@@ -210,14 +222,15 @@ class GPT(nn.Module):
         """idx, targets: (B, T) int64 with T <= seq_len. Returns (logits (B, T, vocab), mean loss or None).
         Targets equal to -1 are ignored in the loss."""
         B, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        start = self.seq_shard * T
+        if start + T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds the model's seq_len {self.cfg.seq_len}")
         x = self.wte(idx)
         rope = None
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         else:
-            rope = rope_tables(self.cfg, T, idx.device)
+            rope = rope_tables(self.cfg, T, idx.device, start)
         x = self.drop(x)
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():

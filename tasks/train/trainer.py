@@ -37,7 +37,7 @@ from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
-from lifecycle.tasks.train.parallel.mesh import Grid
+from lifecycle.tasks.train.parallel.mesh import Grid, Mesh
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.supervise import write_heartbeat
@@ -256,6 +256,12 @@ class Trainer:
             raise RuntimeError(f"launched with {self.world} ranks but train.batch.num_ranks={cfg.batch.num_ranks}")
         self.grid = Grid.of(cfg)
         self.dp_rank = self.grid.coords(self.rank)["dp"]  # the data shard: shared by a tp/sp/pp group
+        self.mesh = Mesh(self.grid, self.rank) if cfg.parallel.model_parallel > 1 else None
+        self.sp = None
+        if cfg.parallel.sp > 1:
+            from lifecycle.tasks.train.parallel.sp import SequenceParallel
+
+            self.sp = SequenceParallel(self.mesh)
         self.engine, self.scheduler = self._build_engine()
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
@@ -345,6 +351,8 @@ class Trainer:
             from safetensors.torch import load_file
 
             model.load_export(load_file(self.launch["init_weights"]))
+        if self.sp is not None:
+            self.sp.wrap(model)
         model.to(self.device)
         model.activation_checkpointing = cfg.engine.activation_checkpointing
         n_params = model.num_params()  # before ZeRO-3 partitions the parameters
@@ -356,7 +364,7 @@ class Trainer:
                                        {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
         schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
         engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                                       config=ds_config(cfg))
+                                                       config=ds_config(cfg), mpu=self.mesh)
         if self.rank == 0:
             atomic_write_json(self.run_dir / "ds_config.json", ds_config(cfg))
         self.say(f"{n_params:,} parameters, ranks ready after {time.time() - T_START:.1f}s")
@@ -411,10 +419,15 @@ class Trainer:
         rank-averaged loss, every step: the spike test needs it on all ranks."""
         loss_sum = 0.0
         for micro in range(self.cfg.batch.grad_accum):
-            x, y = (t.to(self.device, non_blocking=True) for t in self.loader.get((self.step, dstep, micro)))
+            x, y = self.loader.get((self.step, dstep, micro))
+            if self.sp is not None:  # this rank's slice of every sequence
+                x, y = self.sp.shard(x, y)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             if self.step == self.first and micro == 0:
                 phase("first batch")
             _, loss = self.engine(x, y)
+            if self.sp is not None:  # the full-sequence mean: the sp group's mean of the slice means
+                loss = self.sp.loss(loss)
             if dstep in self.faults:
                 loss = loss * float("nan")
             self.engine.backward(loss)
@@ -450,8 +463,9 @@ class Trainer:
     def eval(self) -> None:
         """Validation loss over eval_batches fixed windows per rank; its time is left out of the next record."""
         self.engine.eval()
-        losses = [self.engine(x.to(self.device), y.to(self.device))[1].item()
-                  for x, y in val_batches(self.shards, self.cfg, self.dp_rank, self.grid.dp)]
+        shard = self.sp.shard if self.sp is not None else (lambda x, y: (x, y))
+        losses = [self.engine(x.to(self.device), y.to(self.device))[1].item()  # averaged over every rank below
+                  for x, y in (shard(*b) for b in val_batches(self.shards, self.cfg, self.dp_rank, self.grid.dp))]
         self.engine.train()
         val_loss = mean_over_ranks(sum(losses) / len(losses), self.device)
         self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
