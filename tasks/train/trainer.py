@@ -349,6 +349,10 @@ class Trainer:
         model.activation_checkpointing = cfg.engine.activation_checkpointing
         n_params = model.num_params()  # before ZeRO-3 partitions the parameters
         self.n_matmul, self.flops_per_token = model.num_params(exclude_embeddings=True), model.flops_per_token()
+        if cfg.parallel.pp > 1:  # this rank's pipeline stage of the model (lifecycle.tasks.train.parallel.pp)
+            from lifecycle.tasks.train.parallel import pp
+
+            model = pp.pipeline_module(model, cfg.parallel.pp, cfg.dp, cfg.engine.activation_checkpointing)
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = cfg.optimizer
@@ -409,6 +413,13 @@ class Trainer:
     def forward_backward(self, dstep: int) -> float:
         """grad_accum micro-batches through the engine (it steps the optimizer on the last); returns the
         rank-averaged loss, every step: the spike test needs it on all ranks."""
+        if self.cfg.parallel.pp > 1:  # the pipeline schedule takes the step's micro-batches at once
+            from lifecycle.tasks.train.parallel import pp
+
+            batches = [self.loader.get((self.step, dstep, m)) for m in range(self.cfg.batch.grad_accum)]
+            if self.step == self.first:
+                phase("first batch")
+            return pp.forward_backward(self.engine, batches, poison=dstep in self.faults)
         loss_sum = 0.0
         for micro in range(self.cfg.batch.grad_accum):
             x, y = (t.to(self.device, non_blocking=True) for t in self.loader.get((self.step, dstep, micro)))
@@ -450,8 +461,11 @@ class Trainer:
     def eval(self) -> None:
         """Validation loss over eval_batches fixed windows per rank; its time is left out of the next record."""
         self.engine.eval()
-        losses = [self.engine(x.to(self.device), y.to(self.device))[1].item()
-                  for x, y in val_batches(self.shards, self.cfg, self.dp_rank, self.grid.dp)]
+        if self.cfg.parallel.pp > 1:
+            from lifecycle.tasks.train.parallel.pp import eval_loss
+        else:
+            eval_loss = lambda e, x, y: e(x.to(self.device), y.to(self.device))[1].item()  # noqa: E731
+        losses = [eval_loss(self.engine, x, y) for x, y in val_batches(self.shards, self.cfg, self.dp_rank, self.grid.dp)]
         self.engine.train()
         val_loss = mean_over_ranks(sum(losses) / len(losses), self.device)
         self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
