@@ -281,6 +281,7 @@ def test_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
     import time
 
     from lifecycle.core import fs
+    from lifecycle.tasks.train import checkpoint as ckpt
     from tests.faults import ROOT, kill_all, records
 
     tokdir, workdir = tmp_path / "tok", tmp_path / "w"
@@ -289,8 +290,12 @@ def test_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env=env)
     deadline = time.monotonic() + 1200
-    while not any(r["step"] >= 12 for r in records(str(workdir), "train")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 12"
+
+    def committed() -> list[int]:  # the async save commits step 10 a few steps after it
+        return [s for run in (workdir / "train").glob("*") for s, _ in ckpt.list_committed(run / "checkpoints")]
+
+    while not (10 in committed() and any(r["step"] >= 12 for r in records(str(workdir), "train"))):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the step-10 commit"
         time.sleep(0.05)
     kill_all(proc)
     killed_at = max(r["step"] for r in records(str(workdir), "train"))
