@@ -366,3 +366,19 @@ def test_pp2_under_zero0_with_activation_checkpointing_matches_the_single_rank_r
     rel = _max_rel(a, b)
     print(f"pp=2 ZeRO-0 + activation checkpointing vs single rank ZeRO-1: max relative loss difference {rel:.3g}")
     assert rel < 1e-5
+
+
+@pytest.mark.slow  # one launch of 2 ranks
+def test_pp2_bf16_zero1_trains(runs, tokens, tmp_path):
+    """bf16 weights and activations through the pipeline (DeepSpeed's BF16_Optimizer keeps fp32 masters): it
+    learns, and stays near the fp32 single-rank curve (bf16 rounding, not a reduction-order bound)."""
+    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train.launch import run_train
+
+    r = run_train(tokens, pp_config(**{"engine.precision": "bf16"}), str(tmp_path))
+    losses = [x["loss"] for x in _records(r.metrics_path, "train")]
+    assert len(losses) == 20 and all(math.isfinite(v) for v in losses) and losses[-1] < 0.8 * losses[0]
+    rel = _max_rel(losses, [x["loss"] for x in _records(runs["dense"].metrics_path, "train")])
+    print(f"pp=2 bf16 vs single rank fp32: max relative loss difference {rel:.3g}")
+    assert rel < 0.05
+    assert ckpt.verify(r.checkpoint_dir) is None
