@@ -326,7 +326,6 @@ def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_con
          marker_extra: dict | None = None) -> Path:
     """Save and commit checkpoint `step` from a DeepSpeed engine; returns the committed tag directory."""
     import torch.distributed as dist
-    import deepspeed
 
     root, rank = Path(ckpt_root), dist.get_rank()
     tag_dir = root / tag_name(step)

@@ -23,7 +23,7 @@ single-rank run, a warm start or a Hugging Face base model. The dense copy is dr
 layers; at the sizes pipelining is for, that one dense copy per rank at start-up is the limit of this design.
 
 DeepSpeed runs ZeRO-0 and ZeRO-1 under a pipeline only (PipelineEngine asserts it): `TrainConfig` refuses
-ZeRO-2/3 with pp > 1 (`refusal`). ZeRO-0's gradient clipping (`deepspeed.runtime.utils.clip_grad_norm_`)
+ZeRO-2/3 with pp > 1 when the config is built (lifecycle.tasks.train.config). ZeRO-0's gradient clipping (`deepspeed.runtime.utils.clip_grad_norm_`)
 counts only the parameters of the first stage unless they are marked model-parallel, so every stage's own
 parameters are marked (`model_parallel = True`) and the tied copy on the last stage is not: the norm is the
 dense model's (ZeRO-1's norm already counts every stage).
