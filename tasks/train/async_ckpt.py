@@ -509,10 +509,15 @@ class AsyncSaver:
             self._prune_tier()
         self.engine.save_checkpoint(str(self.root), tag=tag_dir.name, client_state=client_state, save_latest=False)
         module = self.engine.module
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            if self.rank == 0:  # staged (copied) while ZeRO-3's gathered parameters are still there
-                self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), module.export_state(copy=False),
-                                                              model_config))
+        if getattr(module, "collective_export", False):  # a pipeline stage: rank 0 gets every stage's layers
+            state = module.export_state(copy=False)
+            if self.rank == 0:
+                self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), state, model_config))
+        else:
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                if self.rank == 0:  # staged (copied) while ZeRO-3's gathered parameters are still there
+                    self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir),
+                                                                  module.export_state(copy=False), model_config))
         self.writer.seal()  # the snapshot is complete: training goes on and may change every tensor
         self.pending = (step, tag_dir, marker_extra)
         return tag_dir

@@ -310,11 +310,22 @@ def load_model(tag_dir: str | Path, check: bool = True):
 # the collective save (every rank calls it)
 
 
+def gathered_export(module, rank: int, copy: bool = True) -> dict | None:
+    """The dense model's `export_state` on rank 0 (None on the others); collective. ZeRO-3 partitions are
+    gathered (`deepspeed.zero.GatheredParameters`, a no-op below ZeRO-3); a module whose `collective_export` is
+    true (a pipeline stage, lifecycle.tasks.train.parallel.pp) gathers the other ranks' layers itself."""
+    import deepspeed
+
+    if getattr(module, "collective_export", False):
+        return module.export_state(copy=copy)
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        return module.export_state(copy=copy) if rank == 0 else None
+
+
 def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_config: Any,
          marker_extra: dict | None = None) -> Path:
     """Save and commit checkpoint `step` from a DeepSpeed engine; returns the committed tag directory."""
     import torch.distributed as dist
-    import deepspeed
 
     root, rank = Path(ckpt_root), dist.get_rank()
     tag_dir = root / tag_name(step)
@@ -324,9 +335,7 @@ def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_con
             remove(tag_dir)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag_dir.name, client_state=client_state, save_latest=False)
-    module = engine.module
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):  # no-op below ZeRO-3
-        state = module.export_state() if rank == 0 else None
+    state = gathered_export(engine.module, rank)
     if rank == 0:
         written = write_model(tag_dir, state, model_config)
     for p in _files(tag_dir):

@@ -195,7 +195,9 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1)
     """Tensor parallelism (Megatron's 1-D column/row split of attention and MLP): ranks per tp group."""
     pp: int = Field(1, ge=1)
-    """Pipeline parallelism (DeepSpeed PipelineModule, 1F1B): pipeline stages, each a contiguous run of blocks."""
+    """Pipeline parallelism (DeepSpeed PipelineModule, 1F1B; lifecycle.tasks.train.parallel.pp): pipeline stages, each
+    a contiguous run of blocks. ZeRO-0 or ZeRO-1 only (DeepSpeed's pipeline engine); grad_accum micro-batches fill
+    the pipeline."""
     sp: int = Field(1, ge=1)
     """Sequence parallelism (DeepSpeed-Ulysses all-to-all attention): ranks that split each sequence."""
 
@@ -501,9 +503,16 @@ class TrainConfig(BaseModel):
                              f"tp·pp·sp ({par.tp}·{par.pp}·{par.sp} = {par.model_parallel})")
         if par.sp > 1:
             sp_layout_check(self)
-        if above := [f"train.parallel.{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp)) if v > 1]:
+        if above := [f"train.parallel.{k}={v}" for k, v in (("tp", par.tp),) if v > 1]:
             raise ValueError(f"{', '.join(above)}: not trainable yet; the trainer runs data parallelism (ZeRO 0-3) "
                              "only (`lifecycle plan layout` plans it)")
+        if par.pp > 1 and self.engine.zero_stage >= 2:
+            raise ValueError(f"train.parallel.pp={par.pp} with train.engine.zero_stage={self.engine.zero_stage}: "
+                             "DeepSpeed's pipeline engine runs ZeRO-0 and ZeRO-1 only (ZeRO-2/3 partition the "
+                             "gradients it reduces per stage); set train.engine.zero_stage to 0 or 1")
+        if par.pp > self.model.n_layer:
+            raise ValueError(f"train.parallel.pp={par.pp} > train.model.n_layer={self.model.n_layer}: every "
+                             "pipeline stage needs at least one block")
         if moe.num_experts:
             raise ValueError(f"train.moe.num_experts={moe.num_experts}: mixture-of-experts layers are not trainable "
                              "yet (0 = dense)")

@@ -256,7 +256,8 @@ class Trainer:
             raise RuntimeError(f"launched with {self.world} ranks but train.batch.num_ranks={cfg.batch.num_ranks}")
         self.grid = Grid.of(cfg)
         self.dp_rank = self.grid.coords(self.rank)["dp"]  # the data shard: shared by a tp/sp/pp group
-        self.mesh = Mesh(self.grid, self.rank) if cfg.parallel.model_parallel > 1 else None
+        # DeepSpeed's mpu for tp/sp; a pipeline engine builds its own groups (it refuses an mpu)
+        self.mesh = Mesh(self.grid, self.rank) if cfg.parallel.tp * cfg.parallel.sp > 1 else None
         self.sp = None
         if cfg.parallel.sp > 1:
             from lifecycle.tasks.train.parallel.sp import SequenceParallel
@@ -357,6 +358,10 @@ class Trainer:
         model.activation_checkpointing = cfg.engine.activation_checkpointing
         n_params = model.num_params()  # before ZeRO-3 partitions the parameters
         self.n_matmul, self.flops_per_token = model.num_params(exclude_embeddings=True), model.flops_per_token()
+        if cfg.parallel.pp > 1:  # this rank's pipeline stage of the model (lifecycle.tasks.train.parallel.pp)
+            from lifecycle.tasks.train.parallel import pp
+
+            model = pp.pipeline_module(model, cfg.parallel.pp, cfg.dp, cfg.engine.activation_checkpointing)
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = cfg.optimizer
@@ -417,6 +422,13 @@ class Trainer:
     def forward_backward(self, dstep: int) -> float:
         """grad_accum micro-batches through the engine (it steps the optimizer on the last); returns the
         rank-averaged loss, every step: the spike test needs it on all ranks."""
+        if self.cfg.parallel.pp > 1:  # the pipeline schedule takes the step's micro-batches at once
+            from lifecycle.tasks.train.parallel import pp
+
+            batches = [self.loader.get((self.step, dstep, m)) for m in range(self.cfg.batch.grad_accum)]
+            if self.step == self.first:
+                phase("first batch")
+            return pp.forward_backward(self.engine, batches, poison=dstep in self.faults)
         loss_sum = 0.0
         for micro in range(self.cfg.batch.grad_accum):
             x, y = self.loader.get((self.step, dstep, micro))
@@ -464,7 +476,11 @@ class Trainer:
         """Validation loss over eval_batches fixed windows per rank; its time is left out of the next record."""
         self.engine.eval()
         shard = self.sp.shard if self.sp is not None else (lambda x, y: (x, y))
-        losses = [self.engine(x.to(self.device), y.to(self.device))[1].item()  # averaged over every rank below
+        if self.cfg.parallel.pp > 1:
+            from lifecycle.tasks.train.parallel.pp import eval_loss
+        else:
+            eval_loss = lambda e, x, y: e(x.to(self.device), y.to(self.device))[1].item()  # noqa: E731
+        losses = [eval_loss(self.engine, x, y)  # averaged over every rank below
                   for x, y in (shard(*b) for b in val_batches(self.shards, self.cfg, self.dp_rank, self.grid.dp))]
         self.engine.train()
         val_loss = mean_over_ranks(sum(losses) / len(losses), self.device)
