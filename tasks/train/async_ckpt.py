@@ -510,9 +510,12 @@ class AsyncSaver:
         self.engine.save_checkpoint(str(self.root), tag=tag_dir.name, client_state=client_state, save_latest=False)
         module = self.engine.module
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            if self.rank == 0:  # staged (copied) while ZeRO-3's gathered parameters are still there
-                self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), module.export_state(copy=False),
-                                                              model_config))
+            # staged (copied) while ZeRO-3's gathered parameters are still there; a tp model's export gathers its
+            # shards, so every rank of the tp group takes part (rank 0 writes)
+            state = module.export_state(copy=False) if self.rank == 0 or getattr(
+                module, "export_collective", False) else None
+            if self.rank == 0:
+                self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), state, model_config))
         self.writer.seal()  # the snapshot is complete: training goes on and may change every tensor
         self.pending = (step, tag_dir, marker_extra)
         return tag_dir

@@ -326,7 +326,8 @@ def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_con
     engine.save_checkpoint(str(root), tag=tag_dir.name, client_state=client_state, save_latest=False)
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):  # no-op below ZeRO-3
-        state = module.export_state() if rank == 0 else None
+        # a tp model's export gathers its shards: every rank of the tp group takes part (rank 0 writes)
+        state = module.export_state() if rank == 0 or getattr(module, "export_collective", False) else None
     if rank == 0:
         written = write_model(tag_dir, state, model_config)
     for p in _files(tag_dir):

@@ -256,6 +256,11 @@ class Trainer:
             raise RuntimeError(f"launched with {self.world} ranks but train.batch.num_ranks={cfg.batch.num_ranks}")
         self.grid = Grid.of(cfg)
         self.dp_rank = self.grid.coords(self.rank)["dp"]  # the data shard: shared by a tp/sp/pp group
+        self.mesh = None
+        if cfg.parallel.model_parallel > 1:  # the groups cost creation time: only when a model-parallel axis is on
+            from lifecycle.tasks.train.parallel.mesh import Mesh
+
+            self.mesh = Mesh(self.grid, self.rank)
         self.engine, self.scheduler = self._build_engine()
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
@@ -349,6 +354,10 @@ class Trainer:
         model.activation_checkpointing = cfg.engine.activation_checkpointing
         n_params = model.num_params()  # before ZeRO-3 partitions the parameters
         self.n_matmul, self.flops_per_token = model.num_params(exclude_embeddings=True), model.flops_per_token()
+        if cfg.parallel.tp > 1:  # slice the dense initial weights: the same start as a single-rank run
+            from lifecycle.tasks.train.parallel.tp import TPGroup, shard_model
+
+            model = shard_model(model, TPGroup.of(self.mesh))
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = cfg.optimizer
@@ -356,7 +365,7 @@ class Trainer:
                                        {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
         schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
         engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                                       config=ds_config(cfg))
+                                                       config=ds_config(cfg), mpu=self.mesh)
         if self.rank == 0:
             atomic_write_json(self.run_dir / "ds_config.json", ds_config(cfg))
         self.say(f"{n_params:,} parameters, ranks ready after {time.time() - T_START:.1f}s")
