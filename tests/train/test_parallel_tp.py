@@ -132,7 +132,7 @@ def tokens(tmp_path_factory):
 TP_CFG = with_(CFG, max_steps=20, **{
     "model": ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, seq_len=64, qkv_bias=True).model_dump(),
     "engine.zero_stage": 1, "checkpoint.every": 10, "checkpoint.keep_last": 3, "logging.every": 1,
-    "logging.eval_every": 0})
+    "logging.eval_every": 0, "launch.timeout_s": 900})
 LOSS_RTOL = 1e-5
 
 
