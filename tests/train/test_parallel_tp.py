@@ -284,3 +284,70 @@ def test_tp2_resumes_exactly_after_a_sigkill(tmp_path):
     got = result(tmp_path / "run")
     assert got["losses"] == want["losses"]
     assert got["weights"] == want["weights"]
+
+
+def _dense_continue_worker(rank: int, init: str, launch_path: str, universal_root: str, tag: str, out: str) -> None:
+    """One rank, tp=1: a DeepSpeed engine as the trainer builds it, loaded from the universal checkpoint (what
+    lifecycle.tasks.train's layout change does), then the remaining steps on the sampler's batches."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from lifecycle.tasks.data.tokenize.stage import TokenShards
+    from lifecycle.tasks.train.trainer import ds_config, get_batch, stub_muon
+
+    torch.set_num_threads(1)
+    launch = json.loads(Path(launch_path).read_text())
+    data = launch["train"]
+    data["parallel"]["tp"], data["batch"]["num_ranks"] = 1, 1  # the same global batch: dp=1 either way
+    cfg = TrainConfig.model_validate(data)
+    stub_muon()
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
+                                    "weight_decay": opt.weight_decay},
+                                   {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=opt.lr, betas=opt.betas)
+    schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           config=ds_config(cfg))
+    engine._config.load_universal_checkpoint = True
+    _, client_state = engine.load_checkpoint(universal_root, tag=tag)
+    shards = TokenShards.model_validate(launch["tokens"])
+    losses = []
+    for step in range(client_state["step"], cfg.max_steps):
+        x, y = get_batch(shards, cfg, step, 0, 0)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    Path(out).write_text(json.dumps({"from": client_state["step"], "losses": losses}))
+    dist.destroy_process_group()
+
+
+def test_tp2_checkpoint_continues_under_tp1_through_the_universal_checkpoint(tp_and_dense_runs, tmp_path):
+    """Layout change tp=2 -> tp=1: the tp=2 run's step-10 checkpoint through `ds_to_universal` (our
+    `universal_checkpoint_info` tells it how to merge the slices), loaded with the optimizer state into a dense
+    one-rank engine, trains steps 11-20 with the losses of the uninterrupted tp=2 run (issue bound: 1e-4)."""
+    import subprocess
+    import sys
+
+    import torch.multiprocessing as mp
+
+    _, tp2 = tp_and_dense_runs
+    src = Path(tp2.checkpoint_dir).parent / "step_00000010"
+    out = tmp_path / "universal" / src.name
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
+                           "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = tmp_path / "continued.json"
+    mp.spawn(_dense_continue_worker, args=(f"file://{tmp_path / 'store'}", str(Path(tp2.run_dir) / "config.json"),
+                                           str(out.parent), out.name, str(result)), nprocs=1, join=True)
+    got = json.loads(result.read_text())
+    want = [r["loss"] for r in _records(tp2.metrics_path, "train") if r["step"] > 10]
+    assert got["from"] == 10 and len(got["losses"]) == len(want) == 10
+    rel = max(abs(a - b) / b for a, b in zip(got["losses"], want))
+    print(json.dumps({"tp2_to_tp1_resume_max_rel_loss_diff": rel, "steps": len(want)}))
+    assert rel < 1e-4
