@@ -199,6 +199,7 @@ def test_tp_checkpoint_converts_to_the_dense_state_with_adam_moments(tp_and_dens
         assert got["step"][n].item() == ref["step"][n].item() == 20
 
 
+@pytest.mark.slow  # ds_to_universal and a DeepSpeed engine on top of the two runs: about a minute idle
 def test_deepspeed_universal_checkpoint_merges_our_tp_slices_as_the_converter_does(tp_and_dense_runs, tmp_path):
     """The plug-in for layout changes through DeepSpeed's universal checkpoint: the engine saved our
     `universal_checkpoint_info` into the tp checkpoint, and `ds_to_universal` merges the tp slices (fused GQA q/k/v
@@ -286,9 +287,11 @@ def test_tp2_resumes_exactly_after_a_sigkill(tmp_path):
     assert got["weights"] == want["weights"]
 
 
-def _dense_continue_worker(rank: int, init: str, launch_path: str, universal_root: str, tag: str, out: str) -> None:
+def _dense_continue_worker(rank: int, port: int, launch_path: str, universal_root: str, tag: str, out: str) -> None:
     """One rank, tp=1: a DeepSpeed engine as the trainer builds it, loaded from the universal checkpoint (what
     lifecycle.tasks.train's layout change does), then the remaining steps on the sampler's batches."""
+    import os
+
     import deepspeed
     import torch.distributed as dist
 
@@ -301,7 +304,8 @@ def _dense_continue_worker(rank: int, init: str, launch_path: str, universal_roo
     data["parallel"]["tp"], data["batch"]["num_ranks"] = 1, 1  # the same global batch: dp=1 either way
     cfg = TrainConfig.model_validate(data)
     stub_muon()
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="gloo")  # the rank environment DeepSpeed's engine asks for
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     opt = cfg.optimizer
@@ -326,10 +330,12 @@ def _dense_continue_worker(rank: int, init: str, launch_path: str, universal_roo
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ds_to_universal and a DeepSpeed engine on top of the two runs: about a minute idle
 def test_tp2_checkpoint_continues_under_tp1_through_the_universal_checkpoint(tp_and_dense_runs, tmp_path):
     """Layout change tp=2 -> tp=1: the tp=2 run's step-10 checkpoint through `ds_to_universal` (our
     `universal_checkpoint_info` tells it how to merge the slices), loaded with the optimizer state into a dense
     one-rank engine, trains steps 11-20 with the losses of the uninterrupted tp=2 run (issue bound: 1e-4)."""
+    import socket
     import subprocess
     import sys
 
@@ -343,7 +349,10 @@ def test_tp2_checkpoint_continues_under_tp1_through_the_universal_checkpoint(tp_
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     result = tmp_path / "continued.json"
-    mp.spawn(_dense_continue_worker, args=(f"file://{tmp_path / 'store'}", str(Path(tp2.run_dir) / "config.json"),
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_dense_continue_worker, args=(port, str(Path(tp2.run_dir) / "config.json"),
                                            str(out.parent), out.name, str(result)), nprocs=1, join=True)
     got = json.loads(result.read_text())
     want = [r["loss"] for r in _records(tp2.metrics_path, "train") if r["step"] > 10]
