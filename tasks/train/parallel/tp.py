@@ -259,10 +259,6 @@ class TensorParallelGPT(GPT):
         GPT.load_export(self, {n: shard_tensor(t, spec, self.tp.size, self.tp.rank)
                                if (spec := split_spec(self.cfg, n)) is not None else t for n, t in state.items()})
 
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """This rank's parameters (the dense count is `GPT.num_params` before `shard_model`)."""
-        return GPT.num_params(self, exclude_embeddings)
-
 
 def check_divisible(cfg: ModelConfig, tp: int) -> None:
     """The split needs whole heads and whole hidden units per rank (ModelConfig-level; TrainConfig refuses it too)."""
@@ -280,7 +276,7 @@ def shard_model(model: GPT, tp: TPGroup) -> TensorParallelGPT:
     for i, block in enumerate(model.blocks):
         block.attn = TPAttention(block.attn, f"blocks.{i}.attn", tp)
         block.mlp = TPMLP(block.mlp, f"blocks.{i}.mlp", model.cfg, tp)
-    model.__class__ = TensorParallelGPT  # same attributes; export/load/num_params become tp-aware
+    model.__class__ = TensorParallelGPT  # same attributes; export and load become tp-aware (num_params: this rank's)
     model.tp = tp
     model.universal_checkpoint_info = universal_checkpoint_info(model.cfg, tp.size)  # saved by DeepSpeed
     return model
