@@ -33,7 +33,7 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", checkpoint: dict | None = None,
            model: dict | None = None, batch: dict | None = None, max_steps: int = 40, init_from: str = "scratch",
-           parallel: dict | None = None):
+           parallel: dict | None = None, zero_stage: int = 2):
     """The faults' training run; `checkpoint`, `model`, `batch` and `parallel` override fields of those sections;
     `init_from: hf:<dir>` continues that checkpoint (its config.json gives the architecture)."""
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
@@ -43,7 +43,8 @@ def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", ch
     return TrainConfig(model=arch, init_from=init_from, max_steps=max_steps,
                        optimizer={"decay_steps": max(60, max_steps), "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
                        batch={"micro_batch_size": 8, "num_ranks": ranks, **(batch or {})},
-                       engine={"zero_stage": 2, "precision": precision, "accelerator": accelerator},
+                       engine={"zero_stage": zero_stage, "precision": precision, "accelerator": accelerator},
+                       parallel=parallel or {},
                        checkpoint={"every": 5, "keep_last": 2, **(checkpoint or {})}, logging={"every": 1},
                        parallel=parallel or {},
                        launch={"threads_per_rank": 1, "timeout_s": 600})

@@ -509,7 +509,7 @@ class AsyncSaver:
             self._prune_tier()
         self.engine.save_checkpoint(str(self.root), tag=tag_dir.name, client_state=client_state, save_latest=False)
         module = self.engine.module
-        if getattr(module, "collective_export", False):  # a pipeline stage: rank 0 gets every stage's layers
+        if getattr(module, "collective_export", False):  # a pipeline stage or tp shard: all gather, rank 0 writes
             state = module.export_state(copy=False)
             if self.rank == 0:
                 self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), state, model_config))

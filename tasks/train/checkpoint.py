@@ -313,11 +313,13 @@ def load_model(tag_dir: str | Path, check: bool = True):
 def gathered_export(module, rank: int, copy: bool = True) -> dict | None:
     """The dense model's `export_state` on rank 0 (None on the others); collective. ZeRO-3 partitions are
     gathered (`deepspeed.zero.GatheredParameters`, a no-op below ZeRO-3); a module whose `collective_export` is
-    true (a pipeline stage, lifecycle.tasks.train.parallel.pp) gathers the other ranks' layers itself."""
+    true (a pipeline stage, lifecycle.tasks.train.parallel.pp; a tensor-parallel shard, parallel.tp) gathers the
+    other ranks' parts itself, called on every rank."""
     import deepspeed
 
     if getattr(module, "collective_export", False):
-        return module.export_state(copy=copy)
+        state = module.export_state(copy=copy)
+        return state if rank == 0 else None
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         return module.export_state(copy=copy) if rank == 0 else None
 

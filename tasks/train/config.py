@@ -503,9 +503,8 @@ class TrainConfig(BaseModel):
                              f"tp·pp·sp ({par.tp}·{par.pp}·{par.sp} = {par.model_parallel})")
         if par.sp > 1:
             sp_layout_check(self)
-        if above := [f"train.parallel.{k}={v}" for k, v in (("tp", par.tp),) if v > 1]:
-            raise ValueError(f"{', '.join(above)}: not trainable yet; the trainer runs data parallelism (ZeRO 0-3) "
-                             "only (`lifecycle plan layout` plans it)")
+        if par.tp > 1:
+            self._check_tp()
         if par.pp > 1 and self.engine.zero_stage >= 2:
             raise ValueError(f"train.parallel.pp={par.pp} with train.engine.zero_stage={self.engine.zero_stage}: "
                              "DeepSpeed's pipeline engine runs ZeRO-0 and ZeRO-1 only (ZeRO-2/3 partition the "
@@ -523,6 +522,30 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train.optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below the cosine "
                              f"horizon, train.optimizer.decay_steps or else train.max_steps ({self.horizon})")
         return self
+
+    def _check_tp(self) -> None:
+        """What tensor parallelism (lifecycle.tasks.train.parallel.tp) does not compose with, refused here."""
+        tp, m = self.parallel.tp, self.model
+        for what, n in (("n_head", m.n_head), ("key/value heads (n_kv_head)", m.kv_heads),
+                        ("MLP hidden width", m.mlp_hidden)):
+            if n % tp:
+                raise ValueError(f"train.parallel.tp={tp} must divide train.model's {what} ({n}): each rank "
+                                 "keeps whole heads and whole hidden units")
+        if self.engine.zero_stage == 3:
+            raise ValueError(f"train.parallel.tp={tp} with train.engine.zero_stage=3: ZeRO-3 would partition the tp "
+                             "shards again over dp and gather them by its own hooks around our tp layers; that "
+                             "path, its consolidated export and its tp checkpoint conversion are not built. "
+                             "Use zero_stage 1 or 2 (optimizer states and gradients partitioned over dp)")
+        if self.engine.zero_stage == 0:
+            raise ValueError(f"train.parallel.tp={tp} with train.engine.zero_stage=0: the tp checkpoint converter "
+                             "reads ZeRO-1/2 optimizer partitions; use zero_stage 1 or 2")
+        if m.dropout > 0:
+            raise ValueError(f"train.parallel.tp={tp} with train.model.dropout={m.dropout}: dropout on the replicated "
+                             "residual stream needs the same mask on every tp rank and attention dropout a "
+                             "different one (Megatron's tp RNG tracker), which is not built; set dropout 0")
+        if self.moe.num_experts:
+            raise ValueError(f"train.parallel.tp={tp} with train.moe.num_experts={self.moe.num_experts}: tp splits "
+                             "the dense MLP only; MoE experts are not tp-sharded")
 
     @property
     def horizon(self) -> int:

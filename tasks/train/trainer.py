@@ -362,6 +362,10 @@ class Trainer:
             from lifecycle.tasks.train.parallel import pp
 
             model = pp.pipeline_module(model, cfg.parallel.pp, cfg.dp, cfg.engine.activation_checkpointing)
+        if cfg.parallel.tp > 1:  # slice the dense initial weights: the same start as a single-rank run
+            from lifecycle.tasks.train.parallel.tp import TPGroup, shard_model
+
+            model = shard_model(model, TPGroup.of(self.mesh))
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = cfg.optimizer
