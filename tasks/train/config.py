@@ -411,9 +411,9 @@ class TrainConfig(BaseModel):
     """How the ranks share the work. `fixed`: `batch` and `engine` as given. `auto`: keep the ranks and the global
     batch, and let the planner (lifecycle.tasks.train.planner) pick the ZeRO stage, the micro-batch (grad_accum
     follows) and activation checkpointing: the fastest layout its memory and step-time model says fits
-    `layout_memory` per rank; the run logs what it chose and why. `tp=T,pp=P,sp=S` names a layout: the trainer
-    runs data parallelism (ZeRO 0-3) only, so any degree above 1 is refused here. Operational: the fields it
-    resolves to are in the fingerprint."""
+    `layout_memory` per rank; the run logs what it chose and why. `tp=T,pp=P,sp=S[,dp=D]` names a layout (as
+    `lifecycle plan layout` prints it): it sets `train.parallel`, and dp must be what the ranks leave. Operational:
+    the fields it resolves to are in the fingerprint."""
     layout_memory: Annotated[str | None, OPERATIONAL] = None
     """Memory per rank that `layout: auto` plans for (`8GiB`, `80GB`). Null: on cpu, half of MemAvailable divided
     by the ranks (the async checkpoint's staging buffers and memory tier take host memory too); on cuda, the
@@ -476,24 +476,25 @@ class TrainConfig(BaseModel):
                              f"config.json; remove or match: " + "; ".join(clash))
         return {**data, "model": base}
 
-    @field_validator("layout")
+    @model_validator(mode="before")
     @classmethod
-    def _layout(cls, v: str) -> str:
-        if v in ("fixed", "auto"):
-            return v
-        degrees = {}
+    def _layout(cls, data: Any) -> Any:
+        """`layout: tp=T,pp=P,sp=S[,dp=D]` (what `lifecycle plan layout` prints) sets `train.parallel`; a degree
+        that `parallel` also sets, differently, is refused. `dp` is checked against the ranks after validation."""
+        if not isinstance(data, dict) or not isinstance(data.get("layout"), str) or data["layout"] in ("fixed", "auto"):
+            return data
+        v, degrees = data["layout"], {}
         for part in v.split(","):
             key, _, value = part.partition("=")
             if key.strip() not in ("tp", "pp", "sp", "dp") or not value.strip().isdigit() or int(value) < 1:
-                raise ValueError(f"must be 'fixed', 'auto' or degrees like 'tp=1,pp=1,sp=1', got {v!r}")
+                raise ValueError(f"train.layout must be 'fixed', 'auto' or degrees like 'tp=1,pp=1,sp=1', got {v!r}")
             degrees[key.strip()] = int(value)
-        names = {"tp": "tensor", "pp": "pipeline", "sp": "sequence"}
-        if above := [f"{k}={n}" for k, n in degrees.items() if k in names and n > 1]:
-            raise ValueError(f"{', '.join(above)}: the trainer runs data parallelism (ZeRO 0-3) only; "
-                             f"{' and '.join(names[a[:2]] for a in above)} parallelism {'are' if len(above) > 1 else 'is'} not "
-                             "trainable yet "
-                             "(`lifecycle plan layout` plans it)")
-        return v
+        given = data.get("parallel") or {}
+        given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else dict(given)
+        if clash := [f"train.parallel.{k}={given[k]} but train.layout {k}={n}" for k, n in degrees.items()
+                     if k in given and given[k] != n]:
+            raise ValueError("; ".join(clash))
+        return {**data, "parallel": {**given, **{k: n for k, n in degrees.items() if k != "dp"}}}
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -515,9 +516,10 @@ class TrainConfig(BaseModel):
         if moe.num_experts:
             raise ValueError(f"train.moe.num_experts={moe.num_experts}: mixture-of-experts layers are not trainable "
                              "yet (0 = dense)")
-        if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.batch.num_ranks:
-            raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks "
-                             f"({self.batch.num_ranks}), the data-parallel ranks")
+        if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.dp:
+            raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks / (tp·pp·sp) "
+                             f"({self.batch.num_ranks} / {self.parallel.model_parallel} = {self.dp}), the "
+                             "data-parallel ranks")
         if self.optimizer.warmup_steps >= self.horizon:
             raise ValueError(f"train.optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below the cosine "
                              f"horizon, train.optimizer.decay_steps or else train.max_steps ({self.horizon})")

@@ -147,16 +147,18 @@ def test_layout_auto_picks_what_fits():
     assert resolve_layout(fixed) == (fixed, None)
 
 
-def test_layout_the_trainer_cannot_run_is_refused():
+def test_a_named_layout_sets_train_parallel():
     from pydantic import ValidationError
 
     from lifecycle.tasks.train.config import TrainConfig
 
     assert TrainConfig(layout="tp=1,pp=1,sp=1").layout == "tp=1,pp=1,sp=1"
-    with pytest.raises(ValidationError, match="tp=2: the trainer runs data parallelism .* tensor parallelism is not"):
-        TrainConfig(layout="tp=2")
-    with pytest.raises(ValidationError, match="pipeline and sequence parallelism are not"):
-        TrainConfig(layout="pp=2,sp=4")
+    cfg = TrainConfig(layout="tp=2,dp=1", batch={"num_ranks": 2}, engine={"zero_stage": 1})
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp, cfg.dp) == (2, 1, 1, 1)
+    with pytest.raises(ValidationError, match="train.parallel.tp=4 but train.layout tp=2"):
+        TrainConfig(layout="tp=2", parallel={"tp": 4}, batch={"num_ranks": 4}, engine={"zero_stage": 1})
+    with pytest.raises(ValidationError, match="pipeline engine runs ZeRO-0 and ZeRO-1 only"):
+        TrainConfig(layout="pp=2", batch={"num_ranks": 2})
     with pytest.raises(ValidationError, match="must be 'fixed', 'auto' or degrees"):
         TrainConfig(layout="ep=2")
     with pytest.raises(ValidationError, match="dp must equal train.batch.num_ranks"):
