@@ -324,9 +324,11 @@ def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_con
             remove(tag_dir)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag_dir.name, client_state=client_state, save_latest=False)
+    from lifecycle.tasks.train.parallel.moe import consolidated_state
+
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):  # no-op below ZeRO-3
-        state = module.export_state() if rank == 0 else None
+        state = consolidated_state(module)  # rank 0; collective: experts are gathered over their ep group
     if rank == 0:
         written = write_model(tag_dir, state, model_config)
     for p in _files(tag_dir):
