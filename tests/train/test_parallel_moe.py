@@ -243,6 +243,15 @@ def test_moe_models_mixtral_cannot_compute_are_refused(tmp_path, tokenizer_file,
         export_hf(tag, tmp_path / "hf", tokenizer_file)
 
 
+def test_dropped_routes_per_expert_become_one_mlflow_series_each():
+    from lifecycle.flows.pipeline import _per_expert
+
+    rows = [{"step": 1, "loss": 3.0, "moe_dropped_per_expert": [0, 5, 1]}, {"step": 2, "loss": 2.0}]
+    assert _per_expert(rows) == ["moe_dropped_e0", "moe_dropped_e1", "moe_dropped_e2"]
+    assert rows[0]["moe_dropped_e1"] == 5 and "moe_dropped_e0" not in rows[1]
+    assert _per_expert([{"step": 1, "loss": 1.0}]) == []
+
+
 # --------------------------------------------------------------------------------------------------
 # real launches (run_train, gloo CPU ranks)
 
@@ -279,6 +288,7 @@ def test_ep2_on_two_ranks_trains_the_single_rank_curve(tokens, tmp_path):
     load-balancing loss and the routes dropped per expert; the consolidated checkpoint holds all experts."""
     from safetensors.torch import load_file
 
+    from lifecycle.tasks.train import checkpoint as ckpt
     from lifecycle.tasks.train.launch import run_train
 
     one = run_train(tokens, moe_cfg(1, 1), str(tmp_path / "one"))
@@ -299,6 +309,8 @@ def test_ep2_on_two_ranks_trains_the_single_rank_curve(tokens, tmp_path):
     assert sorted(wa) == sorted(wb) and {f"blocks.1.mlp.experts.{j}.up.weight" for j in range(4)} <= set(wb)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
     assert json.loads(open(f"{two.checkpoint_dir}/model_config.json").read())["moe"]["num_experts"] == 4
+    files = {f["path"] for f in ckpt.read_marker(two.checkpoint_dir)["files"]}  # DeepSpeed: a file per expert
+    assert {f"layer_{i}_expert_{j}_mp_rank_00_model_states.pt" for i in (0, 1) for j in range(4)} <= files
 
 
 @pytest.mark.slow
