@@ -1,5 +1,5 @@
 """Expert parallelism against one rank holding every expert: `python -m bench.moe_agreement [--zero 0 1 2]
-[--steps 20] [--top-k 2] [--capacity-factor 1.0]`.
+[--steps 20] [--top-k 2] [--capacity-factor 1.0] [--grad-clip 1.0]`.
 
 For each ZeRO stage, two real `run_train` launches on the same tiny corpus (tests/train/test_train.py's) from the
 same seed: ep=2 on 2 gloo CPU ranks (micro-batch 8 each) and 1 rank with all 4 experts (micro-batch 8, 2
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--capacity-factor", type=float, default=1.0)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="train.optimizer.grad_clip (0: no clipping)")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from lifecycle.tasks.train.launch import run_train
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokens = make_tokens(Path(tmp) / "tokens", 600)
         for zero in args.zero:
-            over = {"engine": {"zero_stage": zero}, "max_steps": args.steps,
+            over = {"engine": {"zero_stage": zero}, "max_steps": args.steps, "optimizer": {"grad_clip": args.grad_clip},
                     "moe": {"top_k": args.top_k, "capacity_factor": args.capacity_factor}}
-            out = {"zero_stage": zero, "steps": args.steps, "top_k": args.top_k,
+            out = {"zero_stage": zero, "steps": args.steps, "top_k": args.top_k, "grad_clip": args.grad_clip,
                    "capacity_factor": args.capacity_factor}
             losses = {}
             for name, ranks in (("ep2", 2), ("one_rank", 1)):

@@ -542,6 +542,12 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.engine.zero_stage=3: DeepSpeed's "
                              "MoE layer (deepspeed.moe.layer.MoE) is not supported under ZeRO-3 (its engine "
                              "refuses it; only its AutoEP layers are); use zero_stage 0, 1 or 2")
+        if self.engine.zero_stage == 0 and moe.ep > 1 and self.optimizer.grad_clip > 0:
+            raise ValueError(f"{pre}.ep={moe.ep} with train.engine.zero_stage=0 and train.optimizer.grad_clip > 0: "
+                             "DeepSpeed's ZeRO-0 clips by the mean over ranks of each rank's gradient norm, which "
+                             "is not the global norm when the experts are split over ranks (the run drifts from "
+                             "the ep=1 trajectory); use zero_stage 1 or 2 (they compute the global norm), or "
+                             "grad_clip 0")
         if self.engine.activation_checkpointing:
             raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.engine.activation_checkpointing: "
                              "the load-balancing loss leaves each block as a side output, which the block's "

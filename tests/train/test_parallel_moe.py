@@ -29,6 +29,7 @@ MOE = {"num_experts": 4, "top_k": 2, "ep": 2, "capacity_factor": 1.0, "aux_loss_
     ({"moe": {"num_experts": 2, "top_k": 3}}, r"top_k \(3\) must not exceed"),
     ({"moe": {"num_experts": 4}, "engine": {"zero_stage": 3}}, "not supported under ZeRO-3"),
     ({"moe": {"num_experts": 4}, "engine": {"activation_checkpointing": True}}, "load-balancing loss"),
+    ({"moe": {"num_experts": 4, "ep": 2}, "engine": {"zero_stage": 0}}, "not the global norm"),
     ({"moe": {"num_experts": 4, "every": 5}}, "no block would get an MoE MLP"),
     ({"moe": {"num_experts": 4}, "model": {"moe": {"num_experts": 4}}}, "set train.moe instead"),
 ])
@@ -45,8 +46,10 @@ def test_dense_config_and_fingerprint_are_unchanged_and_moe_goes_into_the_archit
     arch = cfg.model_arch
     assert arch.moe == MoEArch(num_experts=4, top_k=2, every=1)
     assert ModelConfig.model_validate_json(arch.model_dump_json()) == arch  # model_config.json round trip
-    for stage in (0, 1, 2):
+    for stage in (1, 2):
         TrainConfig.model_validate({"moe": MOE, "engine": {"zero_stage": stage}})
+    TrainConfig.model_validate({"moe": MOE, "engine": {"zero_stage": 0}, "optimizer": {"grad_clip": 0}})
+    TrainConfig.model_validate({"moe": {**MOE, "ep": 1}, "engine": {"zero_stage": 0}})  # replicated experts
 
 
 def test_flops_per_token_count_top_k_experts_not_all():
