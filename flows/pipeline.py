@@ -192,7 +192,8 @@ class _Logger:
                                metrics={"final_loss": result.final_loss, "steps": result.steps},
                                tags={"lifecycle.checkpoint": result.checkpoint_dir,
                                      "lifecycle.resumed_from": str(result.resumed_from)})
-        self.tracker.log_series("train", rows, [k for k in ("loss", "lr", "val_loss") if any(k in r for r in rows)])
+        series = ("loss", "lr", "val_loss", "moe_aux_loss", "moe_dropped", "moe_drop_frac", *_per_expert(rows))
+        self.tracker.log_series("train", rows, [k for k in series if any(k in r for r in rows)])
         self.summary.checkpoint = result.checkpoint_dir
         self.summary.metrics.update({"train_loss": result.final_loss, "train_steps": result.steps})
         print(f"[train] {outcome}: step {result.steps}, loss {result.final_loss:.4f} -> {result.checkpoint_dir}")
@@ -227,6 +228,17 @@ def _update_catalog(workdir: str, with_models: bool) -> None:
 
 def _metrics_rows(result) -> list[dict]:
     return [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines() if line.strip()]
+
+
+def _per_expert(rows: list[dict]) -> list[str]:
+    """A mixture of experts' dropped routes per expert (a list in metrics.jsonl) as one MLflow series per expert,
+    `moe_dropped_e<j>`; the rows get those keys. None for a dense run."""
+    names: set[str] = set()
+    for r in rows:
+        for j, n in enumerate(r.get("moe_dropped_per_expert") or []):
+            r[f"moe_dropped_e{j}"] = n
+            names.add(f"moe_dropped_e{j}")
+    return sorted(names, key=lambda k: int(k.removeprefix("moe_dropped_e")))
 
 
 def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg: PipelineConfig,

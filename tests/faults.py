@@ -33,9 +33,10 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", checkpoint: dict | None = None,
            model: dict | None = None, batch: dict | None = None, max_steps: int = 40, init_from: str = "scratch",
-           parallel: dict | None = None, zero_stage: int = 2):
+           parallel: dict | None = None, zero_stage: int = 2, moe: dict | None = None):
     """The faults' training run; `checkpoint`, `model`, `batch` and `parallel` override fields of those sections;
-    `init_from: hf:<dir>` continues that checkpoint (its config.json gives the architecture)."""
+    `init_from: hf:<dir>` continues that checkpoint (its config.json gives the architecture); `moe`: the
+    `train.moe` section (mixture of experts)."""
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
     shape = {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 64, "dropout": 0.1, **(model or {})}
@@ -44,10 +45,9 @@ def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", ch
                        optimizer={"decay_steps": max(60, max_steps), "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
                        batch={"micro_batch_size": 8, "num_ranks": ranks, **(batch or {})},
                        engine={"zero_stage": zero_stage, "precision": precision, "accelerator": accelerator},
-                       parallel=parallel or {},
                        checkpoint={"every": 5, "keep_last": 2, **(checkpoint or {})}, logging={"every": 1},
                        parallel=parallel or {},
-                       launch={"threads_per_rank": 1, "timeout_s": 600})
+                       launch={"threads_per_rank": 1, "timeout_s": 600}, moe=moe or {})
 
 
 def tokens(tokdir: str):
@@ -210,13 +210,14 @@ def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, trai
 
 
 def kill_and_resume(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2,
-                    precision: str = "fp32", init_from: str = "scratch", parallel: dict | None = None) -> dict:
+                    precision: str = "fp32", init_from: str = "scratch", parallel: dict | None = None,
+                    moe: dict | None = None) -> dict:
     """`kills` trials against one uninterrupted reference run; prints one line per trial and the totals.
     Returns {"kills", "identical" (bitwise-identical resumes), "identical_mid_run" (those killed before the final
     commit, i.e. really resumed)}."""
     rng = random.Random(seed)
     opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision, "init_from": init_from,
-            **({"parallel": parallel} if parallel else {})}
+            **({"parallel": parallel} if parallel else {}), **({"moe": moe} if moe else {})}
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = str(Path(tmp) / "tokens")
         ref_proc = launch(tokdir, str(Path(tmp) / "ref"), opts)

@@ -24,7 +24,22 @@ theta^(-j/(head_dim/2)) = theta^(-2j/head_dim); that is HF's `rotate_half` layou
 q/k need no permutation (the permutation in HF's convert_llama_weights_to_hf.py is for Meta's interleaved
 layout, which we do not use). Both norms compute in fp32 and cast back before the weight multiply.
 
-The GPT-2 recipe (LayerNorm, GELU, learned positions) and mixtures are refused: no HF architecture computes
+A mixture of experts (`model_config.json` has `moe`, lifecycle.tasks.train.parallel.moe) is
+`MixtralForCausalLM`: Llama attention and norms, and per block a `block_sparse_moe` with a router `gate` (E × C) and
+experts w1 (gate), w3 (up), w2 (down) of a SwiGLU MLP:
+
+| ours                                       | MixtralForCausalLM (the hub's layout; transformers fuses it on load) |
+|--------------------------------------------|-----------------------------------------------------------------------|
+| blocks.i.mlp.gate                          | model.layers.i.block_sparse_moe.gate                                  |
+| blocks.i.mlp.experts.j.up (rows gate, up)  | model.layers.i.block_sparse_moe.experts.j.w1 / w3                     |
+| blocks.i.mlp.experts.j.down                | model.layers.i.block_sparse_moe.experts.j.w2                          |
+
+Mixtral's router is softmax over the experts, top-k, renormalised over the k: for top_k >= 2 that is our router
+(DeepSpeed's TopKGate without capacity drops; see parallel/moe.py). For top_k=1 Mixtral's weight is 1 and ours is
+the router probability, so a top-1 model is refused; so is an MoE MLP in only some blocks (`moe.every` > 1:
+Mixtral has one in every layer) and a q/k/v bias (Mixtral has none).
+
+The GPT-2 recipe (LayerNorm, GELU, learned positions) is refused: no HF architecture computes
 exactly what those configs compute (HF GPT-2 has biases, a different module layout and GELU variants), so an
 export would silently change the model's outputs.
 
@@ -61,14 +76,25 @@ def check_exportable(cfg) -> None:
         problems.append(f"mlp={cfg.mlp!r} (LlamaForCausalLM has SwiGLU only)")
     if cfg.pos != "rope":
         problems.append(f"pos={cfg.pos!r} (LlamaForCausalLM has rotary positions only)")
+    if cfg.moe is not None:
+        if cfg.moe.top_k < 2:
+            problems.append(f"moe.top_k={cfg.moe.top_k} (Mixtral weighs a top-1 expert by 1, ours by its router "
+                            "probability)")
+        if cfg.moe.every != 1:
+            problems.append(f"moe.every={cfg.moe.every} (MixtralForCausalLM has an MoE MLP in every layer)")
+        if cfg.qkv_bias:
+            problems.append("qkv_bias=True (MixtralForCausalLM has no attention bias)")
     if problems:
         raise ExportError("cannot export this model exactly to a Hugging Face architecture: " + "; ".join(problems)
                           + ". Only the Llama recipe (norm=rmsnorm, mlp=swiglu, pos=rope) maps onto LlamaForCausalLM.")
 
 
 def hf_architecture(cfg) -> str:
-    """The transformers class that computes our model: Qwen2 when q/k/v carry a bias (Llama's `attention_bias`
-    would put one on o_proj too), Llama otherwise (Mistral without a sliding window is the same model)."""
+    """The transformers class that computes our model: Mixtral for a mixture of experts, Qwen2 when q/k/v carry a
+    bias (Llama's `attention_bias` would put one on o_proj too), Llama otherwise (Mistral without a sliding
+    window is the same model)."""
+    if cfg.moe is not None:
+        return "MixtralForCausalLM"
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
 
 
@@ -85,6 +111,9 @@ def llama_config(cfg, eos_id: int | None, pad_id: int | None, bos_id: int | None
         bos_token_id=eos_id if bos_id is None else bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
         torch_dtype="float32",
     )
+    if cfg.moe is not None:  # MixtralConfig: no attention/mlp bias fields; experts dropless at inference
+        return out | dict(sliding_window=None, num_local_experts=cfg.moe.num_experts,
+                          num_experts_per_tok=cfg.moe.top_k, router_jitter_noise=0.0, output_router_logits=False)
     if cfg.qkv_bias:
         return out | dict(use_sliding_window=False, sliding_window=None)
     return out | dict(attention_bias=False, mlp_bias=False)
@@ -97,14 +126,22 @@ def to_llama_state(state: dict, cfg) -> dict:
     out = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["norm_f.weight"]}
     for i in range(cfg.n_layer):
         b, L = f"blocks.{i}.", f"model.layers.{i}."
-        up = state[b + "mlp.up.weight"]
         out |= {
             L + "input_layernorm.weight": state[b + "norm1.weight"],
             L + "post_attention_layernorm.weight": state[b + "norm2.weight"],
             L + "self_attn.o_proj.weight": state[b + "attn.proj.weight"],
-            L + "mlp.gate_proj.weight": up[:H], L + "mlp.up_proj.weight": up[H:],
-            L + "mlp.down_proj.weight": state[b + "mlp.down.weight"],
         }
+        if cfg.moe is not None:  # Mixtral: block_sparse_moe.gate and experts j: w1 = gate, w3 = up, w2 = down
+            M = L + "block_sparse_moe."
+            out[M + "gate.weight"] = state[b + "mlp.gate.weight"]
+            for j in range(cfg.moe.num_experts):
+                up = state[b + f"mlp.experts.{j}.up.weight"]
+                out |= {M + f"experts.{j}.w1.weight": up[:H], M + f"experts.{j}.w3.weight": up[H:],
+                        M + f"experts.{j}.w2.weight": state[b + f"mlp.experts.{j}.down.weight"]}
+        else:
+            up = state[b + "mlp.up.weight"]
+            out |= {L + "mlp.gate_proj.weight": up[:H], L + "mlp.up_proj.weight": up[H:],
+                    L + "mlp.down_proj.weight": state[b + "mlp.down.weight"]}
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             qkv = state[b + f"attn.qkv.{kind}"]
             out |= {L + f"self_attn.q_proj.{kind}": qkv[:C], L + f"self_attn.k_proj.{kind}": qkv[C: C + KV],
@@ -169,7 +206,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path
               tolerance: float = TOLERANCE) -> dict:
     """Write model.safetensors, config.json and the tokenizer files into out_dir; check the logits."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import LlamaConfig, MixtralConfig, PreTrainedTokenizerFast, Qwen2Config
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / ckpt.MARKER).is_file():
@@ -186,7 +223,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, tokenizer: str | Path
     hf_tok.model_max_length = model.cfg.seq_len
     hf_tok.save_pretrained(str(out))
     arch = hf_architecture(model.cfg)
-    config = (Qwen2Config if arch == "Qwen2ForCausalLM" else LlamaConfig)(**llama_config(model.cfg, eos, pad, bos))
+    config_class = {"Qwen2ForCausalLM": Qwen2Config, "MixtralForCausalLM": MixtralConfig}.get(arch, LlamaConfig)
+    config = config_class(**llama_config(model.cfg, eos, pad, bos))
     config.architectures = [arch]
     config.save_pretrained(str(out))
     save_file(to_llama_state(model.export_state(), model.cfg), str(out / "model.safetensors"),

@@ -496,6 +496,8 @@ class AsyncSaver:
         """Snapshot checkpoint `step` and queue its files; returns the (not yet committed) tag directory."""
         import deepspeed
 
+        from lifecycle.tasks.train.parallel.moe import consolidated_state
+
         self.finish()  # one save in flight at a time
         tag_dir = self.root / ckpt.tag_name(step)
         if self.rank == 0:
@@ -515,9 +517,9 @@ class AsyncSaver:
                 self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), state, model_config))
         else:
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                state = consolidated_state(module, copy=False)  # collective: experts gathered over their ep group
                 if self.rank == 0:  # staged (copied) while ZeRO-3's gathered parameters are still there
-                    self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir),
-                                                                  module.export_state(copy=False), model_config))
+                    self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), state, model_config))
         self.writer.seal()  # the snapshot is complete: training goes on and may change every tensor
         self.pending = (step, tag_dir, marker_extra)
         return tag_dir

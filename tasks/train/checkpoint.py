@@ -314,14 +314,17 @@ def gathered_export(module, rank: int, copy: bool = True) -> dict | None:
     """The dense model's `export_state` on rank 0 (None on the others); collective. ZeRO-3 partitions are
     gathered (`deepspeed.zero.GatheredParameters`, a no-op below ZeRO-3); a module whose `collective_export` is
     true (a pipeline stage, lifecycle.tasks.train.parallel.pp; a tensor-parallel shard, parallel.tp) gathers the
-    other ranks' parts itself, called on every rank."""
+    other ranks' parts itself, called on every rank; MoE experts are gathered over their expert-parallel group
+    (parallel.moe.consolidated_state)."""
     import deepspeed
+
+    from lifecycle.tasks.train.parallel.moe import consolidated_state
 
     if getattr(module, "collective_export", False):
         state = module.export_state(copy=copy)
         return state if rank == 0 else None
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        return module.export_state(copy=copy) if rank == 0 else None
+        return consolidated_state(module, copy=copy)  # experts gathered over their expert-parallel group
 
 
 def save(engine, ckpt_root: str | Path, step: int, client_state: dict, model_config: Any,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic.fields import FieldInfo
 
 
@@ -42,6 +42,30 @@ class RopeScaling(BaseModel):
             raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
                              f"({self.low_freq_factor})")
         return self
+
+
+class MoEArch(BaseModel):
+    """The mixture-of-experts part of an architecture (`ModelConfig.moe`): what a checkpoint's model_config.json
+    needs to rebuild the model. The trainer fills it from `train.moe` (lifecycle.tasks.train.parallel.moe)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    num_experts: int = Field(ge=1)
+    """Experts per MoE layer."""
+    top_k: int = Field(1, ge=1)
+    """Experts each token goes to. top_k=1 scales the expert's output by its router probability (Switch);
+    top_k >= 2 by the probabilities renormalised over the chosen k (GShard, Mixtral)."""
+    every: int = Field(1, ge=1)
+    """Block i (0-based) has an MoE MLP when (i + 1) % every == 0."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEArch":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        return self
+
+    def is_moe_block(self, i: int) -> bool:
+        return (i + 1) % self.every == 0
 
 
 class ModelConfig(BaseModel):
@@ -88,6 +112,17 @@ class ModelConfig(BaseModel):
     """SwiGLU hidden width (a Hugging Face config's `intermediate_size`). Null = 8/3·n_embd rounded up to 32."""
     rope_scaling: RopeScaling | None = None
     """RoPE frequency scaling (Llama 3.1+); null = plain RoPE at `rope_theta`."""
+    moe: MoEArch | None = None
+    """Mixture-of-experts MLPs; null = dense. Set by the trainer from `train.moe` (a training config sets
+    `train.moe`, not this); left out of the dump when null, so a dense model's config and fingerprint are
+    those of before."""
+
+    @model_serializer(mode="wrap")
+    def _drop_null_moe(self, handler):
+        out = handler(self)
+        if self.moe is None and isinstance(out, dict):
+            out.pop("moe", None)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -514,8 +549,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train.parallel.pp={par.pp} > train.model.n_layer={self.model.n_layer}: every "
                              "pipeline stage needs at least one block")
         if moe.num_experts:
-            raise ValueError(f"train.moe.num_experts={moe.num_experts}: mixture-of-experts layers are not trainable "
-                             "yet (0 = dense)")
+            self._check_moe()
         if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.dp:
             raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks / (tp·pp·sp) "
                              f"({self.batch.num_ranks} / {self.parallel.model_parallel} = {self.dp}), the "
@@ -548,6 +582,54 @@ class TrainConfig(BaseModel):
         if self.moe.num_experts:
             raise ValueError(f"train.parallel.tp={tp} with train.moe.num_experts={self.moe.num_experts}: tp splits "
                              "the dense MLP only; MoE experts are not tp-sharded")
+
+    def _check_moe(self) -> None:
+        """What mixture of experts composes with (lifecycle.tasks.train.parallel.moe); refused with the reason."""
+        moe, pre = self.moe, "train.moe"
+        if self.model.moe is not None:
+            raise ValueError("train.model.moe is filled from train.moe by the trainer: set train.moe instead")
+        if moe.top_k > moe.num_experts:
+            raise ValueError(f"{pre}.top_k ({moe.top_k}) must not exceed {pre}.num_experts ({moe.num_experts})")
+        if moe.num_experts % moe.ep:
+            raise ValueError(f"{pre}.num_experts ({moe.num_experts}) must be divisible by {pre}.ep ({moe.ep}): "
+                             "each expert-parallel rank holds num_experts/ep experts")
+        if self.dp % moe.ep:
+            raise ValueError(f"{pre}.ep ({moe.ep}) must divide the data-parallel degree ({self.dp}): DeepSpeed "
+                             "carves the expert-parallel groups out of the data-parallel ranks")
+        if moe.every > self.model.n_layer:
+            raise ValueError(f"{pre}.every ({moe.every}) exceeds train.model.n_layer ({self.model.n_layer}): "
+                             "no block would get an MoE MLP")
+        if self.parallel.model_parallel > 1:
+            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.parallel tp·pp·sp = "
+                             f"{self.parallel.model_parallel}: mixture of experts composes with data parallelism "
+                             "only here (DeepSpeed's expert tensor parallelism and MoE inside a PipelineModule "
+                             "are not wired)")
+        if self.engine.zero_stage == 3:
+            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.engine.zero_stage=3: DeepSpeed's "
+                             "MoE layer (deepspeed.moe.layer.MoE) is not supported under ZeRO-3 (its engine "
+                             "refuses it; only its AutoEP layers are); use zero_stage 0, 1 or 2")
+        if self.engine.zero_stage == 0 and moe.ep > 1 and self.optimizer.grad_clip > 0:
+            raise ValueError(f"{pre}.ep={moe.ep} with train.engine.zero_stage=0 and train.optimizer.grad_clip > 0: "
+                             "DeepSpeed's ZeRO-0 clips by the mean over ranks of each rank's gradient norm, which "
+                             "is not the global norm when the experts are split over ranks (the run drifts from "
+                             "the ep=1 trajectory); use zero_stage 1 or 2 (they compute the global norm), or "
+                             "grad_clip 0")
+        if self.engine.activation_checkpointing:
+            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.engine.activation_checkpointing: "
+                             "the load-balancing loss leaves each block as a side output, which the block's "
+                             "recompute in backward does not cover")
+        if self.init_from.startswith("hf:"):
+            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.init_from {self.init_from}: a dense "
+                             "Hugging Face checkpoint has no experts to load (upcycling is not implemented)")
+
+    @property
+    def model_arch(self) -> ModelConfig:
+        """The architecture a run trains: `model`, plus the experts `moe` gives (ModelConfig.moe). A checkpoint's
+        model_config.json holds it, so evaluate and export rebuild the experts; `model` itself when dense."""
+        m = self.moe
+        if not m.num_experts:
+            return self.model
+        return self.model.model_copy(update={"moe": MoEArch(num_experts=m.num_experts, top_k=m.top_k, every=m.every)})
 
     @property
     def horizon(self) -> int:

@@ -147,12 +147,17 @@ def ds_init_(weight: torch.Tensor, depth: int, fused: int = 1, alpha: float = 1.
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.norm1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        if cfg.moe is not None and cfg.moe.is_moe_block(index):  # mixture of experts (parallel/moe.py)
+            from lifecycle.tasks.train.parallel.moe import MoEMLP
+
+            self.mlp = MoEMLP(cfg, lambda: MLP(cfg))
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope)
@@ -173,7 +178,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd) if cfg.pos == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         # Recompute each block's activations in backward instead of keeping them (set by the train loop from
@@ -214,9 +219,12 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs (forward + backward) per token: 6·N for the matmuls with N the non-embedding
-        parameters plus the output head, and 12·L·d·T for attention scores (PaLM paper, appendix B)."""
+        parameters plus the output head, and 12·L·d·T for attention scores (PaLM paper, appendix B). In a
+        mixture of experts N counts the top_k experts a token goes through, not all of them."""
         T = seq_len or self.cfg.seq_len
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * self.cfg.n_layer * self.cfg.n_embd * T
+        n = self.num_params(exclude_embeddings=True) - sum(m.inactive_params() for m in self.modules()
+                                                           if hasattr(m, "inactive_params"))
+        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) int64 with T <= seq_len. Returns (logits (B, T, vocab), mean loss or None).

@@ -37,6 +37,7 @@ from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
+from lifecycle.tasks.train.parallel import moe
 from lifecycle.tasks.train.parallel.mesh import Grid, Mesh
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
@@ -338,11 +339,12 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         base = self.launch.get("base_model")
+        self.model_cfg = cfg.model_arch  # train.model, plus the experts of train.moe
         if base and cfg.engine.zero_stage == 3:  # each rank holds only its partition of the base model's weights
             with deepspeed.zero.Init(config_dict_or_path=ds_config(cfg)):
                 model = GPT(cfg.model)
         else:
-            model = GPT(cfg.model)
+            model = GPT(self.model_cfg)
         if base:  # continue a Hugging Face checkpoint (a resume overwrites these with the checkpoint's)
             from lifecycle.tasks.train import hf_import
 
@@ -366,11 +368,14 @@ class Trainer:
             from lifecycle.tasks.train.parallel.tp import TPGroup, shard_model
 
             model = shard_model(model, TPGroup.of(self.mesh))
+        if cfg.moe.num_experts:  # this rank's experts in DeepSpeed MoE layers (expert-parallel groups made here)
+            moe.install(model, cfg)
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = cfg.optimizer
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas)
+        groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(moe.param_groups(groups) if cfg.moe.num_experts else groups, lr=opt.lr,
+                                      betas=opt.betas)
         schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
         engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                        config=ds_config(cfg), mpu=self.mesh)
@@ -395,6 +400,9 @@ class Trainer:
         t0 = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
         dstep = data_step(self.step, self.skipped)
+        self.aux_sum = 0.0
+        if self.cfg.moe.num_experts:  # the route counts of this step only
+            moe.take_counts(self.engine.module)
         loss = self.forward_backward(dstep)
         if self.is_bad(loss):
             self.rollback(loss, dstep)
@@ -446,7 +454,11 @@ class Trainer:
                 loss = self.sp.loss(loss)
             if dstep in self.faults:
                 loss = loss * float("nan")
-            self.engine.backward(loss)
+            if (aux := moe.aux_loss(self.engine.module)) is not None:  # load balancing, beside the logged LM loss
+                self.aux_sum += aux.item()
+                self.engine.backward(loss + self.cfg.moe.aux_loss_weight * aux)
+            else:
+                self.engine.backward(loss)
             self.engine.step()
             loss_sum += loss.item()
         return mean_over_ranks(loss_sum / self.cfg.batch.grad_accum, self.device)
@@ -467,12 +479,14 @@ class Trainer:
         window = now - self.window_start
         wait = mean_over_ranks(self.loader.take_wait(), self.device)
         step_time = window / self.window_steps
+        extra = moe.step_record(self.engine.module, self.aux_sum, self.cfg.batch.grad_accum, self.device) \
+            if self.cfg.moe.num_experts else {}  # collective
         self.metrics.write({"kind": "train", "step": self.step, "loss": loss, "lr": lr,
                             "tokens": self.step * self.tokens_per_step, "elapsed": round(self.elapsed, 3),
                             "step_time": step_time, "data_wait": wait / self.window_steps, "stall_frac": wait / window,
                             "tokens_per_s": self.tokens_per_step / step_time,
                             "mfu": self.flops_per_token * self.tokens_per_step / step_time / (self.peak * self.world),
-                            "params": self.n_matmul, "flops_per_token": self.flops_per_token})
+                            "params": self.n_matmul, "flops_per_token": self.flops_per_token, **extra})
         self.window_start, self.window_steps = now, 0
 
     @torch.no_grad()
@@ -504,7 +518,7 @@ class Trainer:
                   "fingerprint": self.launch["fingerprint"],
                   "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
         t_save = time.perf_counter()
-        self.checkpointer.save(self.step, client_state, cfg.model, marker, wait=last)
+        self.checkpointer.save(self.step, client_state, self.model_cfg, marker, wait=last)
         stall = time.perf_counter() - t_save
         self.say(f"save stall {stall:.3f}s at step {self.step}")
         if self.schedule.auto and not last:

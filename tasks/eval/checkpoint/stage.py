@@ -89,7 +89,7 @@ def warm_start(package_dir: str | Path, train_cfg) -> tuple[Path | None, str]:
         return None, "model_size is auto: the architecture is chosen per run, so it cannot be compared"
     # a package written before ModelConfig gained fields reads as their defaults
     theirs = type(train_cfg.model).model_validate_json((package_dir / "model_config.json").read_text()).model_dump(mode="json")
-    ours = train_cfg.model.model_dump(mode="json")
+    ours = train_cfg.model_arch.model_dump(mode="json")  # with the experts of train.moe
     if ours.get("vocab_size") is None:
         ours["vocab_size"] = theirs.get("vocab_size")
     diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
