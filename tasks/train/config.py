@@ -582,6 +582,10 @@ class TrainConfig(BaseModel):
         if self.moe.num_experts:
             raise ValueError(f"train.parallel.tp={tp} with train.moe.num_experts={self.moe.num_experts}: tp splits "
                              "the dense MLP only; MoE experts are not tp-sharded")
+        if self.parallel.pp > 1 or self.parallel.sp > 1:
+            raise ValueError(f"train.parallel.tp={tp} with pp={self.parallel.pp}, sp={self.parallel.sp}: tensor "
+                             "parallelism composes with data parallelism only here (DeepSpeed's pipeline engine "
+                             "refuses our mesh as its mpu; tp × sp is not tested); use one model-parallel axis")
 
     def _check_moe(self) -> None:
         """What mixture of experts composes with (lifecycle.tasks.train.parallel.moe); refused with the reason."""
