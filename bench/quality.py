@@ -65,10 +65,9 @@ def run(n_docs: int) -> dict:
 
         model = fasttext.load_model(str(ref.dir / m["model_file"]))
         docs = [corpus[i % len(corpus)] for i in range(n_docs)]
-        lines = [classifier.line_of(t, cfg.max_chars) for t in docs]
-        t0 = time.perf_counter()
-        for i in range(0, len(lines), cfg.batch_rows):
-            classifier.hq_scores(model, lines[i:i + cfg.batch_rows])
+        t0 = time.perf_counter()  # the stage's whole scoring path: text to a fastText line, then batched predict
+        for i in range(0, len(docs), cfg.batch_rows):
+            classifier.hq_scores(model, [classifier.line_of(t, cfg.max_chars) for t in docs[i:i + cfg.batch_rows]])
         ours = n_docs / (time.perf_counter() - t0)
         t0 = time.perf_counter()
         for t in docs:  # the peer: one call per document, newlines replaced (datatrove's filter)
