@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.core.fs import atomic_write_json
+from lifecycle.tasks.train.checkpoint import read_marker
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
+from lifecycle.tasks.train.layout import describe, layout_of
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
 from lifecycle.tasks.data.tokenize.stage import TokenShards
@@ -93,11 +95,18 @@ def keep_mlflow_out() -> None:
     sys.modules.setdefault("mlflow", None)
 
 
-def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = ()) -> dict:
+DATA_LAYOUT = ("world_size", "micro_batch_size", "grad_accum")
+"""The sampler fields that say under which layout its keys (seed, step, rank, micro) are drawn: the layout the
+run started with. A run that resumes under another layout keeps drawing under it (`layout_batch`)."""
+
+
+def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = (),
+                  data: dict | None = None) -> dict:
     """`skipped`: data steps thrown away by loss-spike rollbacks; step s reads data step
-    `loader.data_step(s, skipped)`."""
-    return {"kind": "uniform_windows", "next_step": next_step, "seed": cfg.seed, "world_size": world,
-            "micro_batch_size": cfg.batch.micro_batch_size, "grad_accum": cfg.batch.grad_accum,
+    `loader.data_step(s, skipped)`. `data`: the data layout (`DATA_LAYOUT`), when not this run's own."""
+    data = data or {"world_size": world, "micro_batch_size": cfg.batch.micro_batch_size,
+                    "grad_accum": cfg.batch.grad_accum}
+    return {"kind": "uniform_windows", "next_step": next_step, "seed": cfg.seed, **{k: data[k] for k in DATA_LAYOUT},
             "seq_len": cfg.model.seq_len,
             "skipped": sorted(skipped)}
 
@@ -153,6 +162,29 @@ def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, rank: int, micro
     x = np.stack([data[k][i : i + T] for k, i in zip(which, starts)]).astype(np.int64)
     y = np.stack([data[k][i + 1 : i + 1 + T] for k, i in zip(which, starts)]).astype(np.int64)
     return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def layout_batch(shards: TokenShards, cfg: TrainConfig, data: dict, world: int, step: int, rank: int, micro: int):
+    """Micro-batch `micro` of `rank` under this run's layout, when the sampler draws under the data layout `data`
+    (another layout, the one the run started with): global sequence position p of a step (rank-major, then
+    micro, then row) is row p % B0 of the data layout's micro-batch (r0, m0) = divmod(p // B0, accum0). The
+    global batch is the same set of sequences whatever the layout, and the loss (a mean over equal-sized
+    micro-batches and ranks) the same mean. Under the data layout itself this is `get_batch`."""
+    B = cfg.batch.micro_batch_size
+    if (data["world_size"], data["micro_batch_size"], data["grad_accum"]) == (world, B, cfg.batch.grad_accum):
+        return get_batch(shards, cfg, step, rank, micro)
+    B0, A0 = data["micro_batch_size"], data["grad_accum"]
+    cfg0 = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"micro_batch_size": B0})})
+    first = (rank * cfg.batch.grad_accum + micro) * B
+    xs, ys, cached = [], [], {}
+    for p in range(first, first + B):
+        r0, m0 = divmod(p // B0, A0)
+        if (r0, m0) not in cached:
+            cached[(r0, m0)] = get_batch(shards, cfg0, step, r0, m0)
+        x, y = cached[(r0, m0)]
+        xs.append(x[p % B0])
+        ys.append(y[p % B0])
+    return torch.stack(xs), torch.stack(ys)
 
 
 def val_batches(shards: TokenShards, cfg: TrainConfig, rank: int, world: int):
@@ -253,6 +285,8 @@ class Trainer:
                                               tier=launch.get("memory_tier"))
         torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
         self.step, self.elapsed, self.skipped = 0, 0.0, []
+        self.data_layout = {k: sampler_state(cfg, 0, self.world)[k] for k in DATA_LAYOUT}
+        self.layout_change: dict | None = None
         if (found := self.restore()) is not None:
             self.say(f"resumed from {found} at step {self.step}")
         self.metrics = Metrics(self.run_dir / "metrics.jsonl", self.step, enabled=self.rank == 0)
@@ -261,6 +295,8 @@ class Trainer:
             self.say(f"restored step {self.step} from {info['tier']} in {info['seconds']:.3f}s"
                      + (f" (memory tier not used: {info['reason']})" if info["reason"] else ""))
             self.metrics.write({"kind": "restore", "step": self.step, **info})
+            if self.layout_change:
+                self.metrics.write(self.layout_change)
         self.schedule = SaveSchedule(cfg.checkpoint, self.step)
         self.faults = injected_faults()
         self.engine.train()
@@ -354,7 +390,8 @@ class Trainer:
         cfg = self.cfg
         keys = ((s, data_step(s, self.skipped), m) for s in range(self.step, cfg.max_steps)
                 for m in range(cfg.batch.grad_accum))
-        return Prefetcher(lambda k: get_batch(self.shards, cfg, k[1], self.rank, k[2]), keys, cfg.launch.prefetch)
+        return Prefetcher(lambda k: layout_batch(self.shards, cfg, self.data_layout, self.world, k[1], self.rank, k[2]),
+                          keys, cfg.launch.prefetch)
 
     # ----------------------------------------------------------------------------------------------
     # the step
@@ -449,11 +486,12 @@ class Trainer:
         """Checkpoint this step: RNG states and sampler position in client_state, run facts in the marker."""
         cfg, shards = self.cfg, self.shards
         client_state = {"step": self.step, "elapsed": self.elapsed,
-                        "sampler": sampler_state(cfg, self.step, self.world, self.skipped),
+                        "sampler": sampler_state(cfg, self.step, self.world, self.skipped, self.data_layout),
                         "rng": gather_rng(self.world, self.device), "config": self.launch["train"],
                         "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
         marker = {"loss": loss, "tokens": self.step * self.tokens_per_step, "world_size": self.world,
                   "zero_stage": cfg.engine.zero_stage, "precision": cfg.engine.precision,
+                  "layout": layout_of(cfg), "format": "deepspeed",
                   "fingerprint": self.launch["fingerprint"],
                   "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
         t_save = time.perf_counter()
@@ -486,11 +524,25 @@ class Trainer:
             return None
         tag_dir, state = got
         skipped = state["sampler"].get("skipped", [])
-        expected = sampler_state(self.cfg, state["step"], self.world, skipped)
+        data = {k: state["sampler"][k] for k in DATA_LAYOUT}
+        expected = sampler_state(self.cfg, state["step"], self.world, skipped, data)
         if state["sampler"] != expected or state["dataset_sha256"] != self.shards.dataset_sha256:
             raise RuntimeError(f"checkpoint {tag_dir} was written for another sampler/dataset: {state['sampler']}")
-        set_rng_state(state["rng"][self.rank], self.device)
-        self.step, self.elapsed, self.skipped = state["step"], state["elapsed"], skipped
+        if math.prod(data.values()) != self.cfg.global_batch:
+            raise RuntimeError(f"checkpoint {tag_dir} was written with a global batch of {math.prod(data.values())} "
+                               f"sequences ({data}); this run's is {self.cfg.global_batch}")
+        marker = read_marker(tag_dir)
+        if (saved := marker.get("layout")) is not None and saved != layout_of(self.cfg):
+            # another layout's RNG states: rank r takes old rank r's (dropout masks are per rank, so a run with
+            # dropout follows another trajectory after a layout change; without dropout nothing draws from them)
+            self.say(f"layout change at step {state['step']}: {describe(saved)} -> {describe(layout_of(self.cfg))}"
+                     f" ({marker.get('converter', 'native')} checkpoint {tag_dir}); batches drawn under "
+                     f"{describe(data)}")
+            self.layout_change = {"kind": "layout_change", "step": state["step"], "from": describe(saved),
+                                  "to": describe(layout_of(self.cfg)), "checkpoint": str(tag_dir)}
+        if self.rank < len(state["rng"]):
+            set_rng_state(state["rng"][self.rank], self.device)
+        self.step, self.elapsed, self.skipped, self.data_layout = state["step"], state["elapsed"], skipped, data
         return tag_dir
 
     def rollback(self, loss: float, dstep: int) -> None:
