@@ -155,14 +155,15 @@ class OptimizerConfig(Section):
 
 
 class BatchConfig(Section):
-    """What one optimizer step sees. Global batch = micro_batch_size·grad_accum·num_ranks sequences."""
+    """What one optimizer step sees. Global batch = micro_batch_size·grad_accum·dp sequences, where dp =
+    num_ranks / (parallel.tp·parallel.pp·parallel.sp) is the data-parallel degree."""
 
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per rank per forward/backward."""
     grad_accum: int = Field(1, ge=1)
     """Micro-batches accumulated per optimizer step."""
     num_ranks: int = Field(2, ge=1)
-    """Data-parallel ranks (the world size). Without a hostfile, processes the train stage starts on this machine
+    """All ranks (the world size): data-parallel degree × `train.parallel` tp·pp·sp. Without a hostfile, processes the train stage starts on this machine
     (one per rank, with DeepSpeed's rank environment); with `train.launch.hostfile`, the total number of ranks the (filtered) hostfile gives."""
 
 
@@ -183,6 +184,44 @@ class EngineConfig(Section):
     to one (B, T, n_embd) tensor per block, for about one extra forward of compute. Gradients are the same
     up to rounding; it stays in the run fingerprint, so switching it starts a new run rather than mixing
     two numerics in one trajectory."""
+
+
+class ParallelConfig(Section):
+    """Model parallelism beside data parallelism (lifecycle.tasks.train.parallel.mesh): the ranks form a grid
+    pp × dp × sp × tp, tp innermost (Megatron's and DeepSpeed's order), and dp is what `batch.num_ranks` leaves.
+    Every rank of one tp/sp/pp group reads the same micro-batches; only dp splits the data. In the fingerprint:
+    the degrees change the reduction order of every step."""
+
+    tp: int = Field(1, ge=1)
+    """Tensor parallelism (Megatron's 1-D column/row split of attention and MLP): ranks per tp group."""
+    pp: int = Field(1, ge=1)
+    """Pipeline parallelism (DeepSpeed PipelineModule, 1F1B): pipeline stages, each a contiguous run of blocks."""
+    sp: int = Field(1, ge=1)
+    """Sequence parallelism (DeepSpeed-Ulysses all-to-all attention): ranks that split each sequence."""
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one copy of the model between them (tp·pp·sp)."""
+        return self.tp * self.pp * self.sp
+
+
+class MoEConfig(Section):
+    """Mixture of experts (GShard/Switch routing, DeepSpeed-MoE layers): the MLP of every `every`-th block
+    becomes `num_experts` experts with a learned top-k router. In the fingerprint."""
+
+    num_experts: int = Field(0, ge=0)
+    """Experts per MoE layer; 0 = a dense model (no MoE layers)."""
+    top_k: int = Field(1, ge=1)
+    """Experts each token is routed to (1: Switch; 2: GShard, Mixtral)."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree: ranks of one data-parallel group that split the experts between them."""
+    capacity_factor: float = Field(1.25, gt=0)
+    """Tokens an expert accepts per step, as a multiple of an even share (tokens·top_k/num_experts); the tokens
+    past it are dropped from that expert (they pass through the residual) and counted."""
+    aux_loss_weight: float = Field(0.01, ge=0)
+    """Weight of the load-balancing loss (Switch Transformer's) added to the language-model loss."""
+    every: int = Field(1, ge=1)
+    """An MoE MLP in every `every`-th block (1: all blocks; 2: blocks 1, 3, 5, ..., as GShard)."""
 
 
 class GuardConfig(Section):
@@ -361,7 +400,7 @@ class TrainConfig(BaseModel):
     optimizer state and LR schedule start fresh. Operational: the weights' sha256 is what enters the
     run fingerprint."""
     seed: int = 1337
-    """Seeds the initial weights (same on every rank) and the batch sampler (seed, step, rank, micro)."""
+    """Seeds the initial weights (same on every rank) and the batch sampler (seed, step, sequence index in the global batch)."""
     max_steps: Annotated[int, Field(ge=1), OPERATIONAL] = 200
     """Optimizer steps to reach. Not part of the run fingerprint: raising it extends the run (with
     `optimizer.decay_steps` set; null makes the cosine follow max_steps, and that is in the fingerprint)."""
@@ -374,6 +413,10 @@ class TrainConfig(BaseModel):
     """Micro-batch, gradient accumulation and the number of data-parallel ranks."""
     engine: EngineConfig = EngineConfig()
     """DeepSpeed ZeRO stage, precision, device and activation checkpointing."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Tensor, pipeline and sequence parallel degrees; data parallelism takes the rest of the ranks."""
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-experts layers and expert parallelism (off by default)."""
     guard: GuardConfig = GuardConfig()
     """Rollback on a non-finite or spiking loss."""
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -427,6 +470,16 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        par, moe = self.parallel, self.moe
+        if self.batch.num_ranks % par.model_parallel:
+            raise ValueError(f"train.batch.num_ranks ({self.batch.num_ranks}) must be a multiple of train.parallel "
+                             f"tp·pp·sp ({par.tp}·{par.pp}·{par.sp} = {par.model_parallel})")
+        if above := [f"train.parallel.{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("sp", par.sp)) if v > 1]:
+            raise ValueError(f"{', '.join(above)}: not trainable yet; the trainer runs data parallelism (ZeRO 0-3) "
+                             "only (`lifecycle plan layout` plans it)")
+        if moe.num_experts:
+            raise ValueError(f"train.moe.num_experts={moe.num_experts}: mixture-of-experts layers are not trainable "
+                             "yet (0 = dense)")
         if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.batch.num_ranks:
             raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks "
                              f"({self.batch.num_ranks}), the data-parallel ranks")
@@ -443,7 +496,12 @@ class TrainConfig(BaseModel):
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step over all ranks."""
-        return self.batch.micro_batch_size * self.batch.grad_accum * self.batch.num_ranks
+        return self.batch.micro_batch_size * self.batch.grad_accum * self.dp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the ranks left after tensor, pipeline and sequence parallelism."""
+        return self.batch.num_ranks // self.parallel.model_parallel
 
     def lr_at(self, step: int) -> float:
         """Learning rate of update `step` (0-based): linear warmup, cosine to min_lr at `horizon`, then flat."""

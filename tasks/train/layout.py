@@ -17,9 +17,9 @@ turns all of this off (a layout change then starts a new run, as before).
 What carries over, and how: the fp32 master weights and Adam moments go through DeepSpeed's universal checkpoint
 (`deepspeed.checkpoint.ds_to_universal`, loaded with `load_universal_checkpoint`); the step, LR schedule position,
 client_state (sampler position, RNG states) through the DeepSpeed model-states file it copies. The batches stay
-the same because the sampler keeps drawing its keys under the layout the run *started* with (the sampler state's
-`world_size`, `micro_batch_size`, `grad_accum`: its data layout) and each rank of the new layout slices the
-sequences of its global positions out of them (lifecycle.tasks.train.trainer.layout_batch).
+the same because the sampler (lifecycle.tasks.train.trainer.get_batch) is keyed on (seed, step, sequence index in
+the global batch): every split of the same global batch into dp × grad_accum × micro-batch draws the same
+sequences, and the loss, a mean over equal-sized micro-batches and ranks, is the same mean.
 
 A converter is a `Converter` in `CONVERTERS`: `reason(src, dst)` says why it cannot convert (None: it can) and
 `convert(src_tag, dst_tag, src, dst)` writes, into the empty directory `dst_tag`, state that the trainer under
@@ -46,18 +46,22 @@ from lifecycle.tasks.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-LAYOUT_FIELDS = {"batch": ("num_ranks", "micro_batch_size", "grad_accum"), "engine": ("zero_stage",)}
-"""The fields of `TrainConfig` that are layout, not trajectory (plus the `parallel` section, when there is one)."""
+LAYOUT_FIELDS = {"batch": ("num_ranks", "micro_batch_size", "grad_accum"),
+                 "engine": ("zero_stage", "activation_checkpointing"), "moe": ("ep",)}
+"""The fields of `TrainConfig` that are layout, not trajectory (plus the whole `parallel` section): what
+`train.layout: auto` may choose, and the degrees of the rank grid."""
 
 
 def layout_of(cfg: TrainConfig) -> dict:
-    """The layout a config runs under: {dp, zero, micro, accum} (and tp/pp/sp above 1, once they exist)."""
-    out = {"dp": cfg.batch.num_ranks, "zero": cfg.engine.zero_stage, "micro": cfg.batch.micro_batch_size,
+    """The layout a config runs under: {dp, zero, micro, accum}, plus tp/pp/sp/ep when above 1 and `ac: 1` with
+    activation checkpointing (left out otherwise, so a data-parallel layout reads the same as before they existed)."""
+    out = {"dp": cfg.dp, "zero": cfg.engine.zero_stage, "micro": cfg.batch.micro_batch_size,
            "accum": cfg.batch.grad_accum}
-    parallel = getattr(cfg, "parallel", None)  # train.parallel {tp, pp, sp}: added by the tp/pp/sp work
-    for axis in ("tp", "pp", "sp"):
-        if (n := getattr(parallel, axis, 1)) != 1:
+    for axis, n in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("sp", cfg.parallel.sp), ("ep", cfg.moe.ep)):
+        if n != 1:
             out[axis] = n
+    if cfg.engine.activation_checkpointing:
+        out["ac"] = 1
     return out
 
 
@@ -73,7 +77,7 @@ def trajectory_key(cfg: TrainConfig) -> dict:
     for section, names in LAYOUT_FIELDS.items():
         for name in names:
             key[section].pop(name)
-    key.pop("parallel", None)
+    key.pop("parallel")
     return key
 
 
@@ -89,13 +93,14 @@ def fit_batch(cfg: TrainConfig, global_batch: int) -> TrainConfig:
     whole grad_accum gives it."""
     if cfg.global_batch == global_batch:
         return cfg
-    per_accum = cfg.batch.micro_batch_size * cfg.batch.num_ranks  # (tp/pp/sp ranks share a micro-batch)
+    per_accum = cfg.batch.micro_batch_size * cfg.dp  # (the ranks of a tp/pp/sp group share a micro-batch)
     if global_batch % per_accum:
         raise ValueError(
             f"the run was saved with a global batch of {global_batch} sequences; train.batch.micro_batch_size "
-            f"{cfg.batch.micro_batch_size} x train.batch.num_ranks {cfg.batch.num_ranks} = {per_accum} does not "
-            f"divide it, so no train.batch.grad_accum keeps it: choose a micro_batch_size and num_ranks whose "
-            f"product divides {global_batch}, or set train.resume_across_layouts: false to start a new run")
+            f"{cfg.batch.micro_batch_size} x data-parallel degree {cfg.dp} (train.batch.num_ranks "
+            f"{cfg.batch.num_ranks} / tp·pp·sp {cfg.parallel.model_parallel}) = {per_accum} does not divide it, so "
+            f"no train.batch.grad_accum keeps it: choose a micro_batch_size and num_ranks whose product divides "
+            f"{global_batch}, or set train.resume_across_layouts: false to start a new run")
     return with_layout(cfg, grad_accum=global_batch // per_accum)
 
 
@@ -166,8 +171,9 @@ class Converter:
 
 
 def _universal_reason(src: dict, dst: dict) -> str | None:
-    if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("tp", "pp", "sp")):
-        return "tp/pp/sp above 1 need their own converter"
+    if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("tp", "pp", "sp", "ep")):
+        return ("tp/pp/sp/ep above 1 split parameters in ways our ZeRO-only universal conversion does not merge: "
+                "they need their own converter")
     if 0 in (src["zero"], dst["zero"]):
         return ("ZeRO stage 0 keeps a plain torch optimizer state, not ZeRO partitions: DeepSpeed's universal "
                 "checkpoint converts ZeRO-1/2/3 checkpoints and loads into ZeRO-1/2/3 engines only")

@@ -1,6 +1,6 @@
 """Background prefetch for the training loop, with the time the step waits for data measured.
 
-The sampler (`lifecycle.tasks.train.trainer.get_batch`) is a pure function of (seed, data step, rank, micro), so a
+The sampler (`lifecycle.tasks.train.trainer.get_batch`) is a pure function of (seed, data step, sequence index in the global batch), so a
 prefetching thread can compute batches ahead without changing which batches the step sees: the
 prefetched stream is the same sequence the step would compute itself, in the same order. The state to
 checkpoint is therefore still just the position and the skipped data steps (`data_step`).

@@ -39,6 +39,7 @@ from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
 from lifecycle.tasks.train.layout import describe, layout_of
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
+from lifecycle.tasks.train.parallel.mesh import Grid
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.supervise import write_heartbeat
@@ -95,18 +96,15 @@ def keep_mlflow_out() -> None:
     sys.modules.setdefault("mlflow", None)
 
 
-DATA_LAYOUT = ("world_size", "micro_batch_size", "grad_accum")
-"""The sampler fields that say under which layout its keys (seed, step, rank, micro) are drawn: the layout the
-run started with. A run that resumes under another layout keeps drawing under it (`layout_batch`)."""
+LAYOUT_SAMPLER_FIELDS = ("world_size", "micro_batch_size", "grad_accum")
+"""The sampler-state fields that are layout: a resume under another layout (same global batch) may differ in them."""
 
 
-def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = (),
-                  data: dict | None = None) -> dict:
+def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = ()) -> dict:
     """`skipped`: data steps thrown away by loss-spike rollbacks; step s reads data step
-    `loader.data_step(s, skipped)`. `data`: the data layout (`DATA_LAYOUT`), when not this run's own."""
-    data = data or {"world_size": world, "micro_batch_size": cfg.batch.micro_batch_size,
-                    "grad_accum": cfg.batch.grad_accum}
-    return {"kind": "uniform_windows", "next_step": next_step, "seed": cfg.seed, **{k: data[k] for k in DATA_LAYOUT},
+    `loader.data_step(s, skipped)`."""
+    return {"kind": "uniform_windows", "next_step": next_step, "seed": cfg.seed, "world_size": world,
+            "micro_batch_size": cfg.batch.micro_batch_size, "grad_accum": cfg.batch.grad_accum,
             "seq_len": cfg.model.seq_len,
             "skipped": sorted(skipped)}
 
@@ -149,46 +147,33 @@ def injected_faults() -> set[int]:
     return {int(x) for x in raw.split(",") if x.strip()}
 
 
-def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, rank: int, micro: int):
-    """(x, y) int64 tensors (B, T) of random windows, a pure function of (seed, step, rank, micro)."""
+def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, micro: int):
+    """(x, y) int64 tensors (B, T) of random windows: the micro-batch `micro` of data-parallel rank `dp_rank`.
+
+    Sequence j of a step's global batch is a pure function of (seed, step, j), and the rank/micro split only
+    says which j a micro-batch holds (j = (dp_rank·grad_accum + micro)·B + b). So every layout with the same
+    global batch (dp=2 × accum=1, dp=1 × accum=2, tp or pp groups reading one dp shard) trains on the same
+    sequences, which is what lets a checkpoint change layout and a parallel run be compared with one rank."""
     T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     # We recreate np.memmap every batch to avoid a memory leak (nanoGPT): a long-lived map keeps every
     # page it ever touched accounted to the process.
     data = shards.memmap("train")
     sizes = np.array([len(d) - T for d in data], dtype=np.float64).clip(min=0)
-    rng = np.random.default_rng([cfg.seed, step, rank, micro])
-    which = rng.choice(len(data), size=B, p=sizes / sizes.sum())
-    starts = [int(rng.integers(0, int(sizes[k]))) for k in which]
-    x = np.stack([data[k][i : i + T] for k, i in zip(which, starts)]).astype(np.int64)
-    y = np.stack([data[k][i + 1 : i + 1 + T] for k, i in zip(which, starts)]).astype(np.int64)
-    return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def layout_batch(shards: TokenShards, cfg: TrainConfig, data: dict, world: int, step: int, rank: int, micro: int):
-    """Micro-batch `micro` of `rank` under this run's layout, when the sampler draws under the data layout `data`
-    (another layout, the one the run started with): global sequence position p of a step (rank-major, then
-    micro, then row) is row p % B0 of the data layout's micro-batch (r0, m0) = divmod(p // B0, accum0). The
-    global batch is the same set of sequences whatever the layout, and the loss (a mean over equal-sized
-    micro-batches and ranks) the same mean. Under the data layout itself this is `get_batch`."""
-    B = cfg.batch.micro_batch_size
-    if (data["world_size"], data["micro_batch_size"], data["grad_accum"]) == (world, B, cfg.batch.grad_accum):
-        return get_batch(shards, cfg, step, rank, micro)
-    B0, A0 = data["micro_batch_size"], data["grad_accum"]
-    cfg0 = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"micro_batch_size": B0})})
-    first = (rank * cfg.batch.grad_accum + micro) * B
-    xs, ys, cached = [], [], {}
-    for p in range(first, first + B):
-        r0, m0 = divmod(p // B0, A0)
-        if (r0, m0) not in cached:
-            cached[(r0, m0)] = get_batch(shards, cfg0, step, r0, m0)
-        x, y = cached[(r0, m0)]
-        xs.append(x[p % B0])
-        ys.append(y[p % B0])
-    return torch.stack(xs), torch.stack(ys)
+    cum = np.cumsum(sizes / sizes.sum())
+    first = (dp_rank * cfg.batch.grad_accum + micro) * B
+    xs, ys = [], []
+    for j in range(first, first + B):
+        rng = np.random.default_rng([cfg.seed, step, j])
+        k = min(int(np.searchsorted(cum, rng.random(), side="right")), len(data) - 1)
+        i = int(rng.integers(0, int(sizes[k])))
+        xs.append(data[k][i : i + T])
+        ys.append(data[k][i + 1 : i + 1 + T])
+    return torch.from_numpy(np.stack(xs).astype(np.int64)), torch.from_numpy(np.stack(ys).astype(np.int64))
 
 
 def val_batches(shards: TokenShards, cfg: TrainConfig, rank: int, world: int):
-    """Fixed non-overlapping validation windows, a disjoint slice per rank (wrapping on a short shard)."""
+    """Fixed non-overlapping validation windows, a disjoint slice per data-parallel rank (`rank` of `world`
+    data-parallel ranks; wrapping on a short shard)."""
     T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     data = np.concatenate(shards.memmap("val"))
     n_win = (len(data) - 1) // T
@@ -275,6 +260,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != cfg.batch.num_ranks:
             raise RuntimeError(f"launched with {self.world} ranks but train.batch.num_ranks={cfg.batch.num_ranks}")
+        self.grid = Grid.of(cfg)
+        self.dp_rank = self.grid.coords(self.rank)["dp"]  # the data shard: shared by a tp/sp/pp group
         self.engine, self.scheduler = self._build_engine()
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
@@ -285,7 +272,6 @@ class Trainer:
                                               tier=launch.get("memory_tier"))
         torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
         self.step, self.elapsed, self.skipped = 0, 0.0, []
-        self.data_layout = {k: sampler_state(cfg, 0, self.world)[k] for k in DATA_LAYOUT}
         self.layout_change: dict | None = None
         if (found := self.restore()) is not None:
             self.say(f"resumed from {found} at step {self.step}")
@@ -390,8 +376,7 @@ class Trainer:
         cfg = self.cfg
         keys = ((s, data_step(s, self.skipped), m) for s in range(self.step, cfg.max_steps)
                 for m in range(cfg.batch.grad_accum))
-        return Prefetcher(lambda k: layout_batch(self.shards, cfg, self.data_layout, self.world, k[1], self.rank, k[2]),
-                          keys, cfg.launch.prefetch)
+        return Prefetcher(lambda k: get_batch(self.shards, cfg, k[1], self.dp_rank, k[2]), keys, cfg.launch.prefetch)
 
     # ----------------------------------------------------------------------------------------------
     # the step
@@ -475,7 +460,7 @@ class Trainer:
         """Validation loss over eval_batches fixed windows per rank; its time is left out of the next record."""
         self.engine.eval()
         losses = [self.engine(x.to(self.device), y.to(self.device))[1].item()
-                  for x, y in val_batches(self.shards, self.cfg, self.rank, self.world)]
+                  for x, y in val_batches(self.shards, self.cfg, self.dp_rank, self.grid.dp)]
         self.engine.train()
         val_loss = mean_over_ranks(sum(losses) / len(losses), self.device)
         self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
@@ -486,7 +471,7 @@ class Trainer:
         """Checkpoint this step: RNG states and sampler position in client_state, run facts in the marker."""
         cfg, shards = self.cfg, self.shards
         client_state = {"step": self.step, "elapsed": self.elapsed,
-                        "sampler": sampler_state(cfg, self.step, self.world, self.skipped, self.data_layout),
+                        "sampler": sampler_state(cfg, self.step, self.world, self.skipped),
                         "rng": gather_rng(self.world, self.device), "config": self.launch["train"],
                         "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
         marker = {"loss": loss, "tokens": self.step * self.tokens_per_step, "world_size": self.world,
@@ -524,25 +509,30 @@ class Trainer:
             return None
         tag_dir, state = got
         skipped = state["sampler"].get("skipped", [])
-        data = {k: state["sampler"][k] for k in DATA_LAYOUT}
-        expected = sampler_state(self.cfg, state["step"], self.world, skipped, data)
+        expected = sampler_state(self.cfg, state["step"], self.world, skipped)
+        saved_cfg = TrainConfig.model_validate(state["config"])
+        marker = read_marker(tag_dir)
+        changed = (saved := marker.get("layout", layout_of(saved_cfg))) != layout_of(self.cfg)
+        if changed:  # the sampler's layout fields are the saved layout's; the sequences of a step are not
+            expected.update({k: state["sampler"].get(k) for k in LAYOUT_SAMPLER_FIELDS})
         if state["sampler"] != expected or state["dataset_sha256"] != self.shards.dataset_sha256:
             raise RuntimeError(f"checkpoint {tag_dir} was written for another sampler/dataset: {state['sampler']}")
-        if math.prod(data.values()) != self.cfg.global_batch:
-            raise RuntimeError(f"checkpoint {tag_dir} was written with a global batch of {math.prod(data.values())} "
-                               f"sequences ({data}); this run's is {self.cfg.global_batch}")
-        marker = read_marker(tag_dir)
-        if (saved := marker.get("layout")) is not None and saved != layout_of(self.cfg):
-            # another layout's RNG states: rank r takes old rank r's (dropout masks are per rank, so a run with
-            # dropout follows another trajectory after a layout change; without dropout nothing draws from them)
+        if saved_cfg.global_batch != self.cfg.global_batch:
+            raise RuntimeError(f"checkpoint {tag_dir} was written with a global batch of {saved_cfg.global_batch} "
+                               f"sequences ({describe(saved)}); this run's is {self.cfg.global_batch} "
+                               f"({describe(layout_of(self.cfg))})")
+        if changed:
+            # get_batch is keyed on (seed, step, sequence index in the global batch): the same global batch
+            # draws the same sequences under any layout. RNG states: rank r takes old rank r's (dropout masks
+            # are per rank, so a run with dropout follows another trajectory after a layout change; without
+            # dropout nothing draws from them); a rank the old layout did not have keeps its seeded stream.
             self.say(f"layout change at step {state['step']}: {describe(saved)} -> {describe(layout_of(self.cfg))}"
-                     f" ({marker.get('converter', 'native')} checkpoint {tag_dir}); batches drawn under "
-                     f"{describe(data)}")
+                     f" ({marker.get('converter', 'native')} checkpoint {tag_dir})")
             self.layout_change = {"kind": "layout_change", "step": state["step"], "from": describe(saved),
                                   "to": describe(layout_of(self.cfg)), "checkpoint": str(tag_dir)}
         if self.rank < len(state["rng"]):
             set_rng_state(state["rng"][self.rank], self.device)
-        self.step, self.elapsed, self.skipped, self.data_layout = state["step"], state["elapsed"], skipped, data
+        self.step, self.elapsed, self.skipped = state["step"], state["elapsed"], skipped
         return tag_dir
 
     def rollback(self, loss: float, dstep: int) -> None:

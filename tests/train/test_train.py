@@ -155,17 +155,36 @@ def test_ds_config_follows_train_config():
 def test_sampler_is_a_pure_function_of_seed_step_rank_micro(tokens):
     shards = token_shards(tokens)
     cfg = CFG.model_copy(update={"model": TINY.model_copy(update={"vocab_size": shards.vocab_size})})
-    x, y = get_batch(shards, cfg, step=3, rank=0, micro=0)
+    x, y = get_batch(shards, cfg, step=3, dp_rank=0, micro=0)
     assert x.shape == y.shape == (8, 64) and x.dtype == torch.int64
     torch.testing.assert_close(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
-    x2, _ = get_batch(shards, cfg, step=3, rank=0, micro=0)
+    x2, _ = get_batch(shards, cfg, step=3, dp_rank=0, micro=0)
     assert torch.equal(x, x2)
-    for other in ({"step": 4, "rank": 0, "micro": 0}, {"step": 3, "rank": 1, "micro": 0}, {"step": 3, "rank": 0, "micro": 1}):
+    for other in ({"step": 4, "dp_rank": 0, "micro": 0}, {"step": 3, "dp_rank": 1, "micro": 0},
+                  {"step": 3, "dp_rank": 0, "micro": 1}):
         assert not torch.equal(x, get_batch(shards, cfg, **other)[0])
     train = np.fromfile(shards.train[0], dtype=shards.dtype)
     row = x[0].numpy()
     starts = np.flatnonzero(train[: len(train) - 64] == row[0])
     assert any(np.array_equal(train[s : s + 64], row) for s in starts)  # a real window of the shard
+
+
+def test_the_global_batch_is_the_same_under_every_split_of_ranks_accumulation_and_micro_batch(tokens):
+    """What lets a checkpoint change layout and a parallel run be compared with one rank: the sequences of a
+    step depend on the global batch size only, not on how dp × grad_accum × micro_batch_size split it."""
+    shards = token_shards(tokens)
+    model = TINY.model_copy(update={"vocab_size": shards.vocab_size})
+
+    def global_batch(dp: int, accum: int, micro: int) -> torch.Tensor:
+        cfg = with_(CFG.model_copy(update={"model": model}),
+                    **{"batch.num_ranks": dp, "batch.grad_accum": accum, "batch.micro_batch_size": micro})
+        return torch.cat([get_batch(shards, cfg, 5, r, m)[0] for r in range(dp) for m in range(accum)])
+
+    one = global_batch(1, 1, 8)
+    for dp, accum, micro in ((2, 1, 4), (1, 2, 4), (2, 2, 2), (1, 8, 1), (4, 1, 2)):
+        assert torch.equal(global_batch(dp, accum, micro), one), (dp, accum, micro)
+    assert not torch.equal(global_batch(1, 1, 8), torch.cat([get_batch(shards, CFG.model_copy(
+        update={"model": model}), 6, 0, 0)[0]]))  # another step, other sequences
 
 
 def test_eval_windows_cover_every_prediction_once():
