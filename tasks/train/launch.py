@@ -149,6 +149,13 @@ class _MetricsTail:
                 self.callback(rec)
 
 
+def trajectory_of(tokens: ds.DatasetRef, cfg: TrainConfig, init: dict | None = None, code: str | None = None) -> str:
+    """The trajectory fingerprint (lifecycle.tasks.train.layout.trajectory_key): equal for the runs of `cfg`
+    under any layout; config.json records it, and run_train resumes a sibling run that has it."""
+    return ds.fingerprint("train-trajectory", {**trajectory_key(cfg), **(init or {})},
+                          code or code_version(__package__), [tokens])
+
+
 def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
               on_metrics: Callable[[dict], None] | None = None, init_weights: str | None = None) -> TrainResult:
     """Train to `cfg.max_steps` (resuming from the run's last committed checkpoint) and return the final one.
@@ -172,7 +179,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise ValueError(f"train.init_from {cfg.init_from} and init_weights {init_weights} both give the start")
         files = hf_import.base_files(base)
         init = {"base_model": str(base), "base_model_files": {Path(f.path).name: f.sha256 for f in files}}
-    trajectory = ds.fingerprint("train-trajectory", {**trajectory_key(cfg), **init}, code, [tokens])
+    trajectory = trajectory_of(tokens, cfg, init, code)
     found = siblings(Path(workdir).resolve(), trajectory, cfg.max_steps) if cfg.resume_across_layouts else []
     cfg = batch_for_siblings(cfg, found)  # grad_accum fitted when only the layout changed (or a refusal)
     fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])

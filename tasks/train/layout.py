@@ -190,6 +190,15 @@ def _universal_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> di
     if done.returncode:
         raise RuntimeError(f"ds_to_universal of {src_tag} failed (exit {done.returncode}):\n"
                            f"{(done.stdout + done.stderr)[-3000:]}")
+    # A universal load reads the model-states file (client_state, LR scheduler, step counters; the weights come
+    # from zero/) by the name the *loading* engine saves under: `zero_pp_rank_0_mp_rank_00_model_states.pt` at
+    # ZeRO-3, `mp_rank_00_model_states.pt` below it. ds_to_universal copies the source's, named for the source's
+    # stage: across ZeRO-3 and ZeRO-1/2 the loader would not find it, so the file is copied under the other name.
+    names = {3: "zero_pp_rank_0_mp_rank_00_model_states.pt", 0: "mp_rank_00_model_states.pt"}
+    want, have = names[3 if dst["zero"] == 3 else 0], names[3 if src["zero"] == 3 else 0]
+    if not (dst_tag / want).exists():
+        shutil.copy2(dst_tag / have, dst_tag / want)
+    os.remove(dst_tag.parent / "latest_universal")  # ds_to_universal's pointer; our marker is the commit
     for name in (ckpt.WEIGHTS, ckpt.MODEL_CONFIG):
         shutil.copy2(src_tag / name, dst_tag / name)
     return {"format": "universal"}
