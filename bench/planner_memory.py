@@ -84,6 +84,7 @@ def worker(steps: int, index: int) -> None:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
         init_peak = status_bytes("VmHWM")  # DeepSpeed's set-up copies (flattening, partitioning) included
         settle()  # reset the high-water mark: what follows is the training steps' own peak
+        shmem_base = status_bytes("RssShmem")
         g = torch.Generator().manual_seed(int(os.environ["RANK"]))
         t0 = time.time()
         phases = {}  # the last step's resident set and high-water mark after each phase, minus the baseline
@@ -95,10 +96,11 @@ def worker(steps: int, index: int) -> None:
             phases["backward"] = (status_bytes("VmRSS") - base, status_bytes("VmHWM") - base)
             engine.step()
             phases["step"] = (status_bytes("VmRSS") - base, status_bytes("VmHWM") - base)
+        shmem = status_bytes("RssShmem") - shmem_base  # DeepSpeed's shm all-reduce buffers (own and the peers')
         peak = status_bytes("VmHWM")
         print(json.dumps({"zero": zero, "micro": micro, "ckpt": ckpt, "rank": int(os.environ["RANK"]), "base": base,
                           "peak": peak, "delta": peak - base, "init_delta": init_peak - base, "params": n_params,
-                          "phases": {k: {"rss": r, "hwm": h} for k, (r, h) in phases.items()},
+                          "phases": {k: {"rss": r, "hwm": h} for k, (r, h) in phases.items()}, "shmem_delta": shmem,
                           "step_s": (time.time() - t0) / steps}), flush=True)
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, model, opt, decay, no_decay, loss, x
@@ -152,7 +154,7 @@ def main(steps: int = 2, table: bool = False, only: list[int] | None = None) -> 
                "predicted_bytes": est.total_bytes, "measured_bytes": peak, "error": round(err, 4),
                "init_bytes": init, "baseline_bytes": max(r["base"] for r in ranks),
                **{k: v for k, v in est.as_dict().items() if k.endswith("_bytes")},
-               "ranks": [{k: r[k] for k in ("rank", "base", "peak", "delta", "step_s", "phases")} for r in ranks]}
+               "ranks": [{k: r[k] for k in ("rank", "base", "peak", "delta", "step_s", "phases", "shmem_delta")} for r in ranks]}
         rows.append(row)
         print(json.dumps(row), flush=True)
         say(f"{zero:>4} {micro:>5} {str(ckpt):>5} {est.total_bytes / MiB:>9.1f} {est.model_states_bytes / MiB:>7.1f} "

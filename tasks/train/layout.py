@@ -190,6 +190,11 @@ def _universal_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> di
     if done.returncode:
         raise RuntimeError(f"ds_to_universal of {src_tag} failed (exit {done.returncode}):\n"
                            f"{(done.stdout + done.stderr)[-3000:]}")
+    code = f"from lifecycle.tasks.train.layout import normalize_universal; normalize_universal({str(dst_tag)!r}, {ckpt.step_of(src_tag)})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"normalizing the universal checkpoint {dst_tag} failed (exit {done.returncode}):\n"
+                           f"{(done.stdout + done.stderr)[-3000:]}")
     # A universal load reads the model-states file (client_state, LR scheduler, step counters; the weights come
     # from zero/) by the name the *loading* engine saves under: `zero_pp_rank_0_mp_rank_00_model_states.pt` at
     # ZeRO-3, `mp_rank_00_model_states.pt` below it. ds_to_universal copies the source's, named for the source's
@@ -202,6 +207,39 @@ def _universal_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> di
     for name in (ckpt.WEIGHTS, ckpt.MODEL_CONFIG):
         shutil.copy2(src_tag / name, dst_tag / name)
     return {"format": "universal"}
+
+
+def normalize_universal(tag_dir: str, step: int) -> None:
+    """Make `<tag_dir>/zero/optimizer_state.pt` readable by both of DeepSpeed's universal loaders (imports torch:
+    run in a child process). ds_to_universal writes it in the layout of the *source's* stage, and each loader
+    reads only its own: ZeRO-1/2 (`base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir`) asserts a
+    top-level `ds_version` and zips `param_groups`, and takes Adam's step from each parameter's `step.pt`;
+    ZeRO-3 (`stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`) reads
+    `optimizer_state_dict.state[0].step` and `optimizer_state_dict.param_groups`. A ZeRO-3 source lacks the
+    first two and the step files, a ZeRO-1/2 source the third: each is added from what is there (the optimizer's
+    own step count; the training step `step` only when neither has one)."""
+    from pathlib import Path
+
+    import deepspeed
+    import torch
+
+    zero = Path(tag_dir) / "zero"
+    path = zero / "optimizer_state.pt"
+    sd = torch.load(path, weights_only=False)
+    inner = sd.get("optimizer_state_dict")
+    groups = sd.get("param_groups") or inner["param_groups"]
+    found = inner["state"][0]["step"] if inner and inner.get("state") else None
+    if found is None:
+        found = next((torch.load(f, weights_only=False) for f in sorted(zero.glob("*/step.pt"))), None)
+    found = torch.as_tensor(float(step) if found is None else found, dtype=torch.float32)
+    sd.setdefault("ds_version", deepspeed.__version__)
+    sd["param_groups"] = groups
+    if inner is None:
+        sd["optimizer_state_dict"] = {"state": {0: {"step": found}}, "param_groups": groups}
+    torch.save(sd, path)
+    for folder in zero.iterdir():
+        if folder.is_dir() and not (folder / "step.pt").exists():
+            torch.save(found.clone(), folder / "step.pt")
 
 
 CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reason, _universal_convert)]

@@ -122,7 +122,7 @@ def tokens(tmp_path_factory):
     return make_tokens(tmp_path_factory.mktemp("tokens"), 600)
 
 
-BASE = with_(CFG, max_steps=8, **{"checkpoint.every": 4, "logging.every": 1, "logging.eval_every": 0, "launch.timeout_s": 900})
+BASE = with_(CFG, max_steps=8, **{"checkpoint.every": 4, "logging.every": 1, "logging.eval_every": 0, "launch.timeout_s": 900, "launch.stall_s": 600})
 REL = 1e-4
 
 
