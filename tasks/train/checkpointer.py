@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from lifecycle.tasks.train import checkpoint as ckpt
@@ -90,6 +91,12 @@ def load_universal(engine, root: Path, tag: str) -> dict:
         engine._config.load_universal_checkpoint = False
     for group, hyper in zip(engine.optimizer.param_groups, groups):
         group.update(hyper)
+    # The ZeRO-3 loader gives every parameter group's state one shared `step` tensor, which torch's Adam
+    # increments in place once per group: the second group's bias correction would run a step ahead.
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
     return client_state
 
 

@@ -190,6 +190,8 @@ def _universal_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> di
     if done.returncode:
         raise RuntimeError(f"ds_to_universal of {src_tag} failed (exit {done.returncode}):\n"
                            f"{(done.stdout + done.stderr)[-3000:]}")
+    for name in (ckpt.WEIGHTS, ckpt.MODEL_CONFIG):  # evaluate and export read these; normalize_universal too
+        shutil.copy2(src_tag / name, dst_tag / name)
     code = f"from lifecycle.tasks.train.layout import normalize_universal; normalize_universal({str(dst_tag)!r}, {ckpt.step_of(src_tag)})"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
@@ -204,8 +206,6 @@ def _universal_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> di
     if not (dst_tag / want).exists():
         shutil.copy2(dst_tag / have, dst_tag / want)
     os.remove(dst_tag.parent / "latest_universal")  # ds_to_universal's pointer; our marker is the commit
-    for name in (ckpt.WEIGHTS, ckpt.MODEL_CONFIG):
-        shutil.copy2(src_tag / name, dst_tag / name)
     return {"format": "universal"}
 
 
@@ -216,8 +216,9 @@ def normalize_universal(tag_dir: str, step: int) -> None:
     top-level `ds_version` and zips `param_groups`, and takes Adam's step from each parameter's `step.pt`;
     ZeRO-3 (`stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`) reads
     `optimizer_state_dict.state[0].step` and `optimizer_state_dict.param_groups`. A ZeRO-3 source lacks the
-    first two and the step files, a ZeRO-1/2 source the third: each is added from what is there (the optimizer's
-    own step count; the training step `step` only when neither has one)."""
+    first two and the step files, and holds each state flat where the ZeRO-1/2 loader indexes it with the
+    parameter's shape (from the consolidated model.safetensors); a ZeRO-1/2 source lacks the third. Each is added
+    from what is there (the optimizer's own step count; the training step `step` only when neither has one)."""
     from pathlib import Path
 
     import deepspeed
@@ -237,9 +238,21 @@ def normalize_universal(tag_dir: str, step: int) -> None:
     if inner is None:
         sd["optimizer_state_dict"] = {"state": {0: {"step": found}}, "param_groups": groups}
     torch.save(sd, path)
+    from safetensors import safe_open
+
+    with safe_open(str(Path(tag_dir) / "model.safetensors"), "pt") as weights:
+        shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
     for folder in zero.iterdir():
-        if folder.is_dir() and not (folder / "step.pt").exists():
+        if not folder.is_dir():
+            continue
+        if not (folder / "step.pt").exists():
             torch.save(found.clone(), folder / "step.pt")
+        # a ZeRO-3 source's states are flat; the ZeRO-1/2 loader indexes them with the parameter's shape
+        for f in folder.glob("*.pt"):
+            state = torch.load(f, weights_only=False) if f.name != "step.pt" else None
+            if isinstance(state, dict) and state["param"].dim() == 1 and len(shapes.get(folder.name, ())) > 1:
+                state["param"] = state["param"].view(shapes[folder.name])
+                torch.save(state, f)
 
 
 CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reason, _universal_convert)]

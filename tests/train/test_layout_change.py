@@ -109,6 +109,52 @@ def test_convert_refuses_with_every_converters_reason_and_takes_a_registered_one
     assert not tag.exists()  # no half-converted directory left behind
 
 
+def _universal(tmp_path, optimizer_state: dict, flat: bool, step_files: bool) -> Path:
+    """A universal checkpoint as ds_to_universal leaves it: zero/optimizer_state.pt and per-parameter states."""
+    import torch
+    from safetensors.torch import save_file
+
+    tag = tmp_path / "step_00000004"
+    (tag / "zero").mkdir(parents=True)
+    weights = {"w.weight": torch.arange(6.0).view(2, 3), "n.weight": torch.ones(3)}
+    save_file(weights, str(tag / "model.safetensors"))
+    torch.save(optimizer_state, tag / "zero" / "optimizer_state.pt")
+    for name, w in weights.items():
+        (tag / "zero" / name).mkdir()
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            torch.save({"param": w.flatten() if flat else w.clone(), "cat_dim": 0}, tag / "zero" / name / f"{key}.pt")
+        if step_files:
+            torch.save(torch.tensor(4.0), tag / "zero" / name / "step.pt")
+    return tag
+
+
+def test_normalize_universal_makes_either_stage_loadable(tmp_path):
+    """ds_to_universal writes optimizer_state.pt in the source stage's layout; each of DeepSpeed's universal
+    loaders reads only its own (ZeRO-1/2: top-level ds_version and param_groups, per-parameter step.pt and shaped
+    states; ZeRO-3: optimizer_state_dict.state[0].step and .param_groups)."""
+    import torch
+
+    groups = [{"lr": 2.5e-3, "weight_decay": 0.1, "params": [0]}, {"lr": 2.5e-3, "weight_decay": 0.0, "params": [1]}]
+    # from ZeRO-2: the ZeRO-3 loader's keys are added, the rest is left as it was
+    tag = _universal(tmp_path / "z2", {"ds_version": "0.19.8", "param_groups": groups, "clip_grad": 1.0}, False, True)
+    lay.normalize_universal(str(tag), 4)
+    sd = torch.load(tag / "zero" / "optimizer_state.pt", weights_only=False)
+    assert sd["optimizer_state_dict"]["param_groups"] == groups and float(sd["optimizer_state_dict"]["state"][0]["step"]) == 4
+    assert sd["clip_grad"] == 1.0 and sd["ds_version"] == "0.19.8"
+    # from ZeRO-3: ds_version, top-level param_groups, step files and shaped states are added
+    inner = {"state": {0: {"step": torch.tensor(4.0)}}, "param_groups": groups}
+    tag = _universal(tmp_path / "z3", {"optimizer_state_dict": inner, "zero_stage": 3}, True, False)
+    lay.normalize_universal(str(tag), 4)
+    sd = torch.load(tag / "zero" / "optimizer_state.pt", weights_only=False)
+    assert sd["param_groups"] == groups and sd["ds_version"] and sd["optimizer_state_dict"] is not None
+    for name, shape in (("w.weight", (2, 3)), ("n.weight", (3,))):
+        assert float(torch.load(tag / "zero" / name / "step.pt", weights_only=False)) == 4
+        state = torch.load(tag / "zero" / name / "exp_avg.pt", weights_only=False)
+        assert tuple(state["param"].shape) == shape
+    assert torch.equal(torch.load(tag / "zero" / "w.weight" / "fp32.pt", weights_only=False)["param"],
+                       torch.arange(6.0).view(2, 3))
+
+
 # --------------------------------------------------------------------------------------------------
 # slow: real 2-rank runs
 
