@@ -247,12 +247,19 @@ def normalize_universal(tag_dir: str, step: int) -> None:
             continue
         if not (folder / "step.pt").exists():
             torch.save(found.clone(), folder / "step.pt")
-        # a ZeRO-3 source's states are flat; the ZeRO-1/2 loader indexes them with the parameter's shape
+        # a ZeRO-3 source's states are bare flat tensors; the ZeRO-1/2 loader reads {"param": tensor of the
+        # parameter's shape} (the ZeRO-3 loader reads either)
         for f in folder.glob("*.pt"):
-            state = torch.load(f, weights_only=False) if f.name != "step.pt" else None
-            if isinstance(state, dict) and state["param"].dim() == 1 and len(shapes.get(folder.name, ())) > 1:
+            if f.name == "step.pt":
+                continue
+            state = torch.load(f, weights_only=False)
+            if isinstance(state, torch.Tensor):
+                state = {"param": state, "cat_dim": 0}
+            elif state["param"].dim() != 1 or folder.name not in shapes:
+                continue
+            if folder.name in shapes:
                 state["param"] = state["param"].view(shapes[folder.name])
-                torch.save(state, f)
+            torch.save(state, f)
 
 
 CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reason, _universal_convert)]

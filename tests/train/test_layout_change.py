@@ -122,7 +122,7 @@ def _universal(tmp_path, optimizer_state: dict, flat: bool, step_files: bool) ->
     for name, w in weights.items():
         (tag / "zero" / name).mkdir()
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            torch.save({"param": w.flatten() if flat else w.clone(), "cat_dim": 0}, tag / "zero" / name / f"{key}.pt")
+            torch.save(w.flatten() if flat else {"param": w.clone(), "cat_dim": 0}, tag / "zero" / name / f"{key}.pt")
         if step_files:
             torch.save(torch.tensor(4.0), tag / "zero" / name / "step.pt")
     return tag
