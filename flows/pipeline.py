@@ -191,7 +191,10 @@ class _Logger:
         self.tracker.log_stage("train", section, outcome, inputs=[tokens], raw_inputs=base,
                                metrics={"final_loss": result.final_loss, "steps": result.steps},
                                tags={"lifecycle.checkpoint": result.checkpoint_dir,
-                                     "lifecycle.resumed_from": str(result.resumed_from)})
+                                     "lifecycle.resumed_from": str(result.resumed_from),
+                                     "lifecycle.layout": str(result.layout),
+                                     **({"lifecycle.layout_change": result.layout_change}
+                                        if result.layout_change else {})})
         series = ("loss", "lr", "val_loss", "moe_aux_loss", "moe_dropped", "moe_drop_frac", *_per_expert(rows))
         self.tracker.log_series("train", rows, [k for k in series if any(k in r for r in rows)])
         self.summary.checkpoint = result.checkpoint_dir

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from lifecycle.tasks.train import checkpoint as ckpt
@@ -63,12 +64,40 @@ class Checkpointer:
         if found[0] is None:
             return None
         tag_dir = Path(found[0])
-        _, client_state = self.engine.load_checkpoint(str(self.root), tag=tag_dir.name)
+        if ckpt.read_marker(tag_dir).get("format") == "universal":  # converted from another layout
+            client_state = load_universal(self.engine, self.root, tag_dir.name)
+        else:
+            _, client_state = self.engine.load_checkpoint(str(self.root), tag=tag_dir.name)
         self.last_restore = {"tier": "disk", "seconds": time.perf_counter() - t0, "reason": reason}
         return tag_dir, client_state
 
     def close(self) -> None:
         self.wait()
+
+
+def load_universal(engine, root: Path, tag: str) -> dict:
+    """Load a DeepSpeed universal checkpoint (lifecycle.tasks.train.layout converted it from another layout) into
+    `engine`; returns its client_state. DeepSpeed reads `load_universal_checkpoint` from the engine's config at
+    load time, so it is switched on for this load only. Its ZeRO-3 loader copies the hyperparameters of the
+    first parameter group into every group (deepspeed/runtime/zero/stage3.py,
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): the no-decay group (norms, biases) would get the
+    decay group's weight decay. They come from the config, not the checkpoint, so every group gets its own back;
+    the learning rate is the checkpoint's (the same in every group: one schedule)."""
+    groups = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
+    engine._config.load_universal_checkpoint = True
+    try:
+        _, client_state = engine.load_checkpoint(str(root), tag=tag)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    for group, hyper in zip(engine.optimizer.param_groups, groups):
+        group.update(hyper)
+    # The ZeRO-3 loader gives every parameter group's state one shared `step` tensor, which torch's Adam
+    # increments in place once per group: the second group's bias correction would run a step ahead.
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+    return client_state
 
 
 class SyncCheckpointer(Checkpointer):

@@ -453,6 +453,11 @@ class TrainConfig(BaseModel):
     """Memory per rank that `layout: auto` plans for (`8GiB`, `80GB`). Null: on cpu, half of MemAvailable divided
     by the ranks (the async checkpoint's staging buffers and memory tier take host memory too); on cuda, the
     GPU's memory (nvidia-smi)."""
+    resume_across_layouts: Annotated[bool, OPERATIONAL] = True
+    """Resume a run saved under another layout (train.batch.num_ranks, micro_batch_size, grad_accum,
+    train.engine.zero_stage) with the same global batch: its newest commit is converted for this layout
+    (lifecycle.tasks.train.layout) and grad_accum adjusts when only the ranks or the ZeRO stage changed. False: a
+    layout change starts a new run."""
     init_from: Annotated[str, Field(pattern=r"^(scratch|champion|hf:.+)$"), OPERATIONAL] = "scratch"
     """`champion`: start from the weights of the registry's champion version (and tokenize with its tokenizer)
     when its architecture equals `model`; otherwise from scratch, and the run says why. `hf:<dir>`: continue

@@ -40,6 +40,9 @@ from lifecycle.tasks.train import hf_import
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
+from lifecycle.tasks.train.layout import (Sibling, batch_for_siblings, describe, layout_of, siblings,
+                                         trajectory_key)
+from lifecycle.tasks.train.layout import convert as convert_layout
 from lifecycle.tasks.train.supervise import Heartbeats, Launch, Ownership, RankFailed, local_rank_envs, prebuild_shm_op
 
 log = logging.getLogger(__name__)
@@ -69,12 +72,20 @@ class TrainResult(BaseModel):
     """The Hugging Face checkpoint directory the run continued (`train.init_from: hf:<dir>`), or None."""
     base_model_files: dict[str, str] = {}
     """Its files (config, tokenizer, index, shards) by name, with their sha256: a parent of the run."""
+    layout: str | None = None
+    """The layout the run trains under (`dp=2,zero=2,micro=8,accum=1`: lifecycle.tasks.train.layout)."""
+    layout_change: str | None = None
+    """`dp=2,zero=2,micro=8,accum=1 -> dp=1,zero=3,micro=8,accum=2 at step 10`: the run resumed a checkpoint
+    saved under another layout (None: it did not)."""
 
 
 def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool, sizing: dict) -> TrainResult:
     marker = ckpt.read_marker(tag_dir)
     launch = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
-    return TrainResult(checkpoint_dir=str(tag_dir), steps=marker["step"], final_loss=marker.get("loss"),
+    change = run_dir / LAYOUT_CHANGE
+    layout = describe(layout_of(TrainConfig.model_validate(launch["train"]))) if "train" in launch else None
+    return TrainResult(layout=layout, layout_change=json.loads(change.read_text())["change"] if change.is_file() else None,
+                       checkpoint_dir=str(tag_dir), steps=marker["step"], final_loss=marker.get("loss"),
                        metrics_path=str(run_dir / "metrics.jsonl"), resumed_from=resumed_from,
                        launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"),
                        base_model=launch.get("base_model"), base_model_files=launch.get("base_model_files") or {},
@@ -138,6 +149,13 @@ class _MetricsTail:
                 self.callback(rec)
 
 
+def trajectory_of(tokens: ds.DatasetRef, cfg: TrainConfig, init: dict | None = None, code: str | None = None) -> str:
+    """The trajectory fingerprint (lifecycle.tasks.train.layout.trajectory_key): equal for the runs of `cfg`
+    under any layout; config.json records it, and run_train resumes a sibling run that has it."""
+    return ds.fingerprint("train-trajectory", {**trajectory_key(cfg), **(init or {})},
+                          code or code_version(__package__), [tokens])
+
+
 def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
               on_metrics: Callable[[dict], None] | None = None, init_weights: str | None = None) -> TrainResult:
     """Train to `cfg.max_steps` (resuming from the run's last committed checkpoint) and return the final one.
@@ -161,8 +179,12 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise ValueError(f"train.init_from {cfg.init_from} and init_weights {init_weights} both give the start")
         files = hf_import.base_files(base)
         init = {"base_model": str(base), "base_model_files": {Path(f.path).name: f.sha256 for f in files}}
+    trajectory = trajectory_of(tokens, cfg, init, code)
+    found = siblings(Path(workdir).resolve(), trajectory, cfg.max_steps) if cfg.resume_across_layouts else []
+    cfg = batch_for_siblings(cfg, found)  # grad_accum fitted when only the layout changed (or a refusal)
     fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])
     run_dir = Path(workdir).resolve() / "train" / fp[:20]
+    found = [s for s in found if s.global_batch == cfg.global_batch and s.run_dir != run_dir]
     ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / ".lock", "w") as lock:
@@ -173,6 +195,9 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         tier = memory_tier(cfg, run_dir)  # this run's in-memory checkpoint tier (a rerun of it restores from there)
         memtier.release_dead(keep=tier)  # tiers of dead runs
         latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
+        if (newer := [s for s in found if latest is None or s.step > ckpt.step_of(latest)]) and \
+                (converted := _resume_other_layout(newer, ckpt_root, cfg, run_dir)) is not None:
+            latest = converted
         if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
             if tier is not None:
                 memtier.remove(tier)
@@ -181,7 +206,8 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         if tier is not None:
             memtier.claim(tier, os.getpid())
         config_path = run_dir / "config.json"
-        fs.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp, "code_version": code,
+        fs.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp,
+                                           "trajectory": trajectory, "code_version": code,
                                            "run_dir": str(run_dir), "tokens": meta.model_dump(),
                                            "token_dataset": tokens.path, "init_weights": init_weights,
                                            "memory_tier": str(tier) if tier is not None else None, **init})
@@ -238,6 +264,34 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         if tier is not None:
             memtier.remove(tier)  # the run is done: its memory goes back
         return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
+
+
+LAYOUT_CHANGE = "layout_change.json"
+
+
+def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig, run_dir: Path) -> Path | None:
+    """Convert the newest commit of a run of the same trajectory under another layout (`newer`, newest first) into
+    this run's checkpoints; a sibling whose supervisor is running is passed over. Logs the change in train.log and
+    `<run_dir>/layout_change.json` (TrainResult.layout_change, the MLflow tag). Returns the converted tag dir."""
+    dst = layout_of(cfg)
+    for src in newer:
+        with open(src.run_dir / ".lock", "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning("run %s (layout %s) is being trained: not resuming from it", src.run_dir,
+                            describe(src.layout))
+                continue
+            tag_dir, _ = convert_layout(src, ckpt_root, dst)
+        change = f"{describe(src.layout)} -> {describe(dst)} at step {src.step}"
+        line = f"layout change: {change}, converted {src.tag_dir} -> {tag_dir}"
+        log.info("%s", line)
+        with open(run_dir / "train.log", "a") as f:
+            f.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+        fs.atomic_write_json(run_dir / LAYOUT_CHANGE, {"change": change, "from": src.layout, "to": dst,
+                                                       "step": src.step, "source": str(src.tag_dir)})
+        return tag_dir
+    return None
 
 
 def memory_tier(cfg: TrainConfig, run_dir: Path) -> Path | None:

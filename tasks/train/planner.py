@@ -21,8 +21,8 @@ Per-rank memory of a training layout, from two papers:
   beside the projection output) and fused attention (no a·s² score matrix; its output is kept instead).
 
 On top: temporary buffers (`temp_bytes`): DeepSpeed's gradient bucket (reduce_bucket_size 5e8 elements, or the
-whole model when smaller), the gathered parameters of two layers under ZeRO-3 (the one computing and the one
-prefetched), and the backward of the output layer (fp32 log-probabilities and their gradient, 2 x 4·s·b·V
+whole model when smaller), the gathered parameters under ZeRO-3 (DeepSpeed's defaults keep a gathered parameter
+for its reuse in backward up to stage3_max_live_parameters = 1e9 elements: the whole model below that), and the backward of the output layer (fp32 log-probabilities and their gradient, 2 x 4·s·b·V
 bytes); or, when larger, the optimizer step's temporary (fp32 only: torch AdamW's per-tensor loop on CPU makes
 one fp32 tensor the size of the largest tensor it updates; a fused GPU Adam makes none).
 
@@ -141,6 +141,7 @@ class Precision:
 
 PRECISIONS = {"bf16": Precision("bf16", 2, 2, 2), "fp16": Precision("fp16", 2, 2, 2), "fp32": Precision("fp32", 4, 4, 4)}
 GRAD_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size (and stage 0's all-reduce buffer), elements
+ZERO3_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance, elements
 
 
 def model_states(psi: float, zero: int, nd: int, prec: Precision, offload: bool = False) -> dict:
@@ -273,7 +274,10 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     acts = max(first, last) if lay.pp > 1 else first + out_layer
     # temporary buffers
     bucket = min(psi_rank, GRAD_BUCKET) * prec.grad  # the gradient all-reduce / reduce-scatter bucket
-    gathered = 2 * non_embedding_params(m) / L / t * prec.param if lay.zero == 3 else 0.0  # this + prefetched layer
+    # ZeRO-3 keeps a gathered parameter until its next use when that is within stage3_max_reuse_distance (1e9
+    # elements), up to stage3_max_live_parameters (1e9): below 1e9 parameters every parameter gathered in forward
+    # stays gathered until backward has used it (measured: forward holds the whole model, bench.planner_memory)
+    gathered = min(psi_rank, ZERO3_MAX_LIVE) * prec.param if lay.zero == 3 else 0.0
     loss_bwd = 2 * 4 * s_rank * b * v / t  # fp32 gradient of the log-probs, and of the logits
     # fp32 is this project's CPU training: torch AdamW's per-tensor loop makes one fp32 temporary the size of the
     # tensor it updates (the flat partition under ZeRO-1/2/3). 16-bit on GPU: a fused Adam, no temporary.

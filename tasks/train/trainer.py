@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.core.fs import atomic_write_json
+from lifecycle.tasks.train.checkpoint import read_marker
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
+from lifecycle.tasks.train.layout import describe, layout_of
 from lifecycle.tasks.train.loader import Prefetcher, data_step
 from lifecycle.tasks.train.model import GPT
 from lifecycle.tasks.train.parallel import moe
@@ -93,6 +95,10 @@ def keep_mlflow_out() -> None:
     MLflow (the supervisor forwards metrics.jsonl), so make that import fail: with `sys.modules["mlflow"] = None`
     it raises ImportError, which DeepSpeed catches (`has_mlflow = False`). Left alone where MLflow is loaded."""
     sys.modules.setdefault("mlflow", None)
+
+
+LAYOUT_SAMPLER_FIELDS = ("world_size", "micro_batch_size", "grad_accum")
+"""The sampler-state fields that are layout: a resume under another layout (same global batch) may differ in them."""
 
 
 def sampler_state(cfg: TrainConfig, next_step: int, world: int, skipped: list[int] = ()) -> dict:
@@ -274,6 +280,7 @@ class Trainer:
                                               tier=launch.get("memory_tier"))
         torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
         self.step, self.elapsed, self.skipped = 0, 0.0, []
+        self.layout_change: dict | None = None
         if (found := self.restore()) is not None:
             self.say(f"resumed from {found} at step {self.step}")
         self.metrics = Metrics(self.run_dir / "metrics.jsonl", self.step, enabled=self.rank == 0)
@@ -282,6 +289,8 @@ class Trainer:
             self.say(f"restored step {self.step} from {info['tier']} in {info['seconds']:.3f}s"
                      + (f" (memory tier not used: {info['reason']})" if info["reason"] else ""))
             self.metrics.write({"kind": "restore", "step": self.step, **info})
+            if self.layout_change:
+                self.metrics.write(self.layout_change)
         self.schedule = SaveSchedule(cfg.checkpoint, self.step)
         self.faults = injected_faults()
         self.engine.train()
@@ -515,6 +524,7 @@ class Trainer:
                         "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
         marker = {"loss": loss, "tokens": self.step * self.tokens_per_step, "world_size": self.world,
                   "zero_stage": cfg.engine.zero_stage, "precision": cfg.engine.precision,
+                  "layout": layout_of(cfg), "format": "deepspeed",
                   "fingerprint": self.launch["fingerprint"],
                   "dataset_sha256": shards.dataset_sha256, "tokenizer_sha256": shards.tokenizer_sha256}
         t_save = time.perf_counter()
@@ -548,9 +558,28 @@ class Trainer:
         tag_dir, state = got
         skipped = state["sampler"].get("skipped", [])
         expected = sampler_state(self.cfg, state["step"], self.world, skipped)
+        saved_cfg = TrainConfig.model_validate(state["config"])
+        marker = read_marker(tag_dir)
+        changed = (saved := marker.get("layout", layout_of(saved_cfg))) != layout_of(self.cfg)
+        if changed:  # the sampler's layout fields are the saved layout's; the sequences of a step are not
+            expected.update({k: state["sampler"].get(k) for k in LAYOUT_SAMPLER_FIELDS})
         if state["sampler"] != expected or state["dataset_sha256"] != self.shards.dataset_sha256:
             raise RuntimeError(f"checkpoint {tag_dir} was written for another sampler/dataset: {state['sampler']}")
-        set_rng_state(state["rng"][self.rank], self.device)
+        if saved_cfg.global_batch != self.cfg.global_batch:
+            raise RuntimeError(f"checkpoint {tag_dir} was written with a global batch of {saved_cfg.global_batch} "
+                               f"sequences ({describe(saved)}); this run's is {self.cfg.global_batch} "
+                               f"({describe(layout_of(self.cfg))})")
+        if changed:
+            # get_batch is keyed on (seed, step, sequence index in the global batch): the same global batch
+            # draws the same sequences under any layout. RNG states: rank r takes old rank r's (dropout masks
+            # are per rank, so a run with dropout follows another trajectory after a layout change; without
+            # dropout nothing draws from them); a rank the old layout did not have keeps its seeded stream.
+            self.say(f"layout change at step {state['step']}: {describe(saved)} -> {describe(layout_of(self.cfg))}"
+                     f" ({marker.get('converter', 'native')} checkpoint {tag_dir})")
+            self.layout_change = {"kind": "layout_change", "step": state["step"], "from": describe(saved),
+                                  "to": describe(layout_of(self.cfg)), "checkpoint": str(tag_dir)}
+        if self.rank < len(state["rng"]):
+            set_rng_state(state["rng"][self.rank], self.device)
         self.step, self.elapsed, self.skipped = state["step"], state["elapsed"], skipped
         return tag_dir
 

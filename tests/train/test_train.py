@@ -124,7 +124,7 @@ def test_run_key_ignores_operational_sections_and_follows_the_others():
     fields = TrainConfig.model_fields
     operational = {name for name, f in fields.items() if is_operational(f)}
     assert operational == {"checkpoint", "logging", "launch", "max_steps", "max_epochs", "init_from",
-                           "layout", "layout_memory"}  # layout: the fields it resolves to are in the key
+                           "layout", "layout_memory", "resume_across_layouts"}  # layout: the fields it resolves to are in the key
     assert set(CFG.run_key()) == set(fields) - operational
     # every field of an operational section may change without changing the run
     changed = {"checkpoint.every": 7, "checkpoint.keep_last": 9, "checkpoint.async_save": False,
@@ -132,7 +132,8 @@ def test_run_key_ignores_operational_sections_and_follows_the_others():
                "logging.every": 3, "logging.eval_every": 0, "logging.eval_batches": 9, "logging.peak_flops_per_rank": 1e12,
                "launch.hostfile": "hosts", "launch.num_nodes": 1, "launch.master_addr": "10.0.0.1",
                "launch.master_port": 29999, "launch.launcher": "slurm", "launch.threads_per_rank": 4,
-               "launch.prefetch": 0, "launch.timeout_s": 5.0, "launch.stall_s": 9.0, "launch.startup_s": 99.0, "max_epochs": 1.0, "init_from": "champion"}
+               "launch.prefetch": 0, "launch.timeout_s": 5.0, "launch.stall_s": 9.0, "launch.startup_s": 99.0, "max_epochs": 1.0, "init_from": "champion",
+               "resume_across_layouts": False}
     assert set(changed) >= {f"{s}.{n}" for s in ("checkpoint", "logging", "launch") for n in
                             type(getattr(CFG, s)).model_fields if n not in ("include", "exclude")}
     assert with_(CFG, **changed).run_key() == CFG.run_key()

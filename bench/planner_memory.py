@@ -1,6 +1,7 @@
 """The memory planner's prediction against the peak memory of real 2-rank CPU training runs.
 
-`python -m bench.plan_validate` (a few minutes on 2 idle cores). For each layout (ZeRO 0/1/2/3, two
+`python -m bench.planner_memory` (a few minutes on 2 idle cores). Prints one JSON line per layout (predicted,
+measured, error and the prediction's parts, bytes) and a summary line; `--table` adds a readable table on stderr. For each layout (ZeRO 0/1/2/3, two
 micro-batch sizes, one with full activation checkpointing) it starts 2 ranks (gloo, one torch thread each) that
 build the project's model, torch AdamW and the DeepSpeed engine as the trainer does
 (`trainer.ds_config`, fp32) and run 2 optimizer steps on random tokens (no data loader, no checkpointing).
@@ -83,16 +84,23 @@ def worker(steps: int, index: int) -> None:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
         init_peak = status_bytes("VmHWM")  # DeepSpeed's set-up copies (flattening, partitioning) included
         settle()  # reset the high-water mark: what follows is the training steps' own peak
+        shmem_base = status_bytes("RssShmem")
         g = torch.Generator().manual_seed(int(os.environ["RANK"]))
         t0 = time.time()
+        phases = {}  # the last step's resident set and high-water mark after each phase, minus the baseline
         for _ in range(steps):
             x = torch.randint(0, MODEL["vocab_size"], (micro, MODEL["seq_len"] + 1), generator=g)
             _, loss = engine(x[:, :-1], x[:, 1:])
+            phases["forward"] = (status_bytes("VmRSS") - base, status_bytes("VmHWM") - base)
             engine.backward(loss)
+            phases["backward"] = (status_bytes("VmRSS") - base, status_bytes("VmHWM") - base)
             engine.step()
+            phases["step"] = (status_bytes("VmRSS") - base, status_bytes("VmHWM") - base)
+        shmem = status_bytes("RssShmem") - shmem_base  # DeepSpeed's shm all-reduce buffers (own and the peers')
         peak = status_bytes("VmHWM")
         print(json.dumps({"zero": zero, "micro": micro, "ckpt": ckpt, "rank": int(os.environ["RANK"]), "base": base,
                           "peak": peak, "delta": peak - base, "init_delta": init_peak - base, "params": n_params,
+                          "phases": {k: {"rss": r, "hwm": h} for k, (r, h) in phases.items()}, "shmem_delta": shmem,
                           "step_s": (time.time() - t0) / steps}), flush=True)
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, model, opt, decay, no_decay, loss, x
@@ -104,7 +112,7 @@ def run_ranks(steps: int, index: int) -> list[dict]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "65536"}  # every tensor its own mapping: freed pages leave the RSS at once
-    cmd = [sys.executable, "-m", "bench.plan_validate", "--worker", str(steps), str(index)]
+    cmd = [sys.executable, "-m", "bench.planner_memory", "--worker", str(steps), str(index)]
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     out = []
@@ -124,29 +132,38 @@ def predict(zero: int, micro: int, ckpt: bool):
                                                recompute="full" if ckpt else "none"), precision="fp32")
 
 
-def main(steps: int = 2) -> list[dict]:
+def main(steps: int = 2, table: bool = False, only: list[int] | None = None) -> list[dict]:
     from lifecycle.tasks.train.supervise import prebuild_shm_op
 
     prebuild_shm_op("cpu", {**os.environ, "DS_ACCELERATOR": "cpu"})  # once, as the trainer's launcher does
     rows = []
-    print(f"model {MODEL}, 2 ranks, fp32, {steps} steps; MiB per rank (measured: the steps' peak RSS - RSS before "
-          "the model was built; init: the same during deepspeed.initialize)")
-    print(f"{'zero':>4} {'micro':>5} {'ckpt':>5} {'predicted':>9} {'states':>7} {'acts':>6} {'temp':>6} "
-          f"{'measured':>8} {'error':>6} {'init':>6}")
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if table else (lambda text: None)
+    say(f"model {MODEL}, 2 ranks, fp32, {steps} steps; MiB per rank (measured: the steps' peak RSS - RSS before "
+        "the model was built; init: the same during deepspeed.initialize)")
+    say(f"{'zero':>4} {'micro':>5} {'ckpt':>5} {'predicted':>9} {'states':>7} {'acts':>6} {'temp':>6} "
+        f"{'measured':>8} {'error':>6} {'init':>6}")
     for i, (zero, micro, ckpt) in enumerate(LAYOUTS):
+        if only is not None and i not in only:
+            continue
         est = predict(zero, micro, ckpt)
         ranks = run_ranks(steps, i)
         peak = max(r["delta"] for r in ranks)
         init = max(r["init_delta"] for r in ranks)
         err = est.total_bytes / peak - 1
-        rows.append({"zero": zero, "micro_batch": micro, "activation_checkpointing": ckpt,
-                     "predicted_bytes": est.total_bytes, "measured_bytes": peak, "error": err, "init_bytes": init,
-                     "ranks": ranks, **{k: v for k, v in est.as_dict().items() if k.endswith("_bytes")}})
-        print(f"{zero:>4} {micro:>5} {str(ckpt):>5} {est.total_bytes / MiB:>9.1f} {est.model_states_bytes / MiB:>7.1f} "
-              f"{est.activation_bytes / MiB:>6.1f} {est.temp_bytes / MiB:>6.1f} {peak / MiB:>8.1f} {err:>+6.1%} {init / MiB:>6.1f}",
-              flush=True)
+        row = {"zero": zero, "micro_batch": micro, "activation_checkpointing": ckpt,
+               "predicted_bytes": est.total_bytes, "measured_bytes": peak, "error": round(err, 4),
+               "init_bytes": init, "baseline_bytes": max(r["base"] for r in ranks),
+               **{k: v for k, v in est.as_dict().items() if k.endswith("_bytes")},
+               "ranks": [{k: r[k] for k in ("rank", "base", "peak", "delta", "step_s", "phases", "shmem_delta")} for r in ranks]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        say(f"{zero:>4} {micro:>5} {str(ckpt):>5} {est.total_bytes / MiB:>9.1f} {est.model_states_bytes / MiB:>7.1f} "
+            f"{est.activation_bytes / MiB:>6.1f} {est.temp_bytes / MiB:>6.1f} {peak / MiB:>8.1f} {err:>+6.1%} "
+            f"{init / MiB:>6.1f}")
     worst = max(abs(r["error"]) for r in rows)
-    print(f"worst error {worst:.1%} (goal: within 15%); {sum(abs(r['error']) <= 0.15 for r in rows)} of {len(rows)} within")
+    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    print(json.dumps({"summary": True, "layouts": len(rows), "within_15pct": within, "worst_error": worst,
+                      "model": MODEL, "steps": steps, "load_average": os.getloadavg()}), flush=True)
     return rows
 
 
@@ -154,12 +171,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", type=int, nargs=2, metavar=("STEPS", "LAYOUT"), help="(internal) run as one rank")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--only", help="comma-separated indices into LAYOUTS (default: all)")
+    ap.add_argument("--table", action="store_true", help="also print a readable table on stderr")
     a = ap.parse_args()
     if a.worker:
         worker(*a.worker)
     else:
-        result = main(a.steps)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(result, f, indent=1)
+        main(a.steps, a.table, [int(i) for i in a.only.split(",")] if a.only else None)
