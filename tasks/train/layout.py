@@ -171,9 +171,10 @@ class Converter:
 
 
 def _universal_reason(src: dict, dst: dict) -> str | None:
-    if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("tp", "pp", "sp", "ep")):
-        return ("tp/pp/sp/ep above 1 split parameters in ways our ZeRO-only universal conversion does not merge: "
-                "they need their own converter")
+    if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("pp", "sp", "ep")) or dst.get("tp", 1) != 1:
+        return ("pp/sp/ep above 1, or a tp destination, split parameters in ways this conversion does not (it "
+                "merges ZeRO partitions, and tp slices by the tp layers' universal_checkpoint_info, into whole "
+                "parameters): they need their own converter")
     if 0 in (src["zero"], dst["zero"]):
         return ("ZeRO stage 0 keeps a plain torch optimizer state, not ZeRO partitions: DeepSpeed's universal "
                 "checkpoint converts ZeRO-1/2/3 checkpoints and loads into ZeRO-1/2/3 engines only")

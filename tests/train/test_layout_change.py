@@ -85,7 +85,10 @@ def test_convert_refuses_with_every_converters_reason_and_takes_a_registered_one
     with pytest.raises(ValueError, match=r"deepspeed-universal: ZeRO stage 0 keeps a plain torch optimizer state"):
         lay.convert(sib, tmp_path / "dst", dst)
     assert not (tmp_path / "dst" / ckpt.tag_name(4)).exists()
-    assert "tp/pp/sp/ep above 1" in lay.CONVERTERS[0].reason({**dst, "tp": 2}, dst)
+    assert "pp/sp/ep above 1, or a tp destination" in lay.CONVERTERS[0].reason(dst, {**dst, "tp": 2})
+    assert "pp/sp/ep above 1" in lay.CONVERTERS[0].reason({**dst, "pp": 2}, dst)
+    assert lay.CONVERTERS[0].reason({**dst, "tp": 2}, dst) is None  # tp slices merge into whole parameters
+    assert "not a pipeline checkpoint" in lay.CONVERTERS[1].reason(dst, dst)
 
     def copy(src_tag, dst_tag, src, dst):  # a converter as tp18/pp18 register theirs
         (dst_tag / "x.bin").write_bytes((src_tag / "x.bin").read_bytes())
@@ -227,6 +230,17 @@ def test_pp2_resumes_as_one_dense_rank(tokens, tmp_path):
     before, after = rest.layout_change.split(" -> ")
     assert "pp=2" in before and "zero=1" in before and "pp" not in after and "zero=0" in after
     assert ckpt.read_marker(Path(rest.run_dir) / "checkpoints" / ckpt.tag_name(4))["converter"] == "pipeline-to-dense"
+
+
+@pytest.mark.slow
+def test_tp2_resumes_as_one_rank(tokens, tmp_path):
+    """tp=2 (ZeRO-1) to tp=1 (one rank, ZeRO-1): ds_to_universal merges the tp slices (parallel.tp gives each
+    sliced parameter its universal_checkpoint_info)."""
+    _, rest, _ = _change(tokens, tmp_path, {"parallel.tp": 2, "engine.zero_stage": 1, "model.dropout": 0.0},
+                         {"batch.num_ranks": 1, "engine.zero_stage": 1, "model.dropout": 0.0})
+    before, after = rest.layout_change.split(" -> ")
+    assert "tp=2" in before and "tp" not in after
+    assert ckpt.read_marker(Path(rest.run_dir) / "checkpoints" / ckpt.tag_name(4))["converter"] == "deepspeed-universal"
 
 
 def test_a_new_run_that_cannot_keep_the_global_batch_is_refused(tokens, tmp_path):
