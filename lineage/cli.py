@@ -5,6 +5,8 @@
                                                     model versions that trained on it
     lifecycle lineage forget SOURCE_ID...           every dataset, checkpoint and model version holding those
                                                     documents; writes a report under <workdir>/audit/, changes nothing
+    lifecycle lineage step RUN STEP                 the documents a training step read (the sampler's windows,
+                                                    recomputed from the run's config.json; the one thing recomputed)
     lifecycle sql "SELECT ..."                      DuckDB over the catalog (see lineage/catalog.py)
 
 A command names its run as every `lifecycle` command does: CONFIG (-c) and --set, else --workdir, else
@@ -419,6 +421,20 @@ def cmd_doc(args) -> int:
     return 0 if r["events"] else 3
 
 
+def cmd_step(args) -> int:
+    from lifecycle.lineage.steps import print_step, step_documents
+
+    try:
+        wd = _workdir(args)
+        given = Path(args.run)
+        run_dir = cat.inside(wd, given if given.is_absolute() or given.exists() else wd / "train" / args.run,
+                             "run directory")
+        r = step_documents(run_dir, args.step, check=lambda p, what: cat.inside(wd, p, what))
+    except (FileNotFoundError, ValueError, PathEscape) as e:
+        return _fail(args, e)
+    return _emit(args, r, print_step)
+
+
 def cmd_forget(args) -> int:
     try:
         wd = _workdir(args)
@@ -482,6 +498,12 @@ def register(sub) -> None:
     d.add_argument("id", metavar="ID", help="a doc_id or source_id")
     _common(d)
     d.set_defaults(func=cmd_doc)
+    st = lsub.add_parser("step", help="The documents one training step read (recomputed from the sampler), "
+                                      "sequence by sequence.")
+    st.add_argument("run", metavar="RUN", help="a train run: its id under <workdir>/train/, or its directory")
+    st.add_argument("step", type=int, metavar="STEP", help="the training step, as logged (1..max_steps)")
+    _common(st)
+    st.set_defaults(func=cmd_step)
     f = lsub.add_parser("forget", help="Everything holding these documents (a report; changes nothing; "
                                        "`lifecycle forget` acts on it).")
     f.add_argument("source_ids", nargs="+", metavar="ID", help="a source_id or doc_id")

@@ -1,6 +1,6 @@
 """Background prefetch for the training loop, with the time the step waits for data measured.
 
-The sampler (`lifecycle.tasks.train.trainer.get_batch`) is a pure function of (seed, data step, sequence index in the global batch), so a
+The sampler (`lifecycle.tasks.train.sampler`, read by `trainer.get_batch`) is a pure function of (seed, data step, sequence index in the global batch), so a
 prefetching thread can compute batches ahead without changing which batches the step sees: the
 prefetched stream is the same sequence the step would compute itself, in the same order. The state to
 checkpoint is therefore still just the position and the skipped data steps (`data_step`).
@@ -10,24 +10,12 @@ torch, pure Python otherwise; no DeepSpeed.
 
 from __future__ import annotations
 
-import bisect
 import queue
 import threading
 import time
 from typing import Callable, Hashable, Iterable, Iterator
 
-
-def data_step(step: int, skipped: Iterable[int]) -> int:
-    """The data step that training step `step` reads: the step-th natural number not in `skipped`
-    (the data steps a loss-spike rollback threw away; see train_loop)."""
-    skipped = sorted(set(skipped))
-    d = step
-    # d = step + #{k in skipped : k <= d}, found by a fixed point (skipped is finite)
-    while True:
-        nd = step + bisect.bisect_right(skipped, d)
-        if nd == d:
-            return d
-        d = nd
+from lifecycle.tasks.train.sampler import data_step  # noqa: F401  (re-exported: the trainer's import)
 
 
 class Prefetcher:

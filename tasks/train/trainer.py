@@ -37,7 +37,8 @@ from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train.checkpoint import read_marker
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
 from lifecycle.tasks.train.layout import describe, layout_of
-from lifecycle.tasks.train.loader import Prefetcher, data_step
+from lifecycle.tasks.train.loader import Prefetcher
+from lifecycle.tasks.train.sampler import data_step, first_sequence, windows
 from lifecycle.tasks.train.model import GPT
 from lifecycle.tasks.train.parallel import moe
 from lifecycle.tasks.train.parallel.mesh import Grid, Mesh
@@ -149,27 +150,18 @@ def injected_faults() -> set[int]:
 
 
 def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, micro: int):
-    """(x, y) int64 tensors (B, T) of random windows: the micro-batch `micro` of data-parallel rank `dp_rank`.
-
-    Sequence j of a step's global batch is a pure function of (seed, step, j), and the rank/micro split only
-    says which j a micro-batch holds (j = (dp_rank·grad_accum + micro)·B + b). So every layout with the same
-    global batch (dp=2 × accum=1, dp=1 × accum=2, tp or pp groups reading one dp shard) trains on the same
-    sequences, which is what lets a checkpoint change layout and a parallel run be compared with one rank."""
+    """(x, y) int64 tensors (B, T) of random windows: the micro-batch `micro` of data-parallel rank `dp_rank`
+    (lifecycle.tasks.train.sampler: sequence j of a step's global batch is a pure function of (seed, step, j), so
+    every layout with the same global batch trains on the same sequences)."""
     T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     # We recreate np.memmap every batch to avoid a memory leak (nanoGPT): a long-lived map keeps every
     # page it ever touched accounted to the process.
     data = shards.memmap("train")
-    sizes = np.array([len(d) - T for d in data], dtype=np.float64).clip(min=0)
-    cum = np.cumsum(sizes / sizes.sum())
-    first = (dp_rank * cfg.batch.grad_accum + micro) * B
-    xs, ys = [], []
-    for j in range(first, first + B):
-        rng = np.random.default_rng([cfg.seed, step, j])
-        k = min(int(np.searchsorted(cum, rng.random(), side="right")), len(data) - 1)
-        i = int(rng.integers(0, int(sizes[k])))
-        xs.append(data[k][i : i + T])
-        ys.append(data[k][i + 1 : i + 1 + T])
-    return torch.from_numpy(np.stack(xs).astype(np.int64)), torch.from_numpy(np.stack(ys).astype(np.int64))
+    first = first_sequence(dp_rank, micro, cfg.batch.grad_accum, B)
+    wins = windows([len(d) for d in data], T, cfg.seed, step, first, B)
+    x = np.stack([data[k][i : i + T] for k, i in wins]).astype(np.int64)
+    y = np.stack([data[k][i + 1 : i + 1 + T] for k, i in wins]).astype(np.int64)
+    return torch.from_numpy(x), torch.from_numpy(y)
 
 
 def val_batches(shards: TokenShards, cfg: TrainConfig, rank: int, world: int):
