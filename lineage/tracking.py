@@ -102,7 +102,8 @@ def backup_store(uri: str, workdir: str | Path, keep: int = KEEP_BACKUPS) -> Pat
         return None
     out_dir = Path(workdir) / BACKUPS
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"{time.time() % 1:.6f}"[1:] + "Z"
+    now = time.time()  # one reading: two (gmtime, then time) can straddle a second and sort out of order
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"  # never rounds up
     dest = out_dir / f"mlflow-{stamp}.db"
     tmp = dest.with_name(dest.name + ".tmp")
     with contextlib.closing(sqlite3.connect(db, timeout=30)) as src, contextlib.closing(sqlite3.connect(tmp)) as dst:
