@@ -10,12 +10,12 @@ batches; the consolidated weights export like a dense run's; pp=2 -> pp=1 conver
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from lifecycle.core.procs import free_port
 from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
 TINY = ModelConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=97)
@@ -115,12 +115,6 @@ def test_blocks_are_split_evenly_and_the_names_follow_the_dense_model():
 # two gloo processes, a real PipelineModule
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pipe_worker(rank: int, port: int, out: str, tie: bool) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
@@ -167,7 +161,7 @@ def test_a_two_stage_pipeline_exports_the_dense_weights_and_computes_the_dense_l
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "r")
-    mp.start_processes(_pipe_worker, args=(_free_port(), out, tie), nprocs=2, start_method="spawn")
+    mp.start_processes(_pipe_worker, args=(free_port(), out, tie), nprocs=2, start_method="spawn")
     got = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     assert [g["stage"] for g in got] == [0, 1]
     assert got[0]["export_equal"]

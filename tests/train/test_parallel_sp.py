@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
+from lifecycle.core.procs import free_port
 from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
 # --------------------------------------------------------------------------------------------------
@@ -47,12 +47,6 @@ def test_layouts_sp_does_not_compose_with_are_refused_with_the_reason(over, mess
 
 # --------------------------------------------------------------------------------------------------
 # two gloo processes: Ulysses vs dense
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compare(sp, rank: int, world: int, shape: dict) -> dict:
@@ -126,7 +120,7 @@ def test_ulysses_attention_on_gloo_matches_the_dense_model_forward_and_backward(
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(2, _free_port(), SHAPES, out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), SHAPES, out), nprocs=2, join=True)
     got = [json.load(open(f"{out}.{r}")) for r in range(2)]
     for name, shape in SHAPES.items():
         for r in (got[0][name], got[1][name]):
