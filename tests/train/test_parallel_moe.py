@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from lifecycle.core.procs import free_port
 from lifecycle.tasks.train.config import ModelConfig, MoEArch, TrainConfig
 
 MOE = {"num_experts": 4, "top_k": 2, "ep": 2, "capacity_factor": 1.0, "aux_loss_weight": 0.01}
@@ -140,13 +141,10 @@ def _layer_worker(rank: int, world: int, init: str, out: str, top_k: int, capaci
 
 
 def _run_layer(tmp_path, world: int, top_k: int, capacity_factor: float) -> list[dict]:
-    import socket
-
+    
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "got")
     mp.spawn(_layer_worker, args=(world, f"tcp://127.0.0.1:{port}", out, top_k, capacity_factor), nprocs=world)
     return [json.load(open(f"{out}.{r}")) for r in range(world)]
