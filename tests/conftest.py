@@ -103,6 +103,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # pytest-timeout's bound (pyproject: 600 s) is a backstop against hangs; slow runs get more
+        if "slow" in item.keywords and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(3600))
     if os.environ.get("LIFECYCLE_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with LIFECYCLE_SLOW=1 .venv/bin/python -m pytest -m slow")
@@ -129,11 +132,35 @@ def deepspeed_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"{SHM_PREFIX}_*")} if Path("/dev/shm").is_dir() else set()
 
 
+def _listening_ports() -> set[int]:
+    """Local TCP ports some socket listens on (/proc/net/tcp{,6}, state 0A)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 3 and fields[3] == "0A":
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def release_new_deepspeed_shm(before: set[str]) -> list[str]:
-    """Unlink the DeepSpeed all-reduce buffers that appeared since `before` and that no live process maps."""
+    """Unlink the DeepSpeed all-reduce buffers that appeared since `before` and that belong to no live launch.
+
+    A buffer is live while a process maps it, and also while its launch's store listens on the port in its name
+    (`..._<addr>_<port>_<rank>`): DeepSpeed's rank creates its file before it maps it, and the peer ranks spin
+    until it exists. Another xdist worker's run can be in that instant; unlinking its file there left a rank
+    spinning and its peer waiting 30 minutes in `new_group` (CI, 2026-11-24)."""
     gone = []
     if new := deepspeed_shm() - before:
-        for name in sorted(new - _mapped_shm()):
+        mapped, listening = _mapped_shm(), _listening_ports()
+        for name in sorted(new - mapped):
+            port = name.rsplit("_", 2)[-2]
+            if port.isdigit() and int(port) in listening:
+                continue
             (Path("/dev/shm") / name).unlink(missing_ok=True)
             gone.append(name)
     return gone

@@ -339,17 +339,27 @@ def test_a_stopped_rank_fails_the_launch_naming_it_then_the_rerun_completes(toke
     assert r.launched and r.steps == 60 and r.resumed_from is not None and r.resumed_from >= 5
 
 
-def test_a_tests_leftover_deepspeed_buffers_are_released_and_mapped_ones_kept(tmp_path):
-    """tests/conftest.py's autouse cleanup: new unmapped buffers go, a mapped one (a live run's) stays."""
+def test_a_tests_leftover_deepspeed_buffers_are_released_and_live_ones_kept(tmp_path):
+    """tests/conftest.py's autouse cleanup: new buffers of no live launch go; a mapped one (a live rank's) stays,
+    and so does an unmapped one whose launch's store still listens on the port in its name (a rank of another
+    xdist worker's run between creating its file and mapping it: its peer spins until the file exists)."""
     import mmap
+    import socket
 
     from tests.conftest import deepspeed_shm, release_new_deepspeed_shm
 
     before = deepspeed_shm()
-    names = [f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_1_{i}" for i in (0, 1)]
-    for n in names:
-        (Path("/dev/shm") / n).write_bytes(b"\0" * 4096)
-    with open(Path("/dev/shm") / names[1], "r+b") as f, mmap.mmap(f.fileno(), 4096):
-        assert release_new_deepspeed_shm(before) == [names[0]]
-        assert (Path("/dev/shm") / names[1]).exists() and not (Path("/dev/shm") / names[0]).exists()
-    assert release_new_deepspeed_shm(before) == [names[1]]
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        port = store.getsockname()[1]
+        names = [f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_1_{i}" for i in (0, 1)]
+        names.append(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0")
+        for n in names:
+            (Path("/dev/shm") / n).write_bytes(b"\0" * 4096)
+        with open(Path("/dev/shm") / names[1], "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            assert release_new_deepspeed_shm(before) == [names[0]]
+            assert (Path("/dev/shm") / names[1]).exists() and not (Path("/dev/shm") / names[0]).exists()
+        assert release_new_deepspeed_shm(before) == [names[1]]
+        assert (Path("/dev/shm") / names[2]).exists()
+    assert release_new_deepspeed_shm(before) == [names[2]]
