@@ -40,6 +40,11 @@ def test_persist_is_atomic_and_loadable(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+# The persist process imports torch before its first write: seconds on an idle machine, over a minute on a loaded
+# one (CI, 2026-11-24: 60 s ran out). The bound only turns a hang into a failure.
+TIMEOUT = 300
+
+
 def test_persist_process_writes_the_staged_state_while_training_goes_on(tmp_path):
     live = {"module": collections.OrderedDict(w=torch.arange(6, dtype=torch.float32).view(2, 3).t(),  # non-contiguous
                                               b=torch.ones(3, dtype=torch.bfloat16), mask=torch.tensor([True, False]),
@@ -53,7 +58,7 @@ def test_persist_process_writes_the_staged_state_while_training_goes_on(tmp_path
         live["module"]["w"].add_(100)  # training goes on after the (blocking) staging copy
         live["opt"]["state"][0]["exp_avg"].zero_()
         live["rng"][1][:] = 9
-        done.result(timeout=60)
+        done.result(timeout=TIMEOUT)
         got = torch.load(tmp_path / "a.pt", weights_only=False)
         assert isinstance(got["module"], collections.OrderedDict) and got["step"] == 7
         for k in ("w", "b", "mask", "empty"):
@@ -63,15 +68,15 @@ def test_persist_process_writes_the_staged_state_while_training_goes_on(tmp_path
         # a bigger state than the arena holds: a new arena, the earlier write is unaffected
         writer.new_checkpoint()
         big = {"x": torch.randn(1 << 20)}
-        writer.submit("states", str(tmp_path / "b.pt"), big, True).result(timeout=60)
+        writer.submit("states", str(tmp_path / "b.pt"), big, True).result(timeout=TIMEOUT)
         assert torch.equal(torch.load(tmp_path / "b.pt")["x"], big["x"]) and writer.arena.size >= 4 << 20
         # a failed write raises in the rank, with the persist process's traceback
         with pytest.raises(RuntimeError, match="(?s)persist process failed.*No such file"):
-            writer.submit("states", str(tmp_path / "missing" / "c.pt"), big, True).result(timeout=60)
+            writer.submit("states", str(tmp_path / "missing" / "c.pt"), big, True).result(timeout=TIMEOUT)
         writer.proc.kill()  # the process dies: what is pending fails instead of hanging
         writer.proc.wait()
         with pytest.raises(RuntimeError, match="persist process exited"):
-            writer.submit("states", str(tmp_path / "d.pt"), big, True).result(timeout=60)
+            writer.submit("states", str(tmp_path / "d.pt"), big, True).result(timeout=TIMEOUT)
     finally:
         writer.close()
     assert not (tmp_path / "d.pt").exists()
