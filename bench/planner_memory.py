@@ -14,7 +14,7 @@ glibc is told to map every allocation above 64 KiB on its own (MALLOC_MMAP_THRES
 tensor's pages leave the resident set at once instead of staying in the heap. `init` is the same high-water
 mark during `deepspeed.initialize` (its one-time flattening and partitioning copies), not what the planner
 predicts (the steady state of training), shown beside it. Pages DeepSpeed reserves but never touches (its 5e8-element gradient bucket on a small model)
-do not count, which is what the planner assumes (`min(Ψ, bucket)`). The table prints the larger of the two
+do not count, which is what the planner assumes with `device="cpu"` (`min(Ψ, bucket)`). The table prints the larger of the two
 ranks (they agree within a few MiB) next to `planner.memory(...)` for the same layout, precision fp32,
 fused attention (SDPA).
 """
@@ -129,7 +129,8 @@ def predict(zero: int, micro: int, ckpt: bool):
     from lifecycle.tasks.train.planner import Layout, memory
 
     return memory(ModelConfig(**MODEL), Layout(dp=2, zero=zero, micro_batch=micro,
-                                               recompute="full" if ckpt else "none"), precision="fp32")
+                                               recompute="full" if ckpt else "none"), precision="fp32",
+                  device="cpu")  # the resident set: reserved pages never written do not count
 
 
 def main(steps: int = 2, table: bool = False, only: list[int] | None = None) -> list[dict]:

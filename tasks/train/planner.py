@@ -7,9 +7,9 @@ Per-rank memory of a training layout, from two papers:
   gradients and KΨ = 12Ψ of optimizer state (fp32 master weights, momentum, variance) for Ψ parameters.
   ZeRO-1 partitions the optimizer state over the Nd data-parallel ranks, ZeRO-2 the gradients too, ZeRO-3 the
   parameters too: (2+2+12)Ψ, (2+2)Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd. fp32 training, what this project runs on
-  CPU: parameters 4Ψ, gradients 4Ψ, AdamW moments 8Ψ; DeepSpeed's ZeRO-1/2 optimizer also keeps an fp32
-  copy of its partition even when the weights are fp32 already (`single_partition_of_fp32_groups`, a clone),
-  so K is 8 at stage 0, 12 at stages 1-2 (the clone is partitioned) and 8 at stage 3 (it shares the buffer).
+  CPU: parameters 4Ψ, gradients 4Ψ, AdamW moments 8Ψ; DeepSpeed's ZeRO optimizers also keep an fp32 copy of
+  their partition even when the weights are fp32 already (stages 1-2: `single_partition_of_fp32_groups`, stage
+  3: `fp32_partitioned_groups_flat`, each a clone), so K is 8 at stage 0 and 12 at stages 1-3.
 - activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   section 4): a transformer layer keeps s·b·h·(34 + 5·a·s/h) bytes for sequence s, micro-batch b, width h and
   a heads (16-bit activations, 1-byte dropout masks); with tensor parallelism t and sequence parallelism
@@ -20,11 +20,17 @@ Per-rank memory of a training layout, from two papers:
   not: fp32 activations (4 bytes), no dropout (no masks), SwiGLU's wider gated MLP, RoPE (rotated q and k kept
   beside the projection output) and fused attention (no a·s² score matrix; its output is kept instead).
 
-On top: temporary buffers (`temp_bytes`): DeepSpeed's gradient bucket (reduce_bucket_size 5e8 elements, or the
-whole model when smaller), the gathered parameters under ZeRO-3 (DeepSpeed's defaults keep a gathered parameter
-for its reuse in backward up to stage3_max_live_parameters = 1e9 elements: the whole model below that), and the backward of the output layer (fp32 log-probabilities and their gradient, 2 x 4·s·b·V
-bytes); or, when larger, the optimizer step's temporary (fp32 only: torch AdamW's per-tensor loop on CPU makes
-one fp32 tensor the size of the largest tensor it updates; a fused GPU Adam makes none).
+On top: buffers (`temp_bytes`). DeepSpeed's gradient bucket: stage 0 all-reduces flattened copies of at most
+`reduce_bucket_size` (5e8) elements, freed after; stages 1-2 (`setup_buckets`, with contiguous_gradients, the
+default) allocate a buffer of reduce_bucket_size elements at each step's first backward and keep it through the
+step (two with overlap_comm); stage 3 allocates one at start-up for good. On a GPU the caching allocator hands
+out the whole buffer (1 GB in bf16 even for a small model); on the CPU only the pages gradients touch count,
+min(Ψ, bucket) (`device`). ZeRO-2's step flattens the gradient partition into a new tensor (Ψ/Nd). Under ZeRO-3
+the gathered parameters: DeepSpeed's defaults keep a gathered parameter for its reuse in backward up to
+stage3_max_live_parameters = 1e9 elements: the whole model below that. The backward of the output layer (fp32
+log-probabilities and their gradient, 2 x 4·s·b·V bytes). Or, when larger than the backward's buffers, the
+optimizer step's temporary (fp32 only: torch AdamW's per-tensor loop on CPU makes one fp32 tensor the size of
+the largest tensor it updates; a fused GPU Adam makes none).
 
 Step time (`step_time`) is a simple compute + communication model with the constants of `Hardware`, no
 overlap of communication with compute (an upper bound). Torch-free.
@@ -135,7 +141,7 @@ class Precision:
     def optimizer(self, zero: int) -> int:
         """K: optimizer bytes per parameter (see the module docstring)."""
         if self.name == "fp32":
-            return 12 if zero in (1, 2) else 8
+            return 12 if zero >= 1 else 8
         return 12
 
 
@@ -244,9 +250,14 @@ class Estimate:
 
 def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | None = None,
            micro_batches: int | None = None, fused_attention: bool = True, am: ActivationModel | None = None,
-           params: float | None = None) -> Estimate:
+           params: float | None = None, device: str = "cuda", reduce_bucket: float = GRAD_BUCKET,
+           overlap_comm: bool | None = None) -> Estimate:
     """Per-rank bytes of `lay` for model `m`. `micro_batches` per step per pipeline (default: pp, so that 1F1B's
-    first stage is full); `params` overrides Ψ (then `m` only shapes the activations)."""
+    first stage is full); `params` overrides Ψ (then `m` only shapes the activations). `device` "cuda": a
+    reserved buffer counts whole; "cpu": only the pages written count (the resident set). `reduce_bucket` and
+    `overlap_comm` as in DeepSpeed's zero_optimization (overlap_comm's default: on at stage 3 only)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, not {device!r}")
     prec = PRECISIONS[precision]
     s, b, h, a, L, v = seq_len or m.seq_len, lay.micro_batch, m.n_embd, m.n_head, m.n_layer, m.vocab_size
     psi = params if params is not None else total_params(m)
@@ -272,8 +283,15 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
         first = layers_first * layer
         last = L / lay.pp * layer + out_layer
     acts = max(first, last) if lay.pp > 1 else first + out_layer
-    # temporary buffers
-    bucket = min(psi_rank, GRAD_BUCKET) * prec.grad  # the gradient all-reduce / reduce-scatter bucket
+    # buffers beside the model states and activations (see the module docstring)
+    nd_ = nd if lay.zero else 1
+    touched = min(psi_rank, reduce_bucket) * prec.grad  # what the gradients write into a bucket
+    if lay.zero == 0:  # flattened copies of at most 5e8 elements (engine.py's own constant), freed after
+        bucket = min(psi_rank, GRAD_BUCKET) * prec.grad
+    else:
+        overlap = lay.zero == 3 if overlap_comm is None else overlap_comm
+        copies = 2 if overlap and lay.zero in (1, 2) else 1
+        bucket = copies * (reduce_bucket * prec.grad if device == "cuda" else touched)
     # ZeRO-3 keeps a gathered parameter until its next use when that is within stage3_max_reuse_distance (1e9
     # elements), up to stage3_max_live_parameters (1e9): below 1e9 parameters every parameter gathered in forward
     # stays gathered until backward has used it (measured: forward holds the whole model, bench.planner_memory)
@@ -281,13 +299,17 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     loss_bwd = 2 * 4 * s_rank * b * v / t  # fp32 gradient of the log-probs, and of the logits
     # fp32 is this project's CPU training: torch AdamW's per-tensor loop makes one fp32 temporary the size of the
     # tensor it updates (the flat partition under ZeRO-1/2/3). 16-bit on GPU: a fused Adam, no temporary.
-    largest = max(v * h / t, psi_rank / nd if lay.zero else 0)
+    largest = max(v * h / t, psi_rank / nd_ if lay.zero else 0)
     opt_step = 4 * largest if precision == "fp32" and not lay.offload else 0.0
-    temp = max(bucket + gathered + loss_bwd, opt_step)
+    flat_grad = psi_rank / nd_ * prec.grad if lay.zero == 2 else 0.0  # the step's flattened gradient partition
+    # stages 1-3 hold their bucket through the step; stage 0's buffers are gone by then
+    held = bucket if lay.zero else 0.0
+    temp = max((bucket if not lay.zero else 0.0) + gathered + loss_bwd, opt_step + flat_grad) + held
     return Estimate(lay, sum(ms.values()), acts, temp,
                     {**{f"{k}_bytes": x for k, x in ms.items()}, "activation_per_layer_bytes": layer,
                      "output_layer_bytes": out_layer, "grad_bucket_bytes": bucket, "zero3_gathered_bytes": gathered,
-                     "loss_backward_bytes": loss_bwd, "optimizer_step_temp_bytes": opt_step})
+                     "loss_backward_bytes": loss_bwd, "optimizer_step_temp_bytes": opt_step,
+                     "step_flat_grad_bytes": flat_grad})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -393,13 +415,13 @@ class Option:
 
 
 def search(m: ModelConfig, gpus: int, gpu_memory: float, global_batch: int, hw: Hardware = Hardware(),
-           precision: str = "bf16", seq_len: int | None = None, **space) -> list[Option]:
+           precision: str = "bf16", seq_len: int | None = None, device: str = "cuda", **space) -> list[Option]:
     """All candidate layouts, the fitting ones first, fastest first (ties: bigger micro-batch, lower ZeRO stage,
     no offload, less recomputation)."""
     out = []
     for lay in candidates(m, gpus, global_batch, hw, **space):
         mb = global_batch // (lay.dp * lay.micro_batch)
-        est = memory(m, lay, precision, seq_len, micro_batches=mb)
+        est = memory(m, lay, precision, seq_len, micro_batches=mb, device=device)
         t = step_time(m, lay, global_batch, hw, precision, seq_len)
         out.append(Option(lay, est, t, est.total_bytes <= gpu_memory - hw.reserve_bytes))
     out.sort(key=lambda o: (not o.fits, round(o.time["step_s"], 9), -o.layout.micro_batch, o.layout.zero,
@@ -483,7 +505,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
                  micro_batch=args.micro_batch, recompute=args.activation_checkpointing, offload=args.offload,
                  tp_sequence_parallel=not args.no_sequence_parallel)
     est = memory(m, lay, args.precision, micro_batches=args.micro_batches,
-                 fused_attention=args.attention == "fused", params=psi)
+                 fused_attention=args.attention == "fused", params=psi, device=args.device,
+                 reduce_bucket=args.reduce_bucket)
     out = {"model": shape_of(m), "params": psi, "precision": args.precision, "attention": args.attention,
            "ranks": args.ranks, **est.as_dict()}
     if args.json:
@@ -498,7 +521,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
           f"output layer {gib(br['output_layer_bytes'])})")
     print(f"          temporary    {gib(est.temp_bytes)} (gradient bucket {gib(br['grad_bucket_bytes'])}, loss "
           f"backward {gib(br['loss_backward_bytes'])}, ZeRO-3 gathered {gib(br['zero3_gathered_bytes'])}, "
-          f"optimizer step {gib(br['optimizer_step_temp_bytes'])})")
+          f"optimizer step {gib(br['optimizer_step_temp_bytes'])}, ZeRO-2 flattened gradients "
+          f"{gib(br['step_flat_grad_bytes'])})")
     print(f"          total        {gib(est.total_bytes)}")
     return 0
 
@@ -591,6 +615,11 @@ def register(subparsers) -> None:
     mem.add_argument("--no-sequence-parallel", action="store_true",
                      help="tp without Megatron sequence parallelism (norm/dropout activations not split)")
     mem.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer states on the CPU")
+    mem.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cuda (default): a reserved buffer counts whole, as the caching allocator hands it out; "
+                          "cpu: only the pages written count (the resident set of a CPU run)")
+    mem.add_argument("--reduce-bucket", type=float, default=GRAD_BUCKET,
+                     help="DeepSpeed's zero_optimization.reduce_bucket_size, elements (default 5e8)")
     mem.set_defaults(func=cmd_memory)
 
     lay = sub.add_parser("layout", help="Search dp/tp/pp/sp, ZeRO stage, micro-batch, recomputation and offload; "
@@ -647,7 +676,8 @@ def resolve_layout(cfg, memory_bytes: float | None = None):
                   gpus_per_node=n if cfg.launch.hostfile is None else Hardware().gpus_per_node,
                   **({} if cfg.engine.accelerator == "cuda" else {"intra_node_bw": 5e9, "inter_node_bw": 1e9,
                                                                    "reserve_bytes": 0.0}))
-    opts = search(m, n, memory_bytes, gb, hw, cfg.engine.precision, tps=[1], pps=[1], sps=[1],
+    opts = search(m, n, memory_bytes, gb, hw, cfg.engine.precision, device="cuda" if cfg.engine.accelerator == "cuda"
+                  else "cpu", tps=[1], pps=[1], sps=[1],
                   recomputes=("none", "full"), offloads=(False,),
                   micro_batches=divisors(gb // n))
     fitting = [o for o in opts if o.fits]

@@ -27,14 +27,40 @@ def test_zero_paper_7_5b_example():
 
 
 def test_fp32_model_states_with_deepspeeds_master_copy():
-    # fp32: 4 + 4 + 8 bytes; ZeRO-1/2's fp32 partition clone adds 4/Nd; ZeRO-3 shares the buffer
+    # fp32: 4 + 4 + 8 bytes; the ZeRO optimizers' fp32 partition clone adds 4/Nd (stage 3 too: its
+    # fp32_partitioned_groups_flat is a tensor of its own beside the parameters' partitions)
     fp32 = PRECISIONS["fp32"]
     assert sum(model_states(1e6, 0, 2, fp32).values()) == pytest.approx(16e6)
     assert sum(model_states(1e6, 1, 2, fp32).values()) == pytest.approx(8e6 + 12e6 / 2)
     assert sum(model_states(1e6, 2, 2, fp32).values()) == pytest.approx(4e6 + 16e6 / 2)
-    assert sum(model_states(1e6, 3, 2, fp32).values()) == pytest.approx(16e6 / 2)
+    assert sum(model_states(1e6, 3, 2, fp32).values()) == pytest.approx(20e6 / 2)
     off = model_states(1e6, 2, 2, BF16, offload=True)
     assert off == {"params": 2e6, "grads": 0.0, "optimizer": 0.0}
+
+
+def test_gradient_bucket_counts_whole_on_a_gpu_and_as_written_on_the_cpu():
+    """DeepSpeed's stage 1-2 bucket (reduce_bucket_size elements, allocated each step with contiguous_gradients,
+    two with overlap_comm) and stage 3's (one, for good): a GPU's caching allocator hands out the whole buffer, a
+    CPU run's resident set holds the pages the gradients wrote, min(Ψ, bucket). Stage 0 all-reduces flattened
+    copies of at most 5e8 elements, freed before the step."""
+    m = parse_model("demo")
+    psi = total_params(m)
+    br = lambda zero, **kw: memory(m, Layout(dp=2, zero=zero), **kw).breakdown["grad_bucket_bytes"]  # noqa: E731
+    for zero in (1, 2, 3):
+        assert br(zero, device="cuda") == pytest.approx(5e8 * 2)
+        assert br(zero, device="cpu") == pytest.approx(psi * 2)
+        assert br(zero, device="cpu", reduce_bucket=1e5) == pytest.approx(1e5 * 2)
+    assert br(2, device="cuda", overlap_comm=True) == pytest.approx(2 * 5e8 * 2)
+    assert br(3, device="cuda", overlap_comm=True) == pytest.approx(5e8 * 2)  # stage 3: one buffer
+    assert br(0, device="cuda") == br(0, device="cpu") == pytest.approx(psi * 2)
+    # the stage 1-3 bucket is held through the step, so it adds to the step's buffers too
+    est = memory(m, Layout(dp=2, zero=2), precision="fp32", device="cpu")
+    b = est.breakdown
+    assert est.temp_bytes == pytest.approx(b["grad_bucket_bytes"] + max(
+        b["loss_backward_bytes"], b["optimizer_step_temp_bytes"] + b["step_flat_grad_bytes"]))
+    assert b["step_flat_grad_bytes"] == pytest.approx(psi / 2 * 4)
+    with pytest.raises(ValueError, match="device"):
+        memory(m, Layout(), device="tpu")
 
 
 def test_korthikanti_formulas():
