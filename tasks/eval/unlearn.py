@@ -70,6 +70,16 @@ class UnlearnConfig(BaseModel):
     val_batches: int | None = Field(None, ge=1)
     """Batches of the val shard scored for the validation loss (null: the whole val split, so that the bound is
     measured on as much held-out text as the dataset has)."""
+    retain_weight: float = Field(0.0, ge=0)
+    """Gradient difference (Liu et al. 2022, "Continual Learning and Private Unlearning"; TOFU's GradDiff): each
+    ascent step also descends on `retain_batch` windows of training documents that are kept, the step's loss
+    being -loss(forget) + retain_weight * loss(retain), so that what the model knows besides the forgotten text
+    is pulled back while it is pushed away. 0: Jang et al.'s pure ascent."""
+    retain_batch: int = Field(4, ge=1)
+    """Kept training windows per ascent step with retain_weight > 0 (drawn with `seed` from at most
+    `retain_pool` windows of the kept training documents)."""
+    retain_pool: int = Field(512, ge=1)
+    """Windows of kept training documents the retain batches are drawn from."""
     seed: int = 0
 
 
@@ -193,13 +203,31 @@ def never_seen(tokens: DatasetRef, count: int, length: int, seed: int) -> np.nda
 # gradient ascent
 
 
-def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConfig, log=print) -> list[dict]:
+def retain_windows(tokens: DatasetRef, forgotten: list[str], length: int, cfg: UnlearnConfig) -> np.ndarray:
+    """At most `retain_pool` windows of the training documents that are not forgotten, drawn with `seed`."""
+    keep = set(forgotten)
+    kept = [r["doc_id"] for r in tokens.read(["doc_id", "split"]).to_pylist()
+            if r["split"] == "train" and r["doc_id"] not in keep]
+    wins, _ = doc_windows(tokens, kept, "train", length)
+    if not len(wins):
+        raise ValueError(f"{tokens.manifest_path}: unlearn.retain_weight > 0 needs training documents besides the "
+                         f"forgotten ones with {length} tokens; there are none")
+    rng = np.random.default_rng(cfg.seed)
+    return wins[np.sort(rng.permutation(len(wins))[:cfg.retain_pool])]
+
+
+def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConfig, log=print,
+           retain: np.ndarray | None = None) -> list[dict]:
     """Gradient ascent (maximise the LM loss) on `forget`, chunk after chunk, each until its MA and EL are at
-    or below `target`. Returns one record per chunk; raises UnlearningRefused when a chunk does not get there
-    within max_epochs."""
+    or below `target`; with `retain` and cfg.retain_weight > 0, gradient difference (descent on a batch of
+    `retain` per step as well). Returns one record per chunk; raises UnlearningRefused when a chunk does not get
+    there within max_epochs."""
     import torch
 
     torch.manual_seed(cfg.seed)
+    if cfg.retain_weight > 0 and (retain is None or not len(retain)):
+        raise ValueError("unlearn.retain_weight > 0 needs retain sequences")
+    draw = np.random.default_rng([cfg.seed, 1])
     history = []
     el = f"el{cfg.el_n}"
     for c in range(0, len(forget), cfg.chunk_size):
@@ -217,7 +245,13 @@ def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConf
             for _ in range(min(cfg.check_every, cfg.max_epochs - steps)):
                 _, loss = model(x[:, :-1], x[:, 1:])
                 opt.zero_grad(set_to_none=True)
-                (-loss).backward()  # ascent: push the sequences' likelihood down
+                objective = -loss  # ascent: push the sequences' likelihood down
+                if cfg.retain_weight > 0:  # and pull the kept text's back up
+                    r = torch.from_numpy(retain[draw.choice(len(retain), min(cfg.retain_batch, len(retain)),
+                                                            replace=False)])
+                    _, keep_loss = model(r[:, :-1], r[:, 1:])
+                    objective = objective + cfg.retain_weight * keep_loss
+                objective.backward()
                 opt.step()
                 steps += 1
             model.eval()
@@ -280,8 +314,11 @@ def unlearn(package: str | Path, tokens: DatasetRef, doc_ids: list[str], cfg: Un
                "forgotten_ma_before": before_f["ma"], f"forgotten_{el}_before": before_f[el],
                "never_seen_ma": before_n["ma"], f"never_seen_{el}": before_n[el],
                "val_loss_before": before_v["val_loss"], "val_bpb_before": before_v["val_bpb"]}
+    retain = retain_windows(tokens, list(doc_ids), length, cfg) if cfg.retain_weight > 0 else None
+    if retain is not None:
+        metrics["retain_sequences"] = len(retain)
     try:
-        history = ascend(model, forget, before_n, cfg, log)
+        history = ascend(model, forget, before_n, cfg, log, retain)
     except UnlearningRefused as e:
         e.metrics = {**metrics, **{f"refused_{k}": v for k, v in e.metrics.items()}}
         raise

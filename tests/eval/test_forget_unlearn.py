@@ -95,6 +95,26 @@ def test_ascent_stops_at_the_target_level_chunk_by_chunk(memorised):
     assert ul.memorisation_accuracy(model, common).mean() > 0.5 * common_before  # the rest is still known
 
 
+def test_gradient_difference_keeps_the_retained_text_better_than_pure_ascent(memorised):
+    """retain_weight > 0: the same forgetting (both stop at the level) costs the kept sequences less."""
+    import copy
+
+    model, secrets, _, common = memorised
+    target = {"ma": 0.4, "el4": 0.2}
+    kept_loss = {}
+    for w in (0.0, 1.0):
+        m = copy.deepcopy(model)
+        cfg = ul.UnlearnConfig(lr=3e-4, max_epochs=200, el_n=4, sequence_tokens=16, retain_weight=w, retain_batch=4)
+        history = ul.ascend(m, secrets, target, cfg, log=lambda s: None, retain=common)
+        assert all(h["ma"] <= target["ma"] and h["el4"] <= target["el4"] for h in history)
+        with torch.no_grad():
+            x = torch.from_numpy(common)
+            kept_loss[w] = m(x[:, :-1], x[:, 1:])[1].item()
+    assert kept_loss[1.0] < kept_loss[0.0], kept_loss
+    with pytest.raises(ValueError, match="retain sequences"):
+        ul.ascend(copy.deepcopy(model), secrets, target, ul.UnlearnConfig(retain_weight=1.0), log=lambda s: None)
+
+
 def test_ascent_refuses_when_it_cannot_reach_the_level(memorised):
     import copy
 
