@@ -45,9 +45,11 @@ SETTINGS = [
     "orchestration.retry_backoff_s=0.1",
 ]
 # Jang et al.'s settings are the defaults (Adam, lr 5e-5, no weight decay, one sequence per chunk, the stop rule
-# checked after every step); the bound is the default 10%, stated here because the test asserts it.
+# checked after every step); the bound is the default 10%, stated here because the test asserts it. Gradient
+# difference (retain_weight=1): in this world pure ascent forgets the canary's 7 sequences at +13.5% validation loss
+# (refused, 2026-11-24), the descent on kept training text holds it under the bound.
 UNLEARN = ["--unlearn-set", "sequence_tokens=48", "--unlearn-set", "el_n=5", "--unlearn-set", "el_stride=2",
-           "--unlearn-set", "max_val_loss_increase=0.1"]
+           "--unlearn-set", "max_val_loss_increase=0.1", "--unlearn-set", "retain_weight=1"]
 
 
 LONG = 3600  # seconds a `run` or `forget` may take here (a training run on a busy 2-core machine)
