@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lifecycle.core.procs import free_port
 from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 from lifecycle.tasks.train.model import GPT
 from lifecycle.tasks.train.parallel.tp import merge_tensors, shard_tensor, split_spec
@@ -335,7 +336,6 @@ def test_tp2_checkpoint_continues_under_tp1_through_the_universal_checkpoint(tp_
     """Layout change tp=2 -> tp=1: the tp=2 run's step-10 checkpoint through `ds_to_universal` (our
     `universal_checkpoint_info` tells it how to merge the slices), loaded with the optimizer state into a dense
     one-rank engine, trains steps 11-20 with the losses of the uninterrupted tp=2 run (issue bound: 1e-4)."""
-    import socket
     import subprocess
     import sys
 
@@ -349,10 +349,7 @@ def test_tp2_checkpoint_continues_under_tp1_through_the_universal_checkpoint(tp_
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     result = tmp_path / "continued.json"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_dense_continue_worker, args=(port, str(Path(tp2.run_dir) / "config.json"),
+    mp.spawn(_dense_continue_worker, args=(free_port(), str(Path(tp2.run_dir) / "config.json"),
                                            str(out.parent), out.name, str(result)), nprocs=1, join=True)
     got = json.loads(result.read_text())
     want = [r["loss"] for r in _records(tp2.metrics_path, "train") if r["step"] > 10]
