@@ -338,7 +338,12 @@ def _serve_embedded(workdir: str, port: int, idle_s: float) -> None:
         last_used = time.time()
         while not server.should_exit:
             time.sleep(min(15.0, max(idle_s / 4, 0.2)))
-            fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:  # the work dir (or its .servers) was removed: no run can find this server again
+                print(f"embedded Prefect server: {users} cannot be opened ({e}); stopping", flush=True)
+                server.should_exit = True
+                return
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken only when no run holds it
             except BlockingIOError:

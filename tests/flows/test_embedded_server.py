@@ -125,3 +125,15 @@ def test_it_stops_after_its_idle_timeout_but_not_under_a_run(wd):
     assert _alive(pid)  # idle for longer than 2 s, but a run (the holder) uses it
     holder.communicate(timeout=30)
     assert _wait_gone(pid, 20), "the idle server did not stop"
+
+
+def test_it_stops_when_its_work_dir_is_removed(wd):
+    """A removed work dir (a temporary one, a user's `rm -rf`) leaves no run that could use or stop its server:
+    the server stops on its next idle check instead of serving forever (seen: servers of deleted temporary work
+    dirs alive 35 minutes after a 30 s idle timeout, their watcher dead on FileNotFoundError)."""
+    import shutil
+
+    pid = _result(_start(wd, {"LIFECYCLE_EMBEDDED_IDLE_S": "3600"}))["pid"]
+    assert _alive(pid)
+    shutil.rmtree(wd)
+    assert _wait_gone(pid, 60), "the server of a removed work dir did not stop"
