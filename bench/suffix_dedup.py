@@ -47,6 +47,8 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from lifecycle.tasks.data.dedup.substring import window_in_one_doc
+
 
 def _status() -> dict[str, int]:
     out = {}
@@ -183,11 +185,7 @@ def mark_adjacent(text, sa, lcp, length, marks):
         if r and lcp[r - 1] >= length:
             if not checked:
                 checked = True
-                valid = True
-                for i in range(length):
-                    if text[p + i] == 0xFF:
-                        valid = False
-                        break
+                valid = window_in_one_doc(text, p, length)
             if valid:
                 if p < first:
                     marks[first >> 3] |= np.uint8(1) << np.uint8(first & 7)

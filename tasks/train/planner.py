@@ -284,7 +284,6 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
         last = L / lay.pp * layer + out_layer
     acts = max(first, last) if lay.pp > 1 else first + out_layer
     # buffers beside the model states and activations (see the module docstring)
-    nd_ = nd if lay.zero else 1
     touched = min(psi_rank, reduce_bucket) * prec.grad  # what the gradients write into a bucket
     if lay.zero == 0:  # flattened copies of at most 5e8 elements (engine.py's own constant), freed after
         bucket = min(psi_rank, GRAD_BUCKET) * prec.grad
@@ -299,12 +298,12 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     loss_bwd = 2 * 4 * s_rank * b * v / t  # fp32 gradient of the log-probs, and of the logits
     # fp32 is this project's CPU training: torch AdamW's per-tensor loop makes one fp32 temporary the size of the
     # tensor it updates (the flat partition under ZeRO-1/2/3). 16-bit on GPU: a fused Adam, no temporary.
-    largest = max(v * h / t, psi_rank / nd_ if lay.zero else 0)
+    largest = max(v * h / t, psi_rank / nd if lay.zero else 0)
     opt_step = 4 * largest if precision == "fp32" and not lay.offload else 0.0
-    flat_grad = psi_rank / nd_ * prec.grad if lay.zero == 2 else 0.0  # the step's flattened gradient partition
+    flat_grad = psi_rank / nd * prec.grad if lay.zero == 2 else 0.0  # the step's flattened gradient partition
     # stages 1-3 hold their bucket through the step; stage 0's buffers are gone by then
-    held = bucket if lay.zero else 0.0
-    temp = max((bucket if not lay.zero else 0.0) + gathered + loss_bwd, opt_step + flat_grad) + held
+    held, during_backward = (bucket, 0.0) if lay.zero else (0.0, bucket)
+    temp = max(during_backward + gathered + loss_bwd, opt_step + flat_grad) + held
     return Estimate(lay, sum(ms.values()), acts, temp,
                     {**{f"{k}_bytes": x for k, x in ms.items()}, "activation_per_layer_bytes": layer,
                      "output_layer_bytes": out_layer, "grad_bucket_bytes": bucket, "zero3_gathered_bytes": gathered,

@@ -167,6 +167,16 @@ def split(text: bytes, how: str) -> list[tuple[int, int]]:
     return out
 
 
+def drop_ranges(b: bytes, ranges: list[tuple[int, int]]) -> bytes:
+    """`b` without the sorted, disjoint byte ranges [s, e)."""
+    pieces, pos = [], 0
+    for s, e in ranges:
+        pieces.append(b[pos:s])
+        pos = e
+    pieces.append(b[pos:])
+    return b"".join(pieces)
+
+
 def cut_ranges(spans: list[tuple[int, int]], cut: list[bool], size: int) -> list[tuple[int, int]]:
     """The byte ranges removed for the cut paragraphs: each with the separator before it (after it for a first
     paragraph), merged where adjacent."""
@@ -224,12 +234,7 @@ def apply(texts: list[str], bloom: Bloom, cfg: ParagraphConfig, reread: np.ndarr
         cut = [bool(x) for x in seen[k : k + len(sp)]]
         k += len(sp)
         ranges = cut_ranges(sp, cut, len(b))
-        kept, pos = [], 0
-        for s, e in ranges:
-            kept.append(b[pos:s])
-            pos = e
-        kept.append(b[pos:])
-        new = b"".join(kept).decode()
+        new = drop_ranges(b, ranges).decode()
         out_texts.append(new)
         cuts.append([{"start": s, "end": e, "reason": "paragraph"} for s, e in ranges])
         facts.append({"paragraphs": len(sp), "cut": sum(cut), "cut_bytes": sum(e - s for s, e in ranges),

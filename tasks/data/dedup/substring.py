@@ -50,6 +50,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.dataset import StageStats
+from lifecycle.tasks.data.dedup.paragraphs import drop_ranges
 
 REJECT_REASON = "duplicate"
 CUT_REASON = "substring"
@@ -112,6 +113,15 @@ def _sift(heap, size, i, text, pos, ends, length):
         i = smallest
 
 
+@numba.njit(cache=True, inline="always")
+def window_in_one_doc(text, p, length):
+    """No document separator (0xFF) among the `length` bytes at `p`."""
+    for i in range(length):
+        if text[p + i] == 0xFF:
+            return False
+    return True
+
+
 @numba.njit(cache=True)
 def _mark(marks, p):
     marks[p >> 3] |= np.uint8(1) << np.uint8(p & 7)
@@ -152,11 +162,7 @@ def merge_marks(text, sa, bounds, length, marks):
         if same:
             if not checked:  # the group's first repeat: its window (the same bytes in every member) inside a document?
                 checked = True
-                valid = True
-                for i in range(length):
-                    if text[p + i] == 0xFF:
-                        valid = False
-                        break
+                valid = window_in_one_doc(text, p, length)
             if valid:  # one more copy of the group's window: mark all but the smallest position
                 if p < first:
                     _mark(marks, first)
@@ -356,12 +362,7 @@ def dedup_table(kept: pa.Table, index: SuffixDedup, cfg: SubstringConfig, cut_co
             new_cuts.append(earlier)
             still.append(True)
             continue
-        pieces, pos = [], 0
-        for s, e in ranges:
-            pieces.append(b[pos:s])
-            pos = e
-        pieces.append(b[pos:])
-        new = b"".join(pieces).decode()
+        new = drop_ranges(b, ranges).decode()
         cut_bytes = sum(e - s for s, e in ranges)
         stats.counters["substrings_cut"] += len(ranges)
         stats.counters["substring_bytes_cut"] += cut_bytes
