@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from lifecycle.core.errors import UsageError
+from lifecycle.core.fs import cache_dir, copy_sqlite
 from lifecycle.core.procs import free_port, stop_group
 
 HOST = "127.0.0.1"
@@ -233,8 +235,10 @@ class _Starting:
     """A server found running (`started` False) or just launched: `wait()` returns its entry once it answers.
     Until then this process holds `embedded.lock`, so a second run waits for this server instead of starting one."""
 
-    def __init__(self, workdir: Path, lock_fd: int | None, entry: dict, proc: subprocess.Popen | None):
+    def __init__(self, workdir: Path, lock_fd: int | None, entry: dict, proc: subprocess.Popen | None,
+                 save_template: Path | None = None):
         self.workdir, self.lock_fd, self.entry, self.proc = workdir, lock_fd, entry, proc
+        self.save_template = save_template  # a fresh database this server migrates: kept as the template
 
     @property
     def url(self) -> str:
@@ -256,6 +260,8 @@ class _Starting:
             if self.proc.poll() is not None:
                 raise UsageError(f"the embedded Prefect server exited during start-up (exit {self.proc.returncode}); "
                                  f"see {self.entry['log']}")
+            if self.save_template is not None:
+                save_template(embedded_db(self.workdir), self.save_template)
             return {**self.entry, "started": True}
         finally:
             if self.lock_fd is not None:
@@ -287,11 +293,61 @@ def start_embedded(workdir: str | Path) -> _Starting:
             return _Starting(workdir, None, entry, None)
         if entry and _alive(entry):  # running but not answering: replace it
             stop_group(entry["pid"], term_timeout=10)
+        template = template_path()
+        fresh = not embedded_db(workdir).exists()
+        if fresh and template is not None and template.exists():
+            seed_from_template(template, embedded_db(workdir))
         proc, entry = _launch_embedded(workdir)
-        return _Starting(workdir, fd, entry, proc)
+        save = template if fresh and template is not None and not template.exists() else None
+        return _Starting(workdir, fd, entry, proc, save_template=save)
     except BaseException:
         os.close(fd)
         raise
+
+
+# A new work dir's server spends ~10 of its ~14 s of start-up creating its database (Prefect's migrations). The
+# first one on a machine keeps a copy of the database it made, just migrated, before any run (per Prefect
+# version: `template_path`), and each later new work dir starts from that copy; Prefect's start-up then only
+# checks that the schema is current. Off with LIFECYCLE_PREFECT_TEMPLATE=0, or when the server's database is
+# configured elsewhere (PREFECT_API_DATABASE_CONNECTION_URL).
+TEMPLATE_ENV = "LIFECYCLE_PREFECT_TEMPLATE"
+
+
+def embedded_db(workdir: Path) -> Path:
+    return workdir / ".prefect" / "prefect.db"
+
+
+def template_path() -> Path | None:
+    """Where the migrated empty database for this Prefect version is kept (None: templates are off)."""
+    if os.environ.get(TEMPLATE_ENV, "1") == "0" or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL"):
+        return None
+    from importlib.metadata import version
+
+    return cache_dir() / f"prefect-{version('prefect')}-empty.db"
+
+
+def save_template(db: Path, template: Path) -> bool:
+    """Keep the just-migrated database `db` as `template` if the copy holds no flow run, passes
+    `PRAGMA integrity_check` and has its schema version. A failure only means that the next new work dir
+    migrates again."""
+    def empty_and_sound(conn) -> bool:
+        return (conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+                and conn.execute("SELECT count(*) FROM alembic_version").fetchone()[0] == 1
+                and conn.execute("SELECT count(*) FROM flow_run").fetchone()[0] == 0)
+
+    try:
+        return copy_sqlite(db, template, check=empty_and_sound, readonly=True)
+    except (OSError, sqlite3.Error) as e:
+        print(f"lifecycle: could not keep the Prefect database template {template}: {e}", file=sys.stderr)
+        return False
+
+
+def seed_from_template(template: Path, db: Path) -> None:
+    """A new work dir's database, copied from the template (if that fails, the server creates its own)."""
+    try:
+        copy_sqlite(template, db)
+    except (OSError, sqlite3.Error) as e:
+        print(f"lifecycle: could not copy the Prefect database template {template}: {e}", file=sys.stderr)
 
 
 def _read_embedded(workdir: Path) -> dict | None:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
 from lifecycle.core.errors import UsageError
-from lifecycle.core.fs import fsync_path
+from lifecycle.core.fs import cache_dir, copy_sqlite, fsync_path
 
 MAX_PARAM_LEN = 6000
 MLFLOW_DIGEST_LEN = 36  # mlflow.utils.validation.MAX_DATASET_DIGEST_SIZE
@@ -125,22 +125,17 @@ def seed_sqlite_store(db: Path) -> None:
     import mlflow
     from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lifecycle"
-    template = cache / f"mlflow-empty-{mlflow.__version__}.db"
+    template = cache_dir() / f"mlflow-empty-{mlflow.__version__}.db"
     if not template.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f".{template.name}.{os.getpid()}.tmp"
+        template.parent.mkdir(parents=True, exist_ok=True)
+        tmp = template.with_name(f".{template.name}.{os.getpid()}.tmp")
         engine = create_sqlalchemy_engine(f"sqlite:///{tmp}")
         try:
             _initialize_tables(engine)
         finally:
             engine.dispose()
         os.replace(tmp, template)  # two processes building it at once: either complete copy wins
-    db.parent.mkdir(parents=True, exist_ok=True)
-    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
-    with contextlib.closing(sqlite3.connect(template)) as src, contextlib.closing(sqlite3.connect(tmp)) as dst:
-        src.backup(dst)
-    os.replace(tmp, db)
+    copy_sqlite(template, db)
 
 
 class TrackingConfig(BaseModel):

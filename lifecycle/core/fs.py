@@ -109,3 +109,33 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def cache_dir() -> Path:
+    """This user's cache for things built once per library version: `$XDG_CACHE_HOME/lifecycle` (default
+    ~/.cache/lifecycle), created on use."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lifecycle"
+
+
+def copy_sqlite(src: str | Path, dest: str | Path, check=None, readonly: bool = False) -> bool:
+    """Copy the SQLite database `src` to `dest` with SQLite's online backup (a consistent copy while another
+    process writes it), as one self-contained file renamed into place: never half a database. `check(conn)`,
+    if given, sees the copy first; when it returns False nothing is replaced and the result is False.
+    `readonly`: open `src` read-only (a database that another process owns)."""
+    import contextlib
+    import sqlite3
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        source = sqlite3.connect(f"file:{src}?mode=ro" if readonly else src, timeout=30, uri=readonly)
+        with contextlib.closing(source) as s, contextlib.closing(sqlite3.connect(tmp)) as d:
+            s.backup(d)
+            if check is not None and not check(d):
+                return False
+            d.execute("PRAGMA journal_mode=DELETE")  # no -wal file beside the copy
+        os.replace(tmp, dest)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -137,3 +137,40 @@ def test_it_stops_when_its_work_dir_is_removed(wd):
     assert _alive(pid)
     shutil.rmtree(wd)
     assert _wait_gone(pid, 60), "the server of a removed work dir did not stop"
+
+
+def test_a_new_work_dir_starts_from_the_migrated_template(tmp_path):
+    """Prefect's migrations take ~10 s of a new work dir's ~14 s server start (issue 25's cold start). The first
+    new server on a machine keeps its just-migrated, empty database in the cache; later new work dirs start
+    from a copy of it. Off with LIFECYCLE_PREFECT_TEMPLATE=0."""
+    import sqlite3
+    from importlib.metadata import version
+
+    cache = tmp_path / "cache"
+    template = cache / "lifecycle" / f"prefect-{version('prefect')}-empty.db"
+    env = {"XDG_CACHE_HOME": str(cache)}
+    dirs = [tmp_path / f"wd{i}" for i in range(3)]
+    try:
+        _result(_start(dirs[0], {**env, "LIFECYCLE_PREFECT_TEMPLATE": "0"}))
+        assert not template.exists()
+        _result(_start(dirs[1], env))
+        with sqlite3.connect(template) as db:
+            assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            assert db.execute("SELECT count(*) FROM alembic_version").fetchone()[0] == 1
+            assert db.execute("SELECT count(*) FROM flow_run").fetchone()[0] == 0
+            assert db.execute("SELECT count(*) FROM block_type").fetchone()[0] > 0
+            db.execute("CREATE TABLE seeded_from_template (x)")  # a mark only a copy of the template can carry
+        assert not list(template.parent.glob(".*.tmp"))
+        third = _result(_start(dirs[2], env))
+        with sqlite3.connect(dirs[2] / ".prefect" / "prefect.db") as db:
+            assert db.execute("SELECT count(*) FROM sqlite_master WHERE name = 'seeded_from_template'").fetchone()[0]
+        body = json.dumps({}).encode()  # the seeded server serves the API: an empty flow-run query answers
+        req = urllib.request.Request(f"{third['url']}/api/flow_runs/filter", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read()) == []
+        with sqlite3.connect(dirs[0] / ".prefect" / "prefect.db") as db:  # the server without a template made its own
+            assert not db.execute("SELECT count(*) FROM sqlite_master WHERE name = 'seeded_from_template'").fetchone()[0]
+    finally:
+        for d in dirs:
+            lifecycle("down", "--set", f"workdir={d}", rc=None)
