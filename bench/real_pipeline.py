@@ -8,7 +8,8 @@ source; seed 0), built once per size under `--cache` (default /tmp/real-corpus) 
 
 Both sides run Gopher repetition, Gopher quality, C4 (filter_no_terminal_punct=False) and FineWeb in FineWeb's
 order, MinHash dedup (5-gram shingles, 14 bands x 8 rows), then PII replacement, with `--workers` workers:
-- ours: `lifecycle run CONFIG --until scrub --json` as a subprocess in a fresh work dir (embedded Prefect server,
+- ours: `lifecycle run CONFIG --until scrub --json` as a subprocess in a fresh work dir (embedded Prefect server
+  started from the migrated database template when one is cached, `prefect_template` says whether it was;
   imports and shutdown included; exact dedup before MinHash, dedup index off as datatrove has none);
 - datatrove 0.10.1: bench/pipeline_throughput.py's pipeline script run by its own interpreter (start included).
 Sides alternate over `--reps`; each run's wall time is the outside clock around the whole command, its peak
@@ -121,7 +122,12 @@ def run_ours(src: Path, wd: Path, workers: int) -> dict:
     path.write_text(json.dumps(ours_config(src, wd)))  # JSON is YAML
     cmd = [str(ROOT / ".venv/bin/lifecycle"), "run", str(path), "--until", "scrub", "--json",
            "--set", f"orchestration.dask_workers={workers}"]
+    from lifecycle.flows.servers import template_path
+
+    template = template_path()
+    had_template = template is not None and template.exists()
     out, info = measured(cmd, "lifecycle run", cwd=wd)
+    info["prefect_template"] = had_template  # False: this run's new server migrated its database (~10 s more)
     # not timed: stop the embedded Prefect server the run started in this throwaway work dir (it would idle an hour)
     subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "down", "--set", f"workdir={wd}"], cwd=wd, check=False,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
@@ -247,7 +253,8 @@ def compare(args) -> None:
                 wd.mkdir()
                 info = fn(src, wd, args.workers)
                 runs[side].append(info)
-                extra = (f", to first stage {info['to_first_stage_s']}, after last stage {info['after_last_stage_s']}"
+                extra = (f", to first stage {info['to_first_stage_s']:.2f}, after last stage "
+                         f"{info['after_last_stage_s']:.2f}, Prefect db template {info['prefect_template']}"
                          if side == "ours" else "")
                 print(f"  rep {rep + 1}: {side:<9} {info['wall_s']:7.1f} s wall, peak {info['peak_rss_mb']:,.0f} MB"
                       f"{extra}", flush=True)
@@ -271,6 +278,7 @@ def compare(args) -> None:
         "datatrove_peak_rss_mb": max(r["peak_rss_mb"] for r in dt),
         "command_to_first_stage_s": med([r["to_first_stage_s"] for r in ours]),
         "last_stage_to_exit_s": med([r["after_last_stage_s"] for r in ours]),
+        "prefect_template": [r["prefect_template"] for r in ours],
         "ours_stages_s": ours[-1]["stages_s"] or None, "ours_rows": ours[-1]["rows"],
         "datatrove_rows_out": dt[-1]["rows_out"], "datatrove_in_process_s": med([r["in_process_s"] for r in dt]),
         "profile": prof, "load_avg": os.getloadavg()[0],

@@ -25,7 +25,7 @@ from lifecycle.core.dataset import DatasetDamaged, DatasetRef, RawFile, sha256_j
 from lifecycle.core.fs import sha256_file
 from lifecycle.core.latest import latest_targets, point_latest
 from lifecycle.core.locking import workdir_lock
-from lifecycle.flows.runner import RunSummary, StageRunner, interrupt_of, note_interrupted, plain_task, reporter
+from lifecycle.flows.runner import RunSummary, ShardRunner, StageRunner, interrupt_of, note_interrupted, plain_task, reporter
 from lifecycle.lineage import catalog
 from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
@@ -78,15 +78,21 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         reporter().note(note)
         return RunSummary(status="no_new_inputs", workdir=cfg.workdir, prefect_flow_run_id=str(flow_run.id),
                           timing={**timing, "flow_end": time.time()}).model_dump()
-    tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
-    summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri, prefect_flow_run_id=str(flow_run.id),
-                         timing=timing)
-    timing = summary.timing  # pydantic copied it: the summary's own dict from here on
-    summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={
-        "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
-        **tags})
+    shards = ShardRunner(cfg.orchestration, timing)
+    shards.start_soon()  # the data stages' Dask workers start while MLflow sets up (2 s)
+    try:
+        tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
+        summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,
+                             prefect_flow_run_id=str(flow_run.id))
+        summary.timing = timing  # the very dict the cluster's start thread writes to (pydantic would copy it)
+        run = StageRunner(cfg, summary, until, on_done=_Logger(tracker, summary).stage_done, shards=shards)
+        summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={
+            "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
+            **tags})
+    except BaseException:
+        shards.close()  # the cluster started above
+        raise
     timing["tracker_ready"] = time.time()
-    run = StageRunner(cfg, summary, until, on_done=_Logger(tracker, summary).stage_done)
     try:
         docs = run(COLLECT, inputs=inputs)
         init_weights, tokenize_cfg = None, None

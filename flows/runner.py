@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -101,7 +102,40 @@ class ShardRunner:
         self.orch = orchestration
         self._stack = contextlib.ExitStack()
         self._runner = None
+        self._starting: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+        self._closing: threading.Thread | None = None
         self.timing = {} if timing is None else timing  # dask_start/dask_ready/dask_close_start/dask_closed
+
+    def start_soon(self) -> None:
+        """Start the LocalCluster in a background thread now, so that its workers start (3-4 s of interpreter and
+        imports) while the flow sets up its MLflow run and plans collect; `map` waits for it. Only a LocalCluster:
+        a configured cluster is already up, and `dask_workers: 0` runs shards in this process."""
+        if self._runner is not None or self._starting is not None or self.orch.dask_address \
+                or self.orch.dask_workers == 0:
+            return
+
+        def start() -> None:
+            try:
+                self._open()
+            except BaseException as e:  # noqa: BLE001 - raised by the `map` that waits for it
+                self._start_error = e
+
+        self._starting = threading.Thread(target=start, name="lifecycle-dask-start", daemon=True)
+        self._starting.start()
+
+    def _wait_started(self) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+            if self._start_error is not None:
+                error, self._start_error = self._start_error, None
+                raise error
+
+    def _open(self) -> None:
+        self.timing.setdefault("dask_start", time.time())
+        self._runner = self._stack.enter_context(self._make())
+        self.timing.setdefault("dask_ready", time.time())
 
     def _make(self):
         if self.orch.dask_address:
@@ -114,14 +148,16 @@ class ShardRunner:
 
         return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
             "n_workers": self.orch.dask_workers, "threads_per_worker": 1, "processes": True,
-            "host": "127.0.0.1", "dashboard_address": None, "silence_logs": logging.WARNING})
+            "host": "127.0.0.1", "dashboard_address": None, "silence_logs": logging.WARNING,
+            "preload": ["lifecycle.flows.worker_preload"]})
 
     def map(self, task_, plan, n: int, on_progress: Callable[[], None] | None = None) -> list:
         """Run `task_(plan, i, timeout_s)` for every shard; `on_progress()` after each shard in turn has finished."""
+        if self._closing is not None:  # a data stage after close_soon: the old cluster is gone first
+            self.close()
+        self._wait_started()
         if self._runner is None:
-            self.timing.setdefault("dask_start", time.time())
-            self._runner = self._stack.enter_context(self._make())
-            self.timing.setdefault("dask_ready", time.time())
+            self._open()
         futures = self._runner.map(task_, {"plan": unmapped(plan), "index": list(range(n)),
                                            "timeout_s": unmapped(self.orch.shard_timeout_s)})
         if on_progress is not None:
@@ -130,7 +166,24 @@ class ShardRunner:
                 on_progress()
         return futures.result()  # raises the first shard failure (after that shard's retries)
 
+    def close_soon(self) -> None:
+        """Shut the cluster down in a background thread (1 s of retiring workers) while the flow goes on to its
+        next stage or its last steps; `close` waits for it."""
+        if self._closing is None and (self._runner is not None or self._starting is not None):
+            self._closing = threading.Thread(target=self._close, name="lifecycle-dask-close", daemon=True)
+            self._closing.start()
+
     def close(self) -> None:
+        if self._closing is not None:
+            self._closing.join()
+            self._closing = None
+        self._close()
+
+    def _close(self) -> None:
+        try:
+            self._wait_started()
+        except BaseException as e:  # noqa: BLE001 - a cluster that failed to start has nothing to close
+            log.warning("the Dask cluster failed to start: %s", e)
         was_open = self._runner is not None
         if was_open:
             self.timing["dask_close_start"] = time.time()
@@ -273,11 +326,12 @@ class StageRunner:
     called after each stage (the flow logs it to MLflow there).
     """
 
-    def __init__(self, cfg, summary: RunSummary, until: str | None, on_done: Callable):
+    def __init__(self, cfg, summary: RunSummary, until: str | None, on_done: Callable,
+                 shards: ShardRunner | None = None):
         self.cfg, self.summary, self.on_done = cfg, summary, on_done
         self.until = until
         self.timing = summary.timing
-        self.shards = ShardRunner(cfg.orchestration, self.timing)
+        self.shards = shards if shards is not None else ShardRunner(cfg.orchestration, self.timing)
         self.reporter = reporter()
 
     def wants(self, stage) -> bool:
@@ -290,7 +344,7 @@ class StageRunner:
         if not self.wants(stage):
             return None
         if stage.group != "data":
-            self.shards.close()  # the Dask cluster is not needed past the data stages
+            self.shards.close_soon()  # the Dask cluster is not needed past the data stages
         orch = self.cfg.orchestration
         section = config if config is not None else (getattr(self.cfg, stage.name) if stage.configured else None)
         args = (*parents, *([section] if stage.configured else []), self.cfg.workdir)
@@ -319,7 +373,7 @@ class StageRunner:
         self.timing["last_stage_end"] = time.time()  # the cluster's shutdown below is overhead, not the stage's
         self.timing[f"stage:{stage.name}"] = round(self.timing["last_stage_end"] - started, 4)
         if self.until == stage.name:
-            self.shards.close()
+            self.shards.close_soon()
         return value
 
     def _sharded(self, stage: str, name: str, plan_fn: Callable, args: tuple, kw: dict, retries: int):

@@ -176,6 +176,23 @@ def _child(plan: StagePlan, index: int, beats: mmap.mmap, out: int) -> None:
     os._exit(0)
 
 
+_warmed: set[tuple[str, str]] = set()  # (stage module, fingerprint) already warmed in this process
+
+
+def warm_worker(plan: StagePlan) -> None:
+    """Load, once in this process, what each forked shard process would otherwise load again for itself and
+    lose at its exit: the stage's module, pandas (which pyarrow imports when it builds its first table, 0.5-1 s),
+    and whatever the module's `warm_shard(config)` loads (filter: the language-ID model and the n-gram kernels)."""
+    module = plan.shard_fn.partition(":")[0]
+    if (module, plan.fingerprint) in _warmed:
+        return
+    mod = importlib.import_module(module)
+    pa.table({"warm": [0]})
+    if (warm := getattr(mod, "warm_shard", None)) is not None:
+        warm(plan.config)
+    _warmed.add((module, plan.fingerprint))
+
+
 def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = None) -> dict:
     """`run_shard` in a forked child process that is killed when it makes no progress (no `heartbeat`, no file
     written) for `timeout_s` seconds: then ShardTimeout names the stage and shard. A blocking read, a hung
@@ -183,10 +200,7 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
     a retry or rerun builds it again (finished shards are kept). `timeout_s=None`: run here, unwatched."""
     if timeout_s is None or (plan.shard_dir(index) / SHARD_MARKER).exists():
         return run_shard(plan, index)
-    # imports done here once, not again in every shard's process: the stage's module, and pandas, which pyarrow
-    # imports lazily when it builds its first table (0.5-1 s)
-    importlib.import_module(plan.shard_fn.partition(":")[0])
-    pa.table({"warm": [0]})
+    warm_worker(plan)
     beats = mmap.mmap(-1, 8)
     counter = ctypes.c_uint64.from_buffer(beats)
     r, w = os.pipe()
@@ -273,10 +287,31 @@ def run_plan(plan: StagePlan | DatasetRef) -> DatasetRef:
     return commit_plan(plan)
 
 
+PER_FILE_SHARD_BYTES = 1 << 20  # consecutive parent files smaller than this share a shard
+
+
+def group_files(files: list[tuple[str, int]], size: int) -> list[list[str]]:
+    """(path, bytes) in order -> shards: consecutive files while their bytes stay within `size`; a larger file
+    is a shard of its own. A shard costs a task and a process (0.2-0.5 s on a busy 2-core machine), more than
+    scrubbing the 15 documents that a filtered 40 KB file holds."""
+    shards: list[list[str]] = []
+    held = size
+    for path, n in files:
+        if held + n > size or not shards:
+            shards.append([])
+            held = 0
+        shards[-1].append(path)
+        held += n
+    return shards
+
+
 def plan_per_file(workdir: str | Path, stage: str, config: Any, code: str, parent: DatasetRef,
                   shard_fn: Callable) -> StagePlan | DatasetRef:
-    """A stage whose shard is one kept file of `parent`."""
-    return plan_stage(workdir, stage, config, code, shard_fn, [[str(p)] for p in parent.files()], parents=[parent])
+    """A stage that maps each kept file of `parent` to one output file; small consecutive files share a shard
+    (`group_files`), so the shards depend on the parent alone."""
+    files = [(str(Path(parent.path) / f["path"]), f["bytes"]) for f in parent.manifest()["files"]]
+    return plan_stage(workdir, stage, config, code, shard_fn, group_files(files, PER_FILE_SHARD_BYTES),
+                      parents=[parent])
 
 
 def map_tables(paths: list[str], writer: _FileWriter,

@@ -21,7 +21,7 @@ import pytest
 
 from lifecycle.core.dataset import StageStats
 
-from lifecycle.core.shards import SHARD_MARKER, commit_plan, plan_stage, run_plan, run_shard
+from lifecycle.core.shards import SHARD_MARKER, commit_plan, group_files, plan_stage, run_plan, run_shard
 from lifecycle.tasks.data.collect.stage import CollectConfig, plan_collect, resolve_inputs, shard_inputs
 from lifecycle.tasks.data.filter.stage import FilterConfig, plan_filter
 from tests.conftest import ROOT, corpus_records, last_json, lifecycle, make_collect
@@ -45,6 +45,28 @@ def test_shard_inputs_groups_files_in_order():
     assert shard_inputs(raws, 10) == [["f0", "f1"], ["f2"], ["f3", "f4", "f5"]]
     assert shard_inputs(raws, 1) == [[r.path] for r in raws]
     assert shard_inputs([], 10) == []
+
+
+def test_small_input_still_makes_min_shards(tmp_path):
+    """A 24 MB corpus is not one shard (issue 25: one worker did all the work): `min_shards` caps the shard size at
+    1/min_shards of the input, down to 256 KiB; uncompressed JSONL is split by that size too."""
+    from lifecycle.core.dataset import RawFile
+    from lifecycle.tasks.data.collect.stage import MIN_SHARD_BYTES
+
+    mib = 1 << 20
+    raws = [RawFile(path=f"f{i}.jsonl.gz", sha256="x", bytes=b) for i, b in enumerate([mib] * 8)]
+    assert shard_inputs(raws, 8 * mib, 64 * mib, min_shards=8) == [[r.path] for r in raws]
+    assert shard_inputs(raws, 8 * mib, 64 * mib, min_shards=2) == [[r.path for r in raws[:4]], [r.path for r in raws[4:]]]
+    assert shard_inputs(raws, 8 * mib, 64 * mib, min_shards=1) == [[r.path for r in raws]]
+    tiny = [RawFile(path=f"t{i}.jsonl.gz", sha256="x", bytes=1000) for i in range(8)]
+    assert shard_inputs(tiny, 8 * mib, 64 * mib, min_shards=8) == [[r.path for r in tiny]]  # the 256 KiB floor
+    big = tmp_path / "one.jsonl"
+    line = b'{"text": "' + b"x" * 1000 + b'"}\n'
+    big.write_bytes(line * (4 * MIN_SHARD_BYTES // len(line)))
+    raw = RawFile(path=str(big), sha256="x", bytes=big.stat().st_size)
+    parts = shard_inputs([raw], 8 * mib, 64 * mib, min_shards=4)
+    assert len(parts) in (4, 5) and all(len(p) == 1 for p in parts)
+    assert shard_inputs([raw], 8 * mib, 0, min_shards=4) == [[str(big)]]  # split_bytes=0: never split
 
 
 def test_crash_between_shards_rebuilds_only_unfinished(tmp_path):
@@ -92,12 +114,24 @@ def _boom(cfg, files, writer) -> StageStats:
     raise ValueError("shard failed")
 
 
-def test_filter_plan_is_one_shard_per_parent_file(tmp_path):
+def test_filter_plan_groups_small_parent_files(tmp_path, monkeypatch):
+    """A per-file stage's shard is one parent file, or consecutive small ones up to 1 MiB together (a shard costs
+    a task and a process: more than filtering 15 documents)."""
+    import lifecycle.core.shards as shards
+
     inputs = resolve_inputs(write_inputs(tmp_path / "in", files=3, per_file=10))
     cfg = CollectConfig(inputs=[str(tmp_path / "in" / "*.jsonl")], shard_bytes=1, rows_per_shard=4)
     collect = run_plan(plan_collect(cfg, str(tmp_path), inputs))
+    files = [str(p) for p in collect.files()]
+    assert len(files) == 9  # 3 files x ceil(10/4)
+    assert plan_filter(collect, FilterConfig(), str(tmp_path)).shards == [files]  # 9 small files: one shard
+    sizes = [(f, os.path.getsize(f)) for f in files]
+    assert group_files(sizes, 1) == [[f] for f in files]
+    two = sizes[0][1] + sizes[1][1]
+    assert group_files(sizes[:3], two) == [files[:2], files[2:3]]  # up to the size, in order
+    monkeypatch.setattr(shards, "PER_FILE_SHARD_BYTES", 1)
     plan = plan_filter(collect, FilterConfig(), str(tmp_path))
-    assert plan.shards == [[str(p)] for p in collect.files()] and len(plan.shards) == 9  # 3 files x ceil(10/4)
+    assert plan.shards == [[f] for f in files]
     filtered = run_plan(plan)
     assert plan_filter(collect, FilterConfig(), str(tmp_path)) == filtered.model_copy(update={"reused": True})
 
@@ -108,6 +142,9 @@ def test_dedup_signatures_resume_only_unfinished_shards(tmp_path, monkeypatch):
     from lifecycle.tasks.data.dedup import minhash
     from lifecycle.tasks.data.dedup.stage import DedupConfig, plan_signatures, run_dedup
 
+    import lifecycle.core.shards as shards
+
+    monkeypatch.setattr(shards, "PER_FILE_SHARD_BYTES", 1)  # one shard per parent file
     inputs = resolve_inputs(write_inputs(tmp_path / "in", files=3, per_file=20))
     ccfg = CollectConfig(inputs=[str(tmp_path / "in" / "*.jsonl")], shard_bytes=1, rows_per_shard=10)
     cfg = DedupConfig(incremental=False)

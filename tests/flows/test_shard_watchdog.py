@@ -57,3 +57,40 @@ def test_blocked_shard_without_retries_fails_the_flow_clearly(tmp_path):
 
     with pytest.raises(ShardTimeout, match="hangs: shard 0 of 1 made no progress for 3 s"):
         f()
+
+
+def test_a_cluster_started_early_runs_the_shards_then_closes_in_the_background(tmp_path):
+    """The flow starts its LocalCluster before it needs it (its workers start while MLflow sets up) and shuts it
+    down in the background after the last data stage; `close` waits for that."""
+    orch = OrchestrationConfig(dask_workers=1, shard_timeout_s=60)
+    plan = _plan(tmp_path, [["a"], ["b"]])
+    timing: dict[str, float] = {}
+
+    @flow
+    def f():
+        runner = ShardRunner(orch, timing)
+        runner.start_soon()
+        try:
+            out = runner.map(shard_task("early", orch, retries=0), plan, len(plan.shards))
+            runner.close_soon()
+            return out
+        finally:
+            runner.close()
+            assert runner._runner is None and runner._closing is None
+
+    assert [r["reused"] for r in f()] == [False, False]
+    assert timing["dask_start"] <= timing["dask_ready"] <= timing["dask_close_start"] <= timing["dask_closed"]
+    assert commit_plan(plan).read().column("item").to_pylist() == ["a", "b"]
+
+
+def test_a_cluster_that_fails_to_start_in_the_background_fails_the_first_map(tmp_path):
+    runner = ShardRunner(OrchestrationConfig(dask_workers=1))
+
+    def no_cluster():
+        raise OSError("no port for the scheduler")
+
+    runner._make = no_cluster
+    runner.start_soon()
+    with pytest.raises(OSError, match="no port for the scheduler"):
+        runner.map(shard_task("never", OrchestrationConfig(), retries=0), _plan(tmp_path, [["a"]]), 1)
+    runner.close()  # nothing to close, no error

@@ -111,12 +111,18 @@ class CollectConfig(BaseModel):
         False, description="Skip input files (same path and sha256) that a completed earlier run in this work dir "
         "already collected (ledger `<workdir>/collected.parquet`).")
     shard_bytes: int = Field(
-        8 << 20, gt=0, description="Input files are grouped, in order, into shards of about this many raw bytes; "
-        "shards are collected in parallel and each is resumable on its own.")
+        8 << 20, gt=0, description="Input files are grouped, in order, into shards of at most this many raw bytes (a "
+        "larger file is a shard of its own); shards are collected in parallel and each is resumable on its own.")
+    min_shards: int = Field(
+        8, ge=1, description="Smaller input is cut into shards of at most 1/min_shards of its raw bytes (but not "
+        "under 256 KiB), so a 24 MB corpus still runs on every worker: files are grouped by that size, and "
+        "uncompressed JSONL is split by it. The cut depends on the input alone, not on the worker count, so a "
+        "rerun with other workers resumes the same shards.")
     split_bytes: int = Field(
-        64 << 20, ge=0, description="An uncompressed JSONL file larger than this is split at line boundaries into "
-        "shards of about this many bytes, so one huge file is still collected in parallel (0: never split). "
-        "Compressed files, Parquet, text, HTML and WARC files are never split.")
+        64 << 20, ge=0, description="An uncompressed JSONL file larger than this (or than the shard size "
+        "`min_shards` gives) is split at line boundaries into shards of about that many bytes, so one huge file "
+        "is still collected in parallel (0: never split). Compressed files, Parquet, text, HTML and WARC files "
+        "are never split.")
 
     @model_validator(mode="after")
     def _sizes(self) -> "CollectConfig":
@@ -552,19 +558,35 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
     return stats
 
 
-def shard_inputs(inputs: list[RawFile], shard_bytes: int, split_bytes: int = 0) -> list[list[str]]:
-    """Consecutive input files, grouped until a group holds at least `shard_bytes` raw bytes; an uncompressed
-    JSONL file larger than `split_bytes` (when > 0) becomes shards of its own, one per line-aligned byte range of
-    about `split_bytes` (`split_file`)."""
+MIN_SHARD_BYTES = 256 << 10  # `min_shards` never cuts shards smaller than this
+
+
+def shard_size(inputs: list[RawFile], shard_bytes: int, min_shards: int = 1) -> int:
+    """The most raw bytes a shard holds: `shard_bytes`, or less when the input is small, so that it still makes
+    about `min_shards` shards (never under MIN_SHARD_BYTES, unless `shard_bytes` itself is)."""
+    return min(shard_bytes, _share(inputs, min_shards))
+
+
+def _share(inputs: list[RawFile], min_shards: int) -> int:
+    return max(MIN_SHARD_BYTES, -(-sum(raw.bytes for raw in inputs) // min_shards))
+
+
+def shard_inputs(inputs: list[RawFile], shard_bytes: int, split_bytes: int = 0, min_shards: int = 1) -> list[list[str]]:
+    """Consecutive input files, grouped so that a group holds at most `shard_size` raw bytes (a larger file is a
+    group of its own). An uncompressed JSONL file larger than `split_bytes`, or than 1/min_shards of the input
+    (256 KiB at least), becomes shards of its own, one per line-aligned byte range of about that many bytes
+    (`split_file`); `split_bytes=0` never splits. A function of the inputs and these settings alone."""
+    size_cap = shard_size(inputs, shard_bytes, min_shards)
+    split = min(split_bytes, _share(inputs, min_shards)) if split_bytes else 0
     shards: list[list[str]] = []
-    size = shard_bytes
+    size = None  # the open group's bytes (None: no group is open)
     for raw in inputs:
         path = raw_name(raw.path, raw.path_bytes)  # the name to open
-        if split_bytes and splittable(raw, split_bytes):
-            shards += [[part.item()] for part in split_file(path, split_bytes)]
-            size = shard_bytes
+        if split and splittable(raw, split):
+            shards += [[part.item()] for part in split_file(path, split)]
+            size = None
             continue
-        if size >= shard_bytes:
+        if size is None or (size and size + raw.bytes > size_cap):
             shards.append([])
             size = 0
         shards[-1].append(path)
@@ -615,7 +637,7 @@ def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None 
     if forgotten is not None:
         cfg = CollectRun(**cfg.model_dump(), forgotten=forgotten)
     return plan_stage(workdir, STAGE, cfg, code_version(__package__), collect_shard,
-                      shard_inputs(inputs, cfg.shard_bytes, cfg.split_bytes), inputs=inputs)
+                      shard_inputs(inputs, cfg.shard_bytes, cfg.split_bytes, cfg.min_shards), inputs=inputs)
 
 
 def run_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> DatasetRef:
