@@ -62,6 +62,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             from lifecycle.flows.pipeline import lifecycle_flow
             from lifecycle.flows.runner import reporting
 
+            if not (cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):  # the work dir's SQLite
+                from lifecycle.lineage.tracking import preload_sqlite_store
+
+                preload_sqlite_store()
             timing["imports_done"] = time.time()
             wait_ready()
             timing["prefect_ready"] = time.time()
