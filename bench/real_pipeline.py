@@ -117,7 +117,10 @@ def ours_config(src: Path, wd: Path) -> dict:
             "dedup": {"ngram": 5, "bands": 14, "rows": 8, "incremental": False}}
 
 
-def run_ours(src: Path, wd: Path, workers: int) -> dict:
+def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False) -> dict:
+    """One `lifecycle run` in `wd/work`. `keep_server`: leave its embedded Prefect server running for the next
+    run in the same work dir (--recurring), and recompute every stage there (its datasets are removed first)."""
+    shutil.rmtree(wd / "work" / "datasets", ignore_errors=True)
     path = wd / "config.yaml"
     path.write_text(json.dumps(ours_config(src, wd)))  # JSON is YAML
     cmd = [str(ROOT / ".venv/bin/lifecycle"), "run", str(path), "--until", "scrub", "--json",
@@ -129,8 +132,8 @@ def run_ours(src: Path, wd: Path, workers: int) -> dict:
     out, info = measured(cmd, "lifecycle run", cwd=wd)
     info["prefect_template"] = had_template  # False: this run's new server migrated its database (~10 s more)
     # not timed: stop the embedded Prefect server the run started in this throwaway work dir (it would idle an hour)
-    subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "down", "--set", f"workdir={wd}"], cwd=wd, check=False,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    if not keep_server:
+        stop_server(wd)
     summary = json.loads(out.strip().splitlines()[-1])
     t = summary.get("timing") or {}
     first, last = t.get("first_stage_start"), t.get("last_stage_end")
@@ -140,6 +143,11 @@ def run_ours(src: Path, wd: Path, workers: int) -> dict:
     info["rows"] = {s: json.loads(Path(m).read_text()).get("num_rows") for s, m in summary["datasets"].items()}
     info["timing"] = t
     return info
+
+
+def stop_server(wd: Path) -> None:
+    subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "down", "--set", f"workdir={wd / 'work'}"], cwd=wd, check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
 
 
 def run_datatrove(src: Path, wd: Path, workers: int) -> dict:
@@ -247,8 +255,19 @@ def compare(args) -> None:
     runs = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="real-pipeline-") as tmp:
         order = (("ours", run_ours), ("datatrove", run_datatrove))
+        home = Path(tmp) / "ours-recurring"
+        if args.recurring:  # one untimed run starts the work dir's server and creates its stores
+            home.mkdir()
+            run_ours(src, home, args.workers, keep_server=True)
         for rep in range(args.reps):
             for side, fn in order if rep % 2 == 0 else order[::-1]:
+                if side == "ours" and args.recurring:
+                    info = run_ours(src, home, args.workers, keep_server=True)
+                    runs[side].append(info)
+                    print(f"  rep {rep + 1}: ours      {info['wall_s']:7.1f} s wall, peak {info['peak_rss_mb']:,.0f} MB, "
+                          f"to first stage {info['to_first_stage_s']:.2f}, after last stage "
+                          f"{info['after_last_stage_s']:.2f} (recurring: same work dir, server up)", flush=True)
+                    continue
                 wd = Path(tmp) / f"{side}-{rep}"
                 wd.mkdir()
                 info = fn(src, wd, args.workers)
@@ -259,6 +278,8 @@ def compare(args) -> None:
                 print(f"  rep {rep + 1}: {side:<9} {info['wall_s']:7.1f} s wall, peak {info['peak_rss_mb']:,.0f} MB"
                       f"{extra}", flush=True)
                 shutil.rmtree(wd, ignore_errors=True)
+        if args.recurring:
+            stop_server(home)
         prof = None if args.no_profile else profile(src, Path(tmp) / "profile")
     ratios = [d["wall_s"] / o["wall_s"] for o, d in zip(runs["ours"], runs["datatrove"])]
     if prof:
@@ -270,6 +291,7 @@ def compare(args) -> None:
     ours, dt = runs["ours"], runs["datatrove"]
     result = {
         "bench": "real_pipeline", "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
+        "ours_mode": "recurring" if args.recurring else "new work dir",
         "ratio": med(ratios), "ratios": [round(r, 3) for r in ratios],
         "ours_wall_s": med([r["wall_s"] for r in ours]), "datatrove_wall_s": med([r["wall_s"] for r in dt]),
         "ours_docs_per_s": docs / med([r["wall_s"] for r in ours]),
@@ -315,11 +337,17 @@ def plot(points: list[dict], out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     xs = [p["mb"] for p in points]
-    for key, label, name in (("docs_per_s", "docs/s (whole command)", "real_pipeline_docs_per_s.png"),
-                             ("peak_rss_mb", "peak RSS of the process tree (MB)", "real_pipeline_peak_rss.png")):
+    for keys, label, name in ((("docs_per_s", "stage_docs_per_s"), "docs/s", "real_pipeline_docs_per_s.png"),
+                              (("peak_rss_mb",), "peak RSS of the process tree (MB)", "real_pipeline_peak_rss.png")):
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot(xs, [p[key] for p in points], "o-")
+        for key in keys:
+            ax.plot(xs, [p[key] for p in points], "o-", label={"docs_per_s": "whole command",
+                                                              "stage_docs_per_s": "data stages"}.get(key))
+        if len(keys) > 1:
+            ax.legend()
         ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
         ax.set_xlabel("corpus size (MB of text)")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -336,6 +364,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=2, help=(
         "alternating repetitions per side (default 2); 0 runs only the in-process per-stage profile"))
     ap.add_argument("--cache", type=Path, default=Path("/tmp/real-corpus"), help="where corpora are built and reused")
+    ap.add_argument("--recurring", action="store_true", help=(
+        "ours as a recurring run: every repetition in one work dir whose embedded Prefect server a first, untimed "
+        "run started (its datasets removed before each, so every stage runs); default: a new work dir each"))
     ap.add_argument("--no-profile", action="store_true", help="skip the in-process per-stage profile")
     ap.add_argument("--scaling", help="comma-separated sizes in MB: ours alone, docs/s and peak memory per size")
     ap.add_argument("--plots", type=Path, help="with --scaling: folder for the PNG plots (e.g. docs/img)")

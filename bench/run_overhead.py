@@ -47,8 +47,8 @@ BEFORE = [  # (label, from, to): from the process's spawn to the first stage
 ]
 OLD_ONLY = {"Prefect temporary server start", "imports (Prefect, MLflow, flow) "}  # shown when prefect_launched is absent
 AFTER = [  # from the last stage's end to the exit
-    ("shard cluster shutdown", "dask_close_start", "dask_closed"),
-    ("flow tail (ledger, charts, MLflow end)", "last_stage_end", "flow_end"),
+    ("shard cluster shutdown (in the background: part of the tail)", "dask_close_start", "dask_closed"),
+    ("flow tail (ledger, charts, MLflow end, the shutdown)", "last_stage_end", "flow_end"),
     ("flow return -> exit (Prefect, atexit)", "flow_end", "exit"),
 ]
 INSIDE = [("shard cluster start (in the first sharded stage)", "dask_start", "dask_ready")]
