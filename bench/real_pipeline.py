@@ -146,7 +146,7 @@ def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False) -> di
 
 
 def stop_server(wd: Path) -> None:
-    subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "down", "--set", f"workdir={wd / 'work'}"], cwd=wd, check=False,
+    subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "down", "--workdir", str(wd / "work")], cwd=wd, check=False,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
 
 

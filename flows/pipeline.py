@@ -31,7 +31,7 @@ from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
 from lifecycle.lineage.registry import Registry
 from lifecycle.lineage.tracking import Tracker
-from lifecycle.tasks.data.collect.stage import new_inputs, record_collected, resolve_inputs
+from lifecycle.tasks.data.collect.stage import collect_committed, new_inputs, record_collected, resolve_inputs
 from lifecycle.tasks.eval.checkpoint.stage import warm_start
 from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
 from lifecycle.tasks.eval.evaluate.metrics_text import scale_of, with_scale
@@ -79,7 +79,8 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         return RunSummary(status="no_new_inputs", workdir=cfg.workdir, prefect_flow_run_id=str(flow_run.id),
                           timing={**timing, "flow_end": time.time()}).model_dump()
     shards = ShardRunner(cfg.orchestration, timing)
-    shards.start_soon()  # the data stages' Dask workers start while MLflow sets up (2 s)
+    if not collect_committed(cfg.collect, cfg.workdir, inputs):  # a rerun that reuses collect starts none early
+        shards.start_soon()  # the data stages' Dask workers start while MLflow sets up
     try:
         tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
         summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,

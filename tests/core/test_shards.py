@@ -69,6 +69,19 @@ def test_small_input_still_makes_min_shards(tmp_path):
     assert shard_inputs([raw], 8 * mib, 0, min_shards=4) == [[str(big)]]  # split_bytes=0: never split
 
 
+def test_collect_committed_says_whether_collect_has_work(tmp_path):
+    """The flow starts its Dask workers before collect only when collect will compute (not on a rerun)."""
+    from lifecycle.tasks.data.collect.stage import collect_committed
+
+    inputs = resolve_inputs(write_inputs(tmp_path / "in", files=2, per_file=5))
+    cfg = CollectConfig(inputs=[str(tmp_path / "in" / "*.jsonl")])
+    wd = str(tmp_path / "w")
+    assert not collect_committed(cfg, wd, inputs)
+    run_plan(plan_collect(cfg, wd, inputs))
+    assert collect_committed(cfg, wd, inputs)
+    assert not collect_committed(cfg.model_copy(update={"max_json_depth": 9}), wd, inputs)  # another config
+
+
 def test_crash_between_shards_rebuilds_only_unfinished(tmp_path):
     inputs = resolve_inputs(write_inputs(tmp_path / "in", files=4, per_file=30))
     cfg = CollectConfig(inputs=[str(tmp_path / "in" / "*.jsonl")], shard_bytes=1, rows_per_shard=10)

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DOC_SCHEMA, DatasetRef, RawFile, StageStats, rejected_table,
+    DOC_SCHEMA, MANIFEST, DatasetRef, RawFile, StageStats, dataset_dir, fingerprint, rejected_table,
 )
 from lifecycle.core.shards import StagePlan, heartbeat, plan_stage, run_plan
 from lifecycle.core.fs import atomic_write_bytes
@@ -629,13 +629,27 @@ def record_collected(workdir: str, ref: DatasetRef) -> int:
     return len(rows)
 
 
-def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> StagePlan | DatasetRef:
+def _run_inputs(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None) -> tuple[CollectConfig, list[RawFile]]:
+    """The config (with the work dir's forget list) and the input files this run collects."""
     inputs = resolve_inputs(cfg.inputs) if inputs is None else inputs
     if cfg.incremental:
         inputs = new_inputs(inputs, workdir)
     forgotten = ForgetFilter.from_workdir(workdir)
     if forgotten is not None:
         cfg = CollectRun(**cfg.model_dump(), forgotten=forgotten)
+    return cfg, inputs
+
+
+def collect_committed(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> bool:
+    """Whether this run's collect dataset is committed already (its manifest is there; `plan_collect` verifies
+    it). Cheap: no shard planning, no file read. The flow starts its Dask workers early only when it is not."""
+    cfg, inputs = _run_inputs(cfg, workdir, inputs)
+    fp = fingerprint(STAGE, cfg, code_version(__package__), [], inputs)
+    return (dataset_dir(workdir, STAGE, fp) / MANIFEST).exists()
+
+
+def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> StagePlan | DatasetRef:
+    cfg, inputs = _run_inputs(cfg, workdir, inputs)
     return plan_stage(workdir, STAGE, cfg, code_version(__package__), collect_shard,
                       shard_inputs(inputs, cfg.shard_bytes, cfg.split_bytes, cfg.min_shards), inputs=inputs)
 
