@@ -292,8 +292,8 @@ PER_FILE_SHARD_BYTES = 1 << 20  # consecutive parent files smaller than this sha
 
 def group_files(files: list[tuple[str, int]], size: int) -> list[list[str]]:
     """(path, bytes) in order -> shards: consecutive files while their bytes stay within `size`; a larger file
-    is a shard of its own. A shard costs a task and a process (0.2-0.5 s on a busy 2-core machine), more than
-    scrubbing the 15 documents that a filtered 40 KB file holds."""
+    is a shard of its own (collect's input files; a per-file stage's parent files, where a shard costs a task
+    and a process, 0.2-0.5 s on a busy 2-core machine, more than scrubbing the 15 documents of a 40 KB file)."""
     shards: list[list[str]] = []
     held = size
     for path, n in files:

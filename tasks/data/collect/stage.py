@@ -54,7 +54,7 @@ from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
     DOC_SCHEMA, MANIFEST, DatasetRef, RawFile, StageStats, dataset_dir, fingerprint, rejected_table,
 )
-from lifecycle.core.shards import StagePlan, heartbeat, plan_stage, run_plan
+from lifecycle.core.shards import StagePlan, group_files, heartbeat, plan_stage, run_plan
 from lifecycle.core.fs import atomic_write_bytes
 from lifecycle.core.fs import is_remote, is_url
 from lifecycle.core.paths import confine_matches
@@ -561,37 +561,25 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
 MIN_SHARD_BYTES = 256 << 10  # `min_shards` never cuts shards smaller than this
 
 
-def shard_size(inputs: list[RawFile], shard_bytes: int, min_shards: int = 1) -> int:
-    """The most raw bytes a shard holds: `shard_bytes`, or less when the input is small, so that it still makes
-    about `min_shards` shards (never under MIN_SHARD_BYTES, unless `shard_bytes` itself is)."""
-    return min(shard_bytes, _share(inputs, min_shards))
-
-
-def _share(inputs: list[RawFile], min_shards: int) -> int:
-    return max(MIN_SHARD_BYTES, -(-sum(raw.bytes for raw in inputs) // min_shards))
-
-
 def shard_inputs(inputs: list[RawFile], shard_bytes: int, split_bytes: int = 0, min_shards: int = 1) -> list[list[str]]:
-    """Consecutive input files, grouped so that a group holds at most `shard_size` raw bytes (a larger file is a
-    group of its own). An uncompressed JSONL file larger than `split_bytes`, or than 1/min_shards of the input
-    (256 KiB at least), becomes shards of its own, one per line-aligned byte range of about that many bytes
-    (`split_file`); `split_bytes=0` never splits. A function of the inputs and these settings alone."""
-    size_cap = shard_size(inputs, shard_bytes, min_shards)
-    split = min(split_bytes, _share(inputs, min_shards)) if split_bytes else 0
+    """Consecutive input files, grouped so that a group holds at most `shard_bytes` raw bytes, or 1/min_shards of
+    the input when that is smaller (256 KiB at least); a larger file is a group of its own (`group_files`). An
+    uncompressed JSONL file larger than `split_bytes`, or than that share of the input, becomes shards of its own,
+    one per line-aligned byte range of about that many bytes (`split_file`); `split_bytes=0` never splits. A
+    function of the inputs and these settings alone."""
+    share = max(MIN_SHARD_BYTES, -(-sum(raw.bytes for raw in inputs) // min_shards))
+    size_cap = min(shard_bytes, share)
+    split = min(split_bytes, share) if split_bytes else 0
     shards: list[list[str]] = []
-    size = None  # the open group's bytes (None: no group is open)
+    pending: list[tuple[str, int]] = []  # whole files since the last split one
     for raw in inputs:
         path = raw_name(raw.path, raw.path_bytes)  # the name to open
         if split and splittable(raw, split):
-            shards += [[part.item()] for part in split_file(path, split)]
-            size = None
-            continue
-        if size is None or (size and size + raw.bytes > size_cap):
-            shards.append([])
-            size = 0
-        shards[-1].append(path)
-        size += raw.bytes
-    return shards
+            shards += group_files(pending, size_cap) + [[part.item()] for part in split_file(path, split)]
+            pending = []
+        else:
+            pending.append((path, raw.bytes))
+    return shards + group_files(pending, size_cap)
 
 
 LEDGER = "collected.parquet"
