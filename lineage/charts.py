@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from lifecycle.tasks.stages import DATA_STAGES
@@ -14,9 +15,27 @@ DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_ne
                            "duplicate_substring": "duplicate (substrings, suffix array)"}
 
 
+def stage_notes(stage: str, manifest: dict) -> list[str]:
+    """What a step did that drops no document, so that every data method shows in the funnel: the bytes paragraph
+    and substring dedup cut, the score column a scoring step wrote, the eval sets a document was checked against."""
+    counters = (manifest.get("stats") or {}).get("counters") or {}
+    notes = []
+    if counters.get("paragraphs_cut"):
+        notes.append(f"cut {counters['paragraph_bytes_cut']:,} B: {counters['paragraphs_cut']:,} paragraphs (bloom)")
+    if counters.get("substrings_cut"):
+        notes.append(f"cut {counters['substring_bytes_cut']:,} B: {counters['substrings_cut']:,} spans (suffix array)")
+    if manifest.get("score_column"):
+        scored = counters.get("scored_docs", manifest["stats"].get("rows_kept", 0))
+        notes.append(f"scored {scored:,} ({manifest['score_column']})")
+    if stage == "decontaminate":
+        notes.append("checked against " + ", ".join((manifest.get("config") or {}).get("sets", [])))
+    return notes
+
+
 def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
-    """[{stage, rows_in, rows_kept, top_reasons: [(reason, n), ...]}] in pipeline order, from manifests: the
-    three commonest reasons of a stage, and for filter the documents each rule dropped (its codes summed)."""
+    """[{stage, rows_in, rows_kept, top_reasons: [(reason, n), ...], notes: [...]}] in pipeline order, from
+    manifests: the three commonest reasons of a stage, for filter the documents each rule dropped (its codes
+    summed), and `stage_notes`."""
     out = []
     for stage in FUNNEL_STAGES:
         stats = (manifests.get(stage) or {}).get("stats")
@@ -38,7 +57,7 @@ def funnel_rows(manifests: dict[str, dict]) -> list[dict]:
             shown = 3
         reasons = sorted(reasons.items(), key=lambda kv: -kv[1])
         out.append({"stage": stage, "rows_in": stats["rows_in"], "rows_kept": stats["rows_kept"],
-                    "top_reasons": reasons[:shown]})
+                    "top_reasons": reasons[:shown], "notes": stage_notes(stage, manifests[stage])})
     return out
 
 
@@ -66,7 +85,8 @@ def funnel_png(manifests: dict[str, dict], path: str | Path) -> Path:
     fig.subplots_adjust(left=0.12, right=0.6, top=0.88, bottom=0.13)  # the drop reasons go right of the axes;
     # left: room for the longest stage name (decontaminate)
     bars = ax.barh(labels[::-1], values[::-1], color="#4c72b0")
-    notes = [""] + ["; ".join(f"-{n:,} {k}" for k, n in r["top_reasons"]) for r in rows]
+    notes = [""] + [textwrap.fill("; ".join([f"-{n:,} {k}" for k, n in r["top_reasons"]] + r["notes"]), 60)
+                    for r in rows]  # wrapped: dedup's reasons and cuts run to two lines
     beside = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
     for bar, v, note in zip(bars, values[::-1], notes[::-1]):
         y = bar.get_y() + bar.get_height() / 2
@@ -74,7 +94,7 @@ def funnel_png(manifests: dict[str, dict], path: str | Path) -> Path:
         ax.text(1.02, y, note, va="center", fontsize=8, transform=beside, clip_on=False)
     ax.set_xlim(0, nice_bound(max(values) * 1.08))  # room for the count after the longest bar
     ax.set_xlabel("documents")
-    ax.set_title("Document funnel (kept after each stage; top drop reasons)", loc="left")
+    ax.set_title("Document funnel (kept after each stage; top drop reasons, cuts and scores)", loc="left")
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
