@@ -82,6 +82,18 @@ def resolve_version(versions: list[dict], spec: str) -> dict:
     return max(found, key=lambda v: int(v["version"]))
 
 
+def _scorer(manifest: dict, manifest_path: str) -> dict | None:
+    """The model a scoring step scored with: the fastText classifier quality trained (its file and sha256), or the
+    registered champion perplexity used (its version and package sha256)."""
+    if manifest.get("model_sha256"):
+        return {"kind": "fasttext", "file": str(Path(manifest_path).with_name(manifest.get("model_file") or "")),
+                "sha256": manifest["model_sha256"]}
+    if s := manifest.get("scoring_model"):
+        return {"kind": "champion", "version": s.get("version"), "package": s.get("package_dir"),
+                "sha256": s.get("package_sha256")}
+    return None
+
+
 def model_lineage(versions: list[dict], spec: str, workdir: str | Path) -> dict:
     """The version's chain, read from its package's lineage.json and the manifests it names, all of which must
     lie in `workdir` (the registry's tags name them; a tag pointing elsewhere is refused)."""
@@ -98,7 +110,8 @@ def model_lineage(versions: list[dict], spec: str, workdir: str | Path) -> dict:
                       "code_version": m.get("code_version"), "config": m.get("config"),
                       "parents": [p["sha256"] for p in m.get("parents", [])],
                       "raw_inputs": m.get("inputs", []),
-                      **({"tokenizer_sha256": m["tokenizer_sha256"]} if "tokenizer_sha256" in m else {})})
+                      **({"tokenizer_sha256": m["tokenizer_sha256"]} if "tokenizer_sha256" in m else {}),
+                      **({"scorer": scorer} if (scorer := _scorer(m, d["manifest"])) else {})})
     return {
         "model": {"name": mv["name"], "version": str(mv["version"]),
                   "aliases": [a for a in (mv["aliases"] or "").split(",") if a], "run_id": mv["run_id"],
@@ -155,6 +168,9 @@ def print_model(r: dict) -> None:
     for d in r["datasets"]:
         print(f"  <- {d['stage']:<9} {d['sha256'][:16]}  {d['num_rows']:>7} rows  code {d['code_version']}  "
               f"{d['manifest']}")
+        if sc := d.get("scorer"):
+            where = sc["file"] if sc["kind"] == "fasttext" else f"version {sc['version']}  {sc['package']}"
+            print(f"       scored by {sc['kind']} {(sc['sha256'] or '')[:16]}  {where}")
         for raw in d["raw_inputs"]:
             print(f"       raw {raw['sha256'][:16]}  {raw['bytes']:>9} B  {raw['path']}")
 
