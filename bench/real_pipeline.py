@@ -13,7 +13,8 @@ order, MinHash dedup (5-gram shingles, 14 bands x 8 rows), then PII replacement,
   imports and shutdown included; exact dedup before MinHash, dedup index off as datatrove has none);
 - datatrove 0.10.1: bench/pipeline_throughput.py's pipeline script run by its own interpreter (start included).
 Sides alternate over `--reps`; each run's wall time is the outside clock around the whole command, its peak
-memory the largest sum of RSS over the command's process tree, sampled every 0.1 s. Fixed overhead of ours
+memory the largest sum of RSS over the command's process tree, sampled every 0.1 s, and the same for PSS (which
+counts a page shared by forked processes once: the truer figure for both sides, which both fork workers). Fixed overhead of ours
 (command -> first stage, last stage -> exit) comes from the run summary's `timing` (epoch seconds, written by the
 flow) and the outside clock; it is null when the summary has no `timing`.
 
@@ -66,8 +67,11 @@ def corpus(cache: Path, mb: float, seed: int = 0) -> tuple[Path, dict]:
 # one command, timed from outside, with its process tree's peak RSS
 
 
-def tree_rss(root: int) -> int:
-    """Bytes resident in `root` and all its descendants now (from /proc)."""
+def tree_memory(root: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes of `root` and all its descendants now (from /proc). RSS counts a page once per process
+    that maps it, so forked workers and shard processes that share their parent's pages (copy-on-write: the
+    interpreter, the language-ID model, numba's code) are counted several times; PSS divides each shared page among
+    the processes that map it, so the tree's PSS is the memory the run really holds."""
     children: dict[int, list[int]] = defaultdict(list)
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -76,27 +80,32 @@ def tree_rss(root: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children[ppid].append(int(d))
-    total, stack = 0, [root]
+    rss = pss = 0
+    stack = [root]
     while stack:
         pid = stack.pop()
         try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
-        except (OSError, IndexError, ValueError):
+            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+            pss += next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/smaps_rollup").read_text()
+                        .splitlines() if line.startswith("Pss:"))
+        except (OSError, IndexError, ValueError, StopIteration):
             pass
         stack.extend(children.get(pid, ()))
-    return total
+    return rss, pss
 
 
 def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:
-    """Run `cmd`; (stdout, {start, end (epoch s), wall_s, peak_rss_mb}). Raises with the output on failure."""
+    """Run `cmd`; (stdout, {start, end (epoch s), wall_s, peak_rss_mb, peak_pss_mb}) (each peak the tree's
+    largest sum, sampled every 0.1 s). Raises with the output on failure."""
     start = time.time()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-    peak, done = [0], threading.Event()
+    peak, done = [0, 0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], tree_rss(proc.pid))
+            rss, pss = tree_memory(proc.pid)
+            peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
             done.wait(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -107,7 +116,8 @@ def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
-    return out, {"start": start, "end": start + wall, "wall_s": wall, "peak_rss_mb": peak[0] / 1e6}
+    return out, {"start": start, "end": start + wall, "wall_s": wall, "peak_rss_mb": peak[0] / 1e6,
+                 "peak_pss_mb": peak[1] / 1e6}
 
 
 def ours_config(src: Path, wd: Path) -> dict:
@@ -264,8 +274,8 @@ def compare(args) -> None:
                 if side == "ours" and args.recurring:
                     info = run_ours(src, home, args.workers, keep_server=True)
                     runs[side].append(info)
-                    print(f"  rep {rep + 1}: ours      {info['wall_s']:7.1f} s wall, peak {info['peak_rss_mb']:,.0f} MB, "
-                          f"to first stage {info['to_first_stage_s']:.2f}, after last stage "
+                    print(f"  rep {rep + 1}: ours      {info['wall_s']:7.1f} s wall, peak RSS {info['peak_rss_mb']:,.0f} MB, "
+                          f"PSS {info['peak_pss_mb']:,.0f} MB, to first stage {info['to_first_stage_s']:.2f}, after last stage "
                           f"{info['after_last_stage_s']:.2f} (recurring: same work dir, server up)", flush=True)
                     continue
                 wd = Path(tmp) / f"{side}-{rep}"
@@ -275,8 +285,8 @@ def compare(args) -> None:
                 extra = (f", to first stage {info['to_first_stage_s']:.2f}, after last stage "
                          f"{info['after_last_stage_s']:.2f}, Prefect db template {info['prefect_template']}"
                          if side == "ours" else "")
-                print(f"  rep {rep + 1}: {side:<9} {info['wall_s']:7.1f} s wall, peak {info['peak_rss_mb']:,.0f} MB"
-                      f"{extra}", flush=True)
+                print(f"  rep {rep + 1}: {side:<9} {info['wall_s']:7.1f} s wall, peak RSS {info['peak_rss_mb']:,.0f} MB, "
+                      f"PSS {info['peak_pss_mb']:,.0f} MB{extra}", flush=True)
                 shutil.rmtree(wd, ignore_errors=True)
         if args.recurring:
             stop_server(home)
@@ -298,6 +308,8 @@ def compare(args) -> None:
         "datatrove_docs_per_s": docs / med([r["wall_s"] for r in dt]),
         "ours_peak_rss_mb": max(r["peak_rss_mb"] for r in ours),
         "datatrove_peak_rss_mb": max(r["peak_rss_mb"] for r in dt),
+        "ours_peak_pss_mb": max(r["peak_pss_mb"] for r in ours),  # shared pages counted once: see tree_memory
+        "datatrove_peak_pss_mb": max(r["peak_pss_mb"] for r in dt),
         "command_to_first_stage_s": med([r["to_first_stage_s"] for r in ours]),
         "last_stage_to_exit_s": med([r["after_last_stage_s"] for r in ours]),
         "prefect_template": [r["prefect_template"] for r in ours],
@@ -320,10 +332,11 @@ def scaling(args) -> None:
                  "mb_per_s": meta["text_bytes"] / 1e6 / info["wall_s"],
                  "stage_docs_per_s": (meta["documents"] / sum(info["stages_s"].values())
                                       if info["stages_s"] else None),
-                 "peak_rss_mb": info["peak_rss_mb"], "load_avg": os.getloadavg()[0], "note": meta.get("note")}
+                 "peak_rss_mb": info["peak_rss_mb"], "peak_pss_mb": info["peak_pss_mb"], "load_avg": os.getloadavg()[0], "note": meta.get("note")}
         points.append(point)
         print(f"  {point['mb']:8.1f} MB {point['documents']:>9,} docs {point['wall_s']:8.1f} s "
-              f"{point['docs_per_s']:8.1f} docs/s {point['peak_rss_mb']:8,.0f} MB peak", flush=True)
+              f"{point['docs_per_s']:8.1f} docs/s {point['peak_rss_mb']:8,.0f} MB peak RSS "
+              f"{point['peak_pss_mb']:8,.0f} MB peak PSS", flush=True)
     if args.plots:
         plot(points, args.plots)
     print(json.dumps({"bench": "real_pipeline_scaling", "workers": args.workers, "points": points}))
@@ -338,11 +351,15 @@ def plot(points: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     xs = [p["mb"] for p in points]
     for keys, label, name in ((("docs_per_s", "stage_docs_per_s"), "docs/s", "real_pipeline_docs_per_s.png"),
-                              (("peak_rss_mb",), "peak RSS of the process tree (MB)", "real_pipeline_peak_rss.png")):
+                              (("peak_rss_mb", "peak_pss_mb"), "peak memory of the process tree (MB)",
+                               "real_pipeline_peak_rss.png")):
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for key in keys:
+            if any(key not in p for p in points):  # points from before PSS was sampled
+                continue
             ax.plot(xs, [p[key] for p in points], "o-", label={"docs_per_s": "whole command",
-                                                              "stage_docs_per_s": "data stages"}.get(key))
+                                                              "stage_docs_per_s": "data stages", "peak_rss_mb": "RSS",
+                                                              "peak_pss_mb": "PSS (shared pages once)"}.get(key))
         if len(keys) > 1:
             ax.legend()
         ax.set_xscale("log")
