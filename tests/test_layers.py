@@ -33,7 +33,7 @@ ROOTS = {"lifecycle", "lifecycle.tasks"}
 FORBIDDEN_OUTSIDE = {
     "mlflow": ("lifecycle.lineage",),
     "prefect": ("lifecycle.flows",),
-    "prefect_dask": ("lifecycle.flows",),
+    "distributed": ("lifecycle.flows",),
 }
 # what a DeepSpeed rank imports (`deepspeed ... -m lifecycle.tasks.train.trainer`): never Prefect or MLflow
 RANK_MODULES = [f"lifecycle.tasks.train.{m}" for m in ("trainer", "model", "loader", "checkpoint", "async_ckpt")]
@@ -150,11 +150,11 @@ def reachable(start: str) -> dict[str, list[str]]:
     return paths
 
 
-@pytest.mark.parametrize("module", RANK_MODULES)
-def test_a_training_rank_loads_neither_prefect_nor_mlflow(module):
+@pytest.mark.parametrize("module", RANK_MODULES + ["lifecycle.flows.worker_preload"])
+def test_a_training_rank_or_a_dask_worker_loads_neither_prefect_nor_mlflow(module):
     bad = [f"{' -> '.join(path)} imports {imported} ({where(m, line)})"
            for m, path in reachable(module).items() for imported, line in GRAPH[m]
-           if imported.split(".")[0] in ("prefect", "prefect_dask", "mlflow")]
+           if imported.split(".")[0] in ("prefect", "mlflow")]
     assert bad == [], "\n".join(bad)
 
 

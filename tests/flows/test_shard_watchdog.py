@@ -1,7 +1,8 @@
-"""The shard watchdog under Prefect, on both shard runners (in the flow process, and a Dask LocalCluster of worker
-processes; the first shard process there imports pandas, via pyarrow, for a few seconds): a shard blocked in a call no thread timeout can interrupt is killed after `shard_timeout_s` without
-progress, its task fails naming the stage and shard, Prefect's retry builds it again and the stage completes; with
-no retry left, the flow fails with that message."""
+"""The shard watchdog and the shards' retries, on both shard runners (in the flow process, and a Dask LocalCluster
+of worker processes; the first shard process there imports pandas, via pyarrow, for a few seconds): a shard
+blocked in a call no thread timeout can interrupt is killed after `shard_timeout_s` without progress, it fails
+naming the stage and shard, the runner's retry builds it again and the stage completes; with no retry left, the
+flow fails with that message. An error a retry cannot heal is not retried."""
 
 import os
 import time
@@ -12,7 +13,8 @@ from prefect.testing.utilities import prefect_test_harness
 
 from lifecycle.config import OrchestrationConfig
 from lifecycle.core.shards import ShardTimeout, commit_plan
-from lifecycle.flows.runner import ShardRunner, shard_task
+from lifecycle.core.dataset import DatasetDamaged
+from lifecycle.flows.runner import ShardRunner
 from tests.core.test_watchdog import _plan
 
 
@@ -32,7 +34,7 @@ def test_blocked_shard_is_killed_and_retried(tmp_path, workers):
     def f():
         runner = ShardRunner(orch)
         try:
-            return runner.map(shard_task("hangs", orch, retries=1), plan, len(plan.shards))
+            return runner.map(plan, len(plan.shards), retries=1)
         finally:
             runner.close()
 
@@ -51,7 +53,7 @@ def test_blocked_shard_without_retries_fails_the_flow_clearly(tmp_path):
     def f():
         runner = ShardRunner(orch)
         try:
-            return runner.map(shard_task("hangs", orch, retries=0), plan, 1)
+            return runner.map(plan, 1, retries=0)
         finally:
             runner.close()
 
@@ -71,7 +73,7 @@ def test_a_cluster_started_early_runs_the_shards_then_closes_in_the_background(t
         runner = ShardRunner(orch, timing)
         runner.start_soon()
         try:
-            out = runner.map(shard_task("early", orch, retries=0), plan, len(plan.shards))
+            out = runner.map(plan, len(plan.shards), retries=0)
             runner.close_soon()
             return out
         finally:
@@ -92,5 +94,22 @@ def test_a_cluster_that_fails_to_start_in_the_background_fails_the_first_map(tmp
     runner._make = no_cluster
     runner.start_soon()
     with pytest.raises(OSError, match="no port for the scheduler"):
-        runner.map(shard_task("never", OrchestrationConfig(), retries=0), _plan(tmp_path, [["a"]]), 1)
+        runner.map(_plan(tmp_path, [["a"]]), 1, retries=0)
     runner.close()  # nothing to close, no error
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_error_a_retry_cannot_heal_is_not_retried_and_progress_counts_every_shard(tmp_path, workers):
+    """A damaged parent (DatasetDamaged) fails at once, retries or not; the shards that finished are published and
+    reported, so the rerun that rebuilds the parent resumes them."""
+    orch = OrchestrationConfig(dask_workers=workers, shard_timeout_s=30, retry_backoff_s=5, retry_jitter=0)
+    plan = _plan(tmp_path, [["a"], ["raise"]])
+    runner, seen = ShardRunner(orch), []
+    t = time.monotonic()
+    try:
+        with pytest.raises(DatasetDamaged, match="sha256 mismatch"):
+            runner.map(plan, len(plan.shards), retries=3, on_progress=lambda: seen.append(plan.done_shards()))
+    finally:
+        runner.close()
+    assert time.monotonic() - t < 30  # no 5 s backoff was waited
+    assert plan.done_shards() == [0] and (workers == 1 or seen == [[0]])
