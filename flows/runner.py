@@ -168,7 +168,7 @@ class ShardRunner:
     def _local(self, plan: StagePlan, index: int, retries: int, progress: Callable[[], None]) -> dict:
         for attempt in range(retries + 1):
             try:
-                out = run_shard_watched(plan, index, self.orch.shard_timeout_s)
+                out = run_shard_watched(plan, index, self.orch.shard_timeout_s, self.orch.stage_timeout_s)
             except Exception as e:
                 delay = self._retry_delay(plan, index, e, attempt, retries)
                 if delay is None:
@@ -186,7 +186,8 @@ class ShardRunner:
         token = uuid.uuid4().hex[:8]
 
         def submit(i: int, attempt: int):
-            return client.submit(run_shard_watched, plan, i, self.orch.shard_timeout_s, pure=False,
+            return client.submit(run_shard_watched, plan, i, self.orch.shard_timeout_s, self.orch.stage_timeout_s,
+                                 pure=False,
                                  key=f"{plan.stage}-shard-{i}-{attempt}-{token}")
 
         pending = {submit(i, 0): i for i in range(n)}

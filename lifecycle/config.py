@@ -46,7 +46,8 @@ class OrchestrationConfig(BaseModel):
     train_retries: int = Field(1, ge=0, description="Retries of the train stage; each resumes from the last commit.")
     stage_timeout_s: float | None = Field(
         3600, gt=0, description="Timeout of each stage attempt except train (a Prefect timeout cannot stop the "
-        "DeepSpeed ranks: the train supervisor enforces `train.launch.timeout_s` itself). null = none.")
+        "DeepSpeed ranks: the train supervisor enforces `train.launch.timeout_s` itself); in collect, filter, dedup's "
+        "signatures and scrub, of each shard attempt, whose process is killed at it. null = none.")
     shard_timeout_s: float | None = Field(
         600, gt=0, description="Watchdog of each shard of collect, filter, dedup and scrub: a shard runs in a forked "
         "process that is killed when it makes no progress (no record read, no file written) for this long; the "

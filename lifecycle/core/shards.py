@@ -193,13 +193,17 @@ def warm_worker(plan: StagePlan) -> None:
     _warmed.add((module, plan.fingerprint))
 
 
-def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = None) -> dict:
+def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = None,
+                      limit_s: float | None = None) -> dict:
     """`run_shard` in a forked child process that is killed when it makes no progress (no `heartbeat`, no file
-    written) for `timeout_s` seconds: then ShardTimeout names the stage and shard. A blocking read, a hung
+    written) for `timeout_s` seconds, or when it has run for `limit_s` seconds in all (the stage's timeout,
+    `orchestration.stage_timeout_s`): then ShardTimeout names the stage and shard. A blocking read, a hung
     library or a stopped process is killed, as no thread timeout can; the shard's partial output is removed, and
-    a retry or rerun builds it again (finished shards are kept). `timeout_s=None`: run here, unwatched."""
-    if timeout_s is None or (plan.shard_dir(index) / SHARD_MARKER).exists():
+    a retry or rerun builds it again (finished shards are kept). Neither bound: run here, unwatched."""
+    if (timeout_s is None and limit_s is None) or (plan.shard_dir(index) / SHARD_MARKER).exists():
         return run_shard(plan, index)
+    timeout_s = timeout_s if timeout_s is not None else float("inf")
+    started = time.monotonic()
     warm_worker(plan)
     beats = mmap.mmap(-1, 8)
     counter = ctypes.c_uint64.from_buffer(beats)
@@ -214,7 +218,7 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
     chunks, seen, last, ended = [], -1, time.monotonic(), False
     try:
         while True:
-            ready, _, _ = select.select([r], [], [], min(1.0, timeout_s / 4))
+            ready, _, _ = select.select([r], [], [], min(1.0, timeout_s / 4, limit_s or 1.0))
             if ready:
                 chunk = os.read(r, 1 << 16)
                 if not chunk:
@@ -225,16 +229,19 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
                 continue
             if counter.value != seen:
                 seen, last = counter.value, time.monotonic()
-            elif time.monotonic() - last > timeout_s:
+            now = time.monotonic()
+            if now - last > timeout_s or (limit_s is not None and now - started > limit_s):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 pid = 0
                 for tmp in plan.building.glob(f".tmp-{plan.shard_dir(index).name}-*"):
                     shutil.rmtree(tmp, ignore_errors=True)
+                why = (f"made no progress for {timeout_s:g} s (orchestration.shard_timeout_s)" if now - last > timeout_s
+                       else f"ran for more than {limit_s:g} s (orchestration.stage_timeout_s)")
                 raise ShardTimeout(
-                    f"{plan.stage}: shard {index} of {len(plan.shards)} made no progress for {timeout_s:g} s "
-                    f"(orchestration.shard_timeout_s), so its process was killed; a retry or a rerun builds it again "
-                    f"(finished shards are kept). Its inputs: {', '.join(plan.shards[index])[:300]}")
+                    f"{plan.stage}: shard {index} of {len(plan.shards)} {why}, so its process was killed; a retry or "
+                    f"a rerun builds it again (finished shards are kept). Its inputs: "
+                    f"{', '.join(plan.shards[index])[:300]}")
     finally:
         os.close(r)
         del counter

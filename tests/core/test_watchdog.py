@@ -85,6 +85,15 @@ def test_shard_that_keeps_beating_outlives_the_bound(tmp_path):
     assert run_shard_watched(plan, 0, timeout_s=2)["rows_kept"] == 1
 
 
+def test_a_shard_that_keeps_beating_is_still_killed_at_the_stage_timeout(tmp_path):
+    plan = _plan(tmp_path, [["busy"]], busy_s=30)
+    t = time.monotonic()
+    with pytest.raises(ShardTimeout, match=r"hangs: shard 0 of 1 ran for more than 2 s \(orchestration.stage_timeout_s\)"):
+        run_shard_watched(plan, 0, timeout_s=20, limit_s=2)
+    assert time.monotonic() - t < 8
+    assert not _alive(int((tmp_path / "pid").read_text())) and not plan.done_shards()
+
+
 def test_shard_errors_and_deaths_cross_the_process_as_themselves(tmp_path):
     plan = _plan(tmp_path, [["raise"], ["die"]])
     with pytest.raises(DatasetDamaged) as err:  # a permanent error stays permanent (not retried by the flow)
