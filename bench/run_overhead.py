@@ -51,7 +51,7 @@ AFTER = [  # from the last stage's end to the exit
     ("flow tail (ledger, charts, MLflow end, the shutdown)", "last_stage_end", "flow_end"),
     ("flow return -> exit (Prefect, atexit)", "flow_end", "exit"),
 ]
-INSIDE = [("shard cluster start (in the first sharded stage)", "dask_start", "dask_ready")]
+INSIDE = [("shard workers start (in the first sharded stage)", "dask_start", "dask_ready")]
 
 
 def make_inputs(d: Path, rounds: int, docs: int) -> list[Path]:

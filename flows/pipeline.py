@@ -80,7 +80,7 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
                           timing={**timing, "flow_end": time.time()}).model_dump()
     shards = ShardRunner(cfg.orchestration, timing)
     if not collect_committed(cfg.collect, cfg.workdir, inputs):  # a rerun that reuses collect starts none early
-        shards.start_soon()  # the data stages' Dask workers start while MLflow sets up
+        shards.start_soon()  # the data stages' workers start while MLflow sets up
     try:
         tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
         summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import signal
 import threading
@@ -79,34 +80,105 @@ def stage_task(
 _LOCAL = "in the flow process"  # ShardRunner._runner with `dask_workers: 0`
 
 
+class _Pool:
+    """The local shard workers: a ProcessPoolExecutor whose processes fork from a forkserver that imported the data
+    stages once (`lifecycle.flows.worker_preload`). A Dask LocalCluster did the same job with a scheduler, a
+    nanny and a worker process per worker, 3.6-4.2 s of CPU to start on 2 cores against ~1.1 s here."""
+
+    def __init__(self, workers: int):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["lifecycle.flows.worker_preload"])
+        self.workers = workers
+        self.executor = ProcessPoolExecutor(workers, mp_context=ctx)
+
+    def start(self) -> None:
+        """Start every worker now (they are otherwise started as shards arrive) and wait until they answer."""
+        for f in [self.executor.submit(os.getpid) for _ in range(self.workers)]:
+            f.result()
+
+    def submit(self, fn: Callable, *args, key: str):
+        return self.executor.submit(fn, *args)
+
+    def wait_first(self, futures: list, timeout: float | None) -> set:
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        return wait(futures, timeout=timeout, return_when=FIRST_COMPLETED).done
+
+    @staticmethod
+    def error_of(future) -> BaseException | None:
+        return future.exception()
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers; `kill`: at once, shards and all (a failed stage: their forked shard processes die with
+        them, PR_SET_PDEATHSIG), else after the queued work, which is none once `map` has returned."""
+        if kill:
+            for proc in list((getattr(self.executor, "_processes", None) or {}).values()):  # CPython 3.11's
+                proc.kill()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+class _Dask:
+    """Shards on the Dask cluster at `orchestration.dask_address` (`dask scheduler` and `dask worker`s)."""
+
+    def __init__(self, address: str):
+        from distributed import Client
+
+        # never the default client: the flow process may hold another one (`lifecycle serve`), and `close_soon`
+        # closes this one from another thread
+        self.client = Client(address, set_as_default=False)
+
+    def start(self) -> None:
+        pass
+
+    def submit(self, fn: Callable, *args, key: str):
+        return self.client.submit(fn, *args, pure=False, key=key)
+
+    def wait_first(self, futures: list, timeout: float | None) -> set:
+        from distributed.client import FIRST_COMPLETED, _wait
+
+        try:  # distributed.wait, on this client (the module's function takes the default client)
+            return set(self.client.sync(_wait, futures, return_when=FIRST_COMPLETED, timeout=timeout).done)
+        except TimeoutError:
+            return set()
+
+    @staticmethod
+    def error_of(future) -> BaseException | None:
+        return None if future.status == "finished" else future.exception()
+
+    def close(self, kill: bool = False) -> None:
+        self.client.close()
+
+
 class ShardRunner:
     """Runs the shards of the data stages, started on first use and shut down with the flow.
 
-    A Dask LocalCluster of `dask_workers` single-threaded processes by default, the cluster at `dask_address` when
-    one is configured, or (`dask_workers: 0`) one shard after another in the flow process. It is chosen per run
-    from the config, so deployments served from `prefect.yaml` get the same behaviour as `lifecycle run`.
+    `dask_workers` local worker processes by default (`_Pool`), the Dask cluster at `dask_address` when one is
+    configured, or (`dask_workers: 0`) one shard after another in the flow process. It is chosen per run from the
+    config, so deployments served from `prefect.yaml` get the same behaviour as `lifecycle run`.
 
-    Shards are plain Dask futures of `run_shard_watched`, not Prefect tasks: a Prefect task run costs its worker
-    about 0.12 s of CPU and the flow process 0.04 s more (task engine, state reports to the server), against
-    0.004 s for a future, and a 24 MB corpus is ~20 shards on 2 cores. Prefect sees each sharded stage as three
-    tasks (`<stage>-plan`, `<stage>-shards`, `<stage>-commit`); the shards' retries are done here, as Prefect's
-    were: `data_retries` per shard, exponential backoff from `retry_backoff_s` with `retry_jitter`, none for an
-    error a retry cannot heal, each retry logged on the flow run.
+    Shards are plain futures of `run_shard_watched`, not Prefect tasks: a Prefect task run costs its worker about
+    0.12 s of CPU and the flow process 0.04 s more (task engine, state reports to the server), against 0.004 s
+    for a future, and a 24 MB corpus is ~20 shards on 2 cores. Prefect sees each sharded stage as three tasks
+    (`<stage>-plan`, `<stage>-shards`, `<stage>-commit`); the shards' retries are done here, as Prefect's were:
+    `data_retries` per shard, exponential backoff from `retry_backoff_s` with `retry_jitter`, none for an error a
+    retry cannot heal, each retry logged on the flow run.
     """
 
     def __init__(self, orchestration: OrchestrationConfig, timing: dict[str, float] | None = None):
         self.orch = orchestration
-        self._stack = contextlib.ExitStack()
-        self._runner = None  # the Dask client, or _LOCAL
+        self._runner = None  # a _Pool or _Dask, or _LOCAL
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
         self._closing: threading.Thread | None = None
         self.timing = {} if timing is None else timing  # dask_start/dask_ready/dask_close_start/dask_closed
 
     def start_soon(self) -> None:
-        """Start the LocalCluster in a background thread now, so that its workers start (3-4 s of interpreter and
-        imports) while the flow sets up its MLflow run and plans collect; `map` waits for it. Only a LocalCluster:
-        a configured cluster is already up, and `dask_workers: 0` runs shards in this process."""
+        """Start the local workers in a background thread now, so that they start (an interpreter and the data
+        stages' imports) while the flow sets up its MLflow run and plans collect; `map` waits for them. Only local
+        workers: a configured cluster is already up, and `dask_workers: 0` runs shards in this process."""
         if self._runner is not None or self._starting is not None or self.orch.dask_address \
                 or self.orch.dask_workers == 0:
             return
@@ -117,7 +189,7 @@ class ShardRunner:
             except BaseException as e:  # noqa: BLE001 - raised by the `map` that waits for it
                 self._start_error = e
 
-        self._starting = threading.Thread(target=start, name="lifecycle-dask-start", daemon=True)
+        self._starting = threading.Thread(target=start, name="lifecycle-shards-start", daemon=True)
         self._starting.start()
 
     def _wait_started(self) -> None:
@@ -130,32 +202,24 @@ class ShardRunner:
 
     def _open(self) -> None:
         self.timing.setdefault("dask_start", time.time())
-        self._runner = self._make()
+        runner = self._make()
+        if runner is not _LOCAL:
+            runner.start()
+        self._runner = runner
         self.timing.setdefault("dask_ready", time.time())
 
     def _make(self):
-        if self.orch.dask_workers == 0 and not self.orch.dask_address:
-            return _LOCAL
-        from distributed import Client, LocalCluster
-
-        # closed by callbacks, not as context managers: `close_soon` closes them from another thread, and a
-        # Client entered as a context manager resets a context variable that belongs to the thread that entered it
         if self.orch.dask_address:
-            client = Client(self.orch.dask_address, set_as_default=False)
-        else:
-            cluster = LocalCluster(
-                n_workers=self.orch.dask_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                dashboard_address=None, silence_logs=logging.WARNING, preload=["lifecycle.flows.worker_preload"])
-            self._stack.callback(cluster.close)
-            client = Client(cluster, set_as_default=False)
-        self._stack.callback(client.close)
-        return client
+            return _Dask(self.orch.dask_address)
+        if self.orch.dask_workers == 0:
+            return _LOCAL
+        return _Pool(self.orch.dask_workers)
 
     def map(self, plan: StagePlan, n: int, retries: int, on_progress: Callable[[], None] | None = None) -> list:
         """Run shards 0..n-1 of `plan` (`run_shard_watched`); `on_progress()` after each one finishes. A failed
         shard is retried up to `retries` times; the first shard that fails for good fails the map (the others
-        are cancelled: what they published stays, for the retry of the stage or a rerun)."""
-        if self._closing is not None:  # a data stage after close_soon: the old cluster is gone first
+        are stopped: what they published stays, for the retry of the stage or a rerun)."""
+        if self._closing is not None:  # a data stage after close_soon: the old workers are gone first
             self.close()
         self._wait_started()
         if self._runner is None:
@@ -163,7 +227,7 @@ class ShardRunner:
         progress = on_progress or (lambda: None)
         if self._runner is _LOCAL:
             return [self._local(plan, i, retries, progress) for i in range(n)]
-        return self._dask(plan, n, retries, progress)
+        return self._futures(plan, n, retries, progress)
 
     def _local(self, plan: StagePlan, index: int, retries: int, progress: Callable[[], None]) -> dict:
         for attempt in range(retries + 1):
@@ -179,16 +243,14 @@ class ShardRunner:
             return out
         raise AssertionError("unreachable")
 
-    def _dask(self, plan: StagePlan, n: int, retries: int, progress: Callable[[], None]) -> list:
-        from distributed.client import FIRST_COMPLETED, _wait
+    def _futures(self, plan: StagePlan, n: int, retries: int, progress: Callable[[], None]) -> list:
+        from concurrent.futures.process import BrokenProcessPool
 
-        client = self._runner
         token = uuid.uuid4().hex[:8]
 
         def submit(i: int, attempt: int):
-            return client.submit(run_shard_watched, plan, i, self.orch.shard_timeout_s, self.orch.stage_timeout_s,
-                                 pure=False,
-                                 key=f"{plan.stage}-shard-{i}-{attempt}-{token}")
+            return self._runner.submit(run_shard_watched, plan, i, self.orch.shard_timeout_s,
+                                       self.orch.stage_timeout_s, key=f"{plan.stage}-shard-{i}-{attempt}-{token}")
 
         pending = {submit(i, 0): i for i in range(n)}
         attempts, results, due = [0] * n, [None] * n, []  # due: (monotonic time, shard) of retries to submit
@@ -201,27 +263,26 @@ class ShardRunner:
                 if not pending:
                     time.sleep(max(0.0, min(d[0] for d in due) - now))
                     continue
-                try:
-                    # distributed.wait on this client (the module's `wait` takes the default client, and ours is
-                    # not made the default: the flow process may hold another one)
-                    done, _ = client.sync(_wait, list(pending), return_when=FIRST_COMPLETED,
-                                          timeout=(min(d[0] for d in due) - now) if due else None)
-                except TimeoutError:  # a retry is due
-                    continue
+                done = self._runner.wait_first(list(pending), (min(d[0] for d in due) - now) if due else None)
                 for fut in done:
                     i = pending.pop(fut)
-                    if fut.status == "finished":
+                    error = self._runner.error_of(fut)
+                    if error is None:
                         results[i] = fut.result()
                         progress()
                         continue
-                    error = fut.exception()
                     delay = self._retry_delay(plan, i, error, attempts[i], retries)
                     if delay is None:
                         raise error
                     attempts[i] += 1
                     due.append((time.monotonic() + delay, i))
+                    if isinstance(error, BrokenProcessPool):  # a worker died (not a shard: those are forked off it)
+                        self._runner.close(kill=True)
+                        self._runner = self._make()
+                        self._runner.start()
         except BaseException:
-            client.cancel(list(pending))
+            self._runner.close(kill=True)  # the other shards stop now; `close` finds nothing left to do
+            self._runner = None
             raise
         return results
 
@@ -252,15 +313,13 @@ class ShardRunner:
     def _close(self) -> None:
         try:
             self._wait_started()
-        except BaseException as e:  # noqa: BLE001 - a cluster that failed to start has nothing to close
-            log.warning("the Dask cluster failed to start: %s", e)
-        was_open = self._runner not in (None, _LOCAL)
-        if was_open:
+        except BaseException as e:  # noqa: BLE001 - workers that failed to start have nothing to close
+            log.warning("the shard workers failed to start: %s", e)
+        runner, self._runner = self._runner, None
+        if runner not in (None, _LOCAL):
             self.timing["dask_close_start"] = time.time()
-        self._stack.close()
-        if was_open:
+            runner.close()
             self.timing["dask_closed"] = time.time()
-        self._runner = None
 
 
 def _flow_log(message: str, level: int = logging.INFO) -> None:

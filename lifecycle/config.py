@@ -55,15 +55,16 @@ class OrchestrationConfig(BaseModel):
         "finished shards kept. Costs one fork per shard (a few ms). null = shards run unwatched in the worker.")
     dask_workers: int = Field(
         default_factory=lambda: min(os.cpu_count() or 1, 4), ge=0,
-        description="Worker processes of the Dask LocalCluster that runs the shards of collect, filter and "
-        "scrub (one thread each). 0 = run shards one after another in the flow process. Default: cores, up to 4.")
+        description="Local worker processes that run the shards of collect, filter, dedup's signatures and scrub "
+        "(one shard each at a time; forked from a forkserver that imported the data stages). 0 = run shards one "
+        "after another in the flow process. Ignored with `dask_address`. Default: cores, up to 4.")
     dedup_memory_limit: str = Field(
         "2GB", pattern=r"^\d+(\.\d+)?\s*[KMGT]i?B$", description="DuckDB memory limit of dedup's global half "
         "(exact copies, LSH buckets, clusters over the whole dataset); past it DuckDB spills to a scratch directory "
         "beside the dataset, so this, not the corpus size, bounds its memory. Changes no decision.")
     dask_address: str | None = Field(
         None, description="Address of a running Dask scheduler (tcp://host:8786): shards run on that cluster "
-        "instead of a LocalCluster. Its workers need this package installed and the work dir at the same path.")
+        "instead of local worker processes. Its workers need this package installed and the work dir at the same path.")
 
 
 class PipelineConfig(BaseModel):

@@ -97,7 +97,7 @@ def test_capture_sends_this_process_and_its_children_to_the_log(tmp_path):
 
 @pytest.mark.e2e
 def test_run_prints_a_short_funnel_and_logs_the_chatter(tmp_path):
-    """The real `lifecycle run --until filter` (ephemeral Prefect server, Dask workers, MLflow on SQLite),
+    """The real `lifecycle run --until filter` (ephemeral Prefect server, shard workers, MLflow on SQLite),
     stdout not a terminal, as in CI."""
     inputs = tmp_path / "docs.jsonl"
     inputs.write_text("".join(json.dumps(r) + "\n" for r in corpus_records(60)) + "{not json}\n")
@@ -122,8 +122,7 @@ def test_run_prints_a_short_funnel_and_logs_the_chatter(tmp_path):
     log_path = re.search(r"\(log: (\S+)\)", lines[0]).group(1)
     assert log_path.startswith(str(wd / "logs" / "run-"))
     log = open(log_path).read()
-    assert "distributed.scheduler" in log and "Finished in state Completed" in log  # Dask's and Prefect's
-    assert "worker thread" in log  # Prefect's per-shard timeout warning: in the log, not on the console
+    assert "Finished in state Completed" in log  # Prefect's chatter: in the log, not on the console
     for chatter in ("distributed.", "Finished in state", "MLflow database", "worker thread", "Traceback", "Warning"):
         assert chatter not in proc.stdout, chatter
     assert lines[-1].startswith("  .venv/bin/python -c \"import duckdb")  # the summary ends the output

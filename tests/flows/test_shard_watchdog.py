@@ -1,5 +1,5 @@
-"""The shard watchdog and the shards' retries, on both shard runners (in the flow process, and a Dask LocalCluster
-of worker processes; the first shard process there imports pandas, via pyarrow, for a few seconds): a shard
+"""The shard watchdog and the shards' retries, on both local shard runners (in the flow process, and a pool of
+worker processes; the first shard process there imports pandas, via pyarrow, for a few seconds): a shard
 blocked in a call no thread timeout can interrupt is killed after `shard_timeout_s` without progress, it fails
 naming the stage and shard, the runner's retry builds it again and the stage completes; with no retry left, the
 flow fails with that message. An error a retry cannot heal is not retried."""
@@ -113,3 +113,38 @@ def test_an_error_a_retry_cannot_heal_is_not_retried_and_progress_counts_every_s
         runner.close()
     assert time.monotonic() - t < 30  # no 5 s backoff was waited
     assert plan.done_shards() == [0] and (workers == 1 or seen == [[0]])
+
+
+def test_a_dead_worker_is_replaced_and_its_shard_retried(tmp_path):
+    """A worker process killed under its shard (the OOM killer, an operator) breaks the pool: the runner starts a
+    new one and retries the shard, whose forked process died with the worker (PR_SET_PDEATHSIG)."""
+    orch = OrchestrationConfig(dask_workers=1, shard_timeout_s=30, retry_backoff_s=0.01, retry_jitter=0)
+    plan = _plan(tmp_path, [["a"], ["kill_worker"]])
+    runner = ShardRunner(orch)
+    try:
+        first = runner._wait_started() or runner._open() or runner._runner
+        results = runner.map(plan, len(plan.shards), retries=1)
+        assert runner._runner is not first  # replaced
+    finally:
+        runner.close()
+    assert [r["rows_kept"] for r in results] == [1, 1]
+    assert commit_plan(plan).read().column("item").to_pylist() == ["a", "kill_worker"]
+
+
+def test_shards_run_on_a_dask_cluster_at_dask_address(tmp_path):
+    """`orchestration.dask_address`: the shards are futures on that cluster (here a LocalCluster started by the
+    test, as `dask scheduler` and `dask worker --preload lifecycle.flows.worker_preload` would run it), retried
+    there the same way."""
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+                      preload=["lifecycle.flows.worker_preload"]) as cluster:
+        orch = OrchestrationConfig(dask_address=cluster.scheduler_address, shard_timeout_s=3, retry_backoff_s=0.01,
+                                   retry_jitter=0)
+        plan = _plan(tmp_path, [["a"], ["block"]])
+        runner = ShardRunner(orch)
+        try:
+            assert [r["reused"] for r in runner.map(plan, len(plan.shards), retries=1)] == [False, False]
+        finally:
+            runner.close()
+    assert commit_plan(plan).read().column("item").to_pylist() == ["a", "block"]
