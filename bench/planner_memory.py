@@ -59,8 +59,8 @@ def settle() -> int:
 
 def warm_imports() -> None:
     """Import before the baseline what the first layout would otherwise import inside its measurement: the first
-    `torch.optim.AdamW(...)` of a process imports torch._dynamo and sympy (hundreds of modules, +71 MiB resident on torch
-    2.13), the same for every layout and no part of any (the baseline is meant to hold the imports)."""
+    `torch.optim.AdamW(...)` of a process imports torch._dynamo and sympy (hundreds of modules, +71 MiB resident
+    on torch 2.13), the same for every layout and no part of any (the baseline is meant to hold the imports)."""
     import torch
 
     p = torch.nn.Parameter(torch.zeros(1))
