@@ -63,6 +63,24 @@ def test_gradient_bucket_counts_whole_on_a_gpu_and_as_written_on_the_cpu():
         memory(m, Layout(), device="tpu")
 
 
+def test_zero3_prefetch_buffer_is_held_beside_the_gathered_parameters():
+    """Stage 3 all-gathers a prefetch bucket (stage3_prefetch_bucket_size, 5e7 elements) into one flat tensor
+    whose handle every parameter of the bucket keeps until it is fetched, after the first wait has copied
+    each parameter out: forward holds the gathered copies and the bucket's flat buffer."""
+    m = parse_model("demo")
+    psi = total_params(m)
+    est = lambda **kw: memory(m, Layout(dp=2, zero=3), **kw)  # noqa: E731
+    assert est().breakdown["zero3_prefetch_bytes"] == pytest.approx(psi * 2)  # the whole model fits a bucket
+    assert est(prefetch_bucket=1e5).breakdown["zero3_prefetch_bytes"] == pytest.approx(1e5 * 2)
+    assert est(precision="fp32").breakdown["zero3_prefetch_bytes"] == pytest.approx(psi * 4)
+    assert est().total_bytes - est(prefetch_bucket=0).total_bytes == pytest.approx(psi * 2)
+    assert est(max_live=1e5).breakdown["zero3_gathered_bytes"] == pytest.approx(1e5 * 2)
+    seven = parse_model("7b")
+    assert memory(seven, Layout(dp=8, zero=3)).breakdown["zero3_prefetch_bytes"] == pytest.approx(5e7 * 2)
+    for zero in (0, 1, 2):
+        assert memory(m, Layout(dp=2, zero=zero)).breakdown["zero3_prefetch_bytes"] == 0
+
+
 def test_korthikanti_formulas():
     # GPT-3 175B of the paper: s=2048, h=12288, a=96, b=1; per layer 34·sbh + 5·a·s²·b bytes
     s, b, h, a = 2048, 1, 12288, 96
