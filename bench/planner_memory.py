@@ -10,6 +10,8 @@ What is measured, per rank and layout: the kernel's high-water mark of the resid
 `/proc/self/clear_refs`) during the training steps, minus the resident set before the model was built (after the
 previous layout's objects are freed and `malloc_trim` has handed free heap pages back), so the imports, torch
 and DeepSpeed are not counted and every byte the layout holds is: tensors, allocator slack, gloo's buffers.
+The lazy imports are made before the baseline too (`warm_imports`: torch AdamW's first construction imports
+torch._dynamo, 71 MiB, which had counted in every layout).
 glibc is told to map every allocation above 64 KiB on its own (MALLOC_MMAP_THRESHOLD_=65536), so a freed
 tensor's pages leave the resident set at once instead of staying in the heap. `init` is the same high-water
 mark during `deepspeed.initialize` (its one-time flattening and partitioning copies), not what the planner
@@ -55,6 +57,18 @@ def settle() -> int:
     return status_bytes("VmRSS")
 
 
+def warm_imports() -> None:
+    """Import before the baseline what the first layout would otherwise import inside its measurement: the first
+    `torch.optim.AdamW(...)` of a process imports torch._dynamo and sympy (hundreds of modules, +71 MiB resident
+    on torch 2.13), the same for every layout and no part of any (the baseline is meant to hold the imports)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.zeros(1)
+    opt.step()
+
+
 def worker(steps: int, index: int) -> None:
     """One rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) of layout LAYOUTS[index]: one JSON line.
     One layout per process: a second layout in the same process starts from a baseline that still holds pages
@@ -69,6 +83,7 @@ def worker(steps: int, index: int) -> None:
     torch.set_num_threads(1)
     stub_muon()
     deepspeed.init_distributed(dist_backend="gloo")
+    warm_imports()
     for zero, micro, ckpt in LAYOUTS[index:index + 1]:
         base = settle()
         cfg = TrainConfig(model=ModelConfig(**MODEL), batch={"micro_batch_size": micro, "grad_accum": 1, "num_ranks": 2},

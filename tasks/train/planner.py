@@ -20,17 +20,19 @@ Per-rank memory of a training layout, from two papers:
   not: fp32 activations (4 bytes), no dropout (no masks), SwiGLU's wider gated MLP, RoPE (rotated q and k kept
   beside the projection output) and fused attention (no a·s² score matrix; its output is kept instead).
 
-On top: buffers (`temp_bytes`). DeepSpeed's gradient bucket: stage 0 all-reduces flattened copies of at most
+On top: buffers (`temp_bytes`), at the larger of two moments: forward/backward (with the activations) and the
+optimizer step (without them). DeepSpeed's gradient bucket: stage 0 all-reduces flattened copies of at most
 `reduce_bucket_size` (5e8) elements, freed after; stages 1-2 (`setup_buckets`, with contiguous_gradients, the
-default) allocate a buffer of reduce_bucket_size elements at each step's first backward and keep it through the
-step (two with overlap_comm); stage 3 allocates one at start-up for good. On a GPU the caching allocator hands
-out the whole buffer (1 GB in bf16 even for a small model); on the CPU only the pages gradients touch count,
-min(Ψ, bucket) (`device`). ZeRO-2's step flattens the gradient partition into a new tensor (Ψ/Nd). Under ZeRO-3
-the gathered parameters: DeepSpeed's defaults keep a gathered parameter for its reuse in backward up to
-stage3_max_live_parameters = 1e9 elements: the whole model below that. The backward of the output layer (fp32
-log-probabilities and their gradient, 2 x 4·s·b·V bytes). Or, when larger than the backward's buffers, the
-optimizer step's temporary (fp32 only: torch AdamW's per-tensor loop on CPU makes one fp32 tensor the size of
-the largest tensor it updates; a fused GPU Adam makes none).
+default) allocate a buffer of reduce_bucket_size elements at each step's first backward and release it at the
+end of backward (two with overlap_comm); stage 3 allocates one at start-up for good. On a GPU the caching
+allocator hands out the whole buffer (1 GB in bf16 even for a small model); on the CPU only the pages gradients
+touch count, min(Ψ, bucket) (`device`). Under ZeRO-3 the gathered parameters: DeepSpeed's defaults keep a
+gathered parameter for its reuse in backward up to stage3_max_live_parameters = 1e9 elements: the whole model
+below that; and beside them the flat all-gather buffer of one prefetch bucket (stage3_prefetch_bucket_size, 5e7
+elements), held until the bucket's last parameter is used. The backward of the output layer (fp32
+log-probabilities and their gradient, 2 x 4·s·b·V bytes). In the step, the flattened gradient partition (Ψ/Nd,
+ZeRO 1-3) and (fp32 only) torch AdamW's per-tensor loop on CPU, which makes two fp32 temporaries the size of the
+largest tensor it updates (a fused GPU Adam makes none).
 
 Step time (`step_time`) is a simple compute + communication model with the constants of `Hardware`, no
 overlap of communication with compute (an upper bound). Torch-free.
@@ -148,6 +150,7 @@ class Precision:
 PRECISIONS = {"bf16": Precision("bf16", 2, 2, 2), "fp16": Precision("fp16", 2, 2, 2), "fp32": Precision("fp32", 4, 4, 4)}
 GRAD_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size (and stage 0's all-reduce buffer), elements
 ZERO3_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance, elements
+ZERO3_PREFETCH = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size (runtime/zero/config.py:222), elements
 
 
 def model_states(psi: float, zero: int, nd: int, prec: Precision, offload: bool = False) -> dict:
@@ -251,11 +254,13 @@ class Estimate:
 def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | None = None,
            micro_batches: int | None = None, fused_attention: bool = True, am: ActivationModel | None = None,
            params: float | None = None, device: str = "cuda", reduce_bucket: float = GRAD_BUCKET,
-           overlap_comm: bool | None = None) -> Estimate:
+           overlap_comm: bool | None = None, prefetch_bucket: float = ZERO3_PREFETCH,
+           max_live: float = ZERO3_MAX_LIVE) -> Estimate:
     """Per-rank bytes of `lay` for model `m`. `micro_batches` per step per pipeline (default: pp, so that 1F1B's
     first stage is full); `params` overrides Ψ (then `m` only shapes the activations). `device` "cuda": a
-    reserved buffer counts whole; "cpu": only the pages written count (the resident set). `reduce_bucket` and
-    `overlap_comm` as in DeepSpeed's zero_optimization (overlap_comm's default: on at stage 3 only)."""
+    reserved buffer counts whole; "cpu": only the pages written count (the resident set). `reduce_bucket`,
+    `overlap_comm` (default: on at stage 3 only), `prefetch_bucket` (stage3_prefetch_bucket_size) and `max_live`
+    (stage3_max_live_parameters) as in DeepSpeed's zero_optimization."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, not {device!r}")
     prec = PRECISIONS[precision]
@@ -294,21 +299,36 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     # ZeRO-3 keeps a gathered parameter until its next use when that is within stage3_max_reuse_distance (1e9
     # elements), up to stage3_max_live_parameters (1e9): below 1e9 parameters every parameter gathered in forward
     # stays gathered until backward has used it (measured: forward holds the whole model, bench.planner_memory)
-    gathered = min(psi_rank, ZERO3_MAX_LIVE) * prec.param if lay.zero == 3 else 0.0
+    gathered = min(psi_rank, max_live) * prec.param if lay.zero == 3 else 0.0
+    # ... and beside those copies the flat buffer of one prefetch bucket. The coordinator prefetches up to
+    # stage3_prefetch_bucket_size elements in one coalesced all-gather (partitioned_param_coordinator.py:452-484)
+    # into one flat tensor (partition_parameters.py:1343, `_all_gather_dtype`) whose handle it registers for every
+    # parameter of the bucket (coordinator:613). The first wait copies every parameter out of it (`torch.cat`,
+    # partition_parameters.py:795) but the handle keeps `partitions`, views of the flat tensor, until the
+    # bucket's last parameter is fetched and popped from the registry (coordinator:406): the bucket is held twice.
+    prefetch = min(psi_rank, prefetch_bucket) * prec.param if lay.zero == 3 else 0.0
     loss_bwd = 2 * 4 * s_rank * b * v / t  # fp32 gradient of the log-probs, and of the logits
-    # fp32 is this project's CPU training: torch AdamW's per-tensor loop makes one fp32 temporary the size of the
-    # tensor it updates (the flat partition under ZeRO-1/2/3). 16-bit on GPU: a fused Adam, no temporary.
+    # fp32 is this project's CPU training: torch AdamW's per-tensor loop (torch/optim/adam.py:544) computes
+    # `(exp_avg_sq.sqrt() / bias_correction2_sqrt)`, two fp32 temporaries the size of the tensor it updates (the
+    # flat partition under ZeRO-1/2/3) alive at once. 16-bit on GPU: a fused Adam, no temporary.
     largest = max(v * h / t, psi_rank / nd if lay.zero else 0)
-    opt_step = 4 * largest if precision == "fp32" and not lay.offload else 0.0
-    flat_grad = psi_rank / nd * prec.grad if lay.zero == 2 else 0.0  # the step's flattened gradient partition
-    # stages 1-3 hold their bucket through the step; stage 0's buffers are gone by then
-    held, during_backward = (bucket, 0.0) if lay.zero else (0.0, bucket)
-    temp = max(during_backward + gathered + loss_bwd, opt_step + flat_grad) + held
+    opt_step = 2 * 4 * largest if precision == "fp32" and not lay.offload else 0.0
+    # the step flattens the gradient partition into a new tensor: stages 1-2 stage_1_and_2.py:3114-3116
+    # (`flatten(self.averaged_gradients[i])`), stage 3 stage3.py:2686 (`_prepare_fp32_grad_for_sub_group`)
+    flat_grad = psi_rank / nd * prec.grad if lay.zero and not lay.offload else 0.0  # offload: the CPU's copy
+    # Two moments bound the peak. Forward and backward: the activations, the gradient bucket, ZeRO-3's gathered
+    # parameters and prefetch buffer, the loss's backward. The optimizer step: the activations are gone, stages
+    # 1-2 have released their bucket at the end of backward (stage_1_and_2.py:1061, `_release_ipg_buffers` in
+    # the ipg epilogue), stage 3 holds its bucket for good (stage3.py:782).
+    backward = bucket + gathered + prefetch + loss_bwd
+    step = opt_step + flat_grad + (bucket if lay.zero == 3 else 0.0)
+    temp = max(backward, step - acts)  # total = states + max(activations + backward, step)
     return Estimate(lay, sum(ms.values()), acts, temp,
                     {**{f"{k}_bytes": x for k, x in ms.items()}, "activation_per_layer_bytes": layer,
                      "output_layer_bytes": out_layer, "grad_bucket_bytes": bucket, "zero3_gathered_bytes": gathered,
-                     "loss_backward_bytes": loss_bwd, "optimizer_step_temp_bytes": opt_step,
-                     "step_flat_grad_bytes": flat_grad})
+                     "zero3_prefetch_bytes": prefetch, "loss_backward_bytes": loss_bwd,
+                     "optimizer_step_temp_bytes": opt_step, "step_flat_grad_bytes": flat_grad,
+                     "backward_buffers_bytes": backward, "step_buffers_bytes": step})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -505,7 +525,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                  tp_sequence_parallel=not args.no_sequence_parallel)
     est = memory(m, lay, args.precision, micro_batches=args.micro_batches,
                  fused_attention=args.attention == "fused", params=psi, device=args.device,
-                 reduce_bucket=args.reduce_bucket)
+                 reduce_bucket=args.reduce_bucket, prefetch_bucket=args.prefetch_bucket)
     out = {"model": shape_of(m), "params": psi, "precision": args.precision, "attention": args.attention,
            "ranks": args.ranks, **est.as_dict()}
     if args.json:
@@ -518,10 +538,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
           f"{gib(br['grads_bytes'])}, optimizer {gib(br['optimizer_bytes'])})")
     print(f"          activations  {gib(est.activation_bytes)} ({gib(br['activation_per_layer_bytes'])} per layer, "
           f"output layer {gib(br['output_layer_bytes'])})")
-    print(f"          temporary    {gib(est.temp_bytes)} (gradient bucket {gib(br['grad_bucket_bytes'])}, loss "
-          f"backward {gib(br['loss_backward_bytes'])}, ZeRO-3 gathered {gib(br['zero3_gathered_bytes'])}, "
-          f"optimizer step {gib(br['optimizer_step_temp_bytes'])}, ZeRO-2 flattened gradients "
-          f"{gib(br['step_flat_grad_bytes'])})")
+    print(f"          temporary    {gib(est.temp_bytes)} at the peak, the larger of")
+    print(f"            backward   {gib(br['backward_buffers_bytes'])} (gradient bucket "
+          f"{gib(br['grad_bucket_bytes'])}, loss backward {gib(br['loss_backward_bytes'])}, ZeRO-3 gathered "
+          f"{gib(br['zero3_gathered_bytes'])} and prefetch buffer {gib(br['zero3_prefetch_bytes'])})")
+    print(f"            step       {gib(br['step_buffers_bytes'])} less the activations (optimizer step "
+          f"{gib(br['optimizer_step_temp_bytes'])}, flattened gradients {gib(br['step_flat_grad_bytes'])}, "
+          "ZeRO-3's gradient bucket)")
     print(f"          total        {gib(est.total_bytes)}")
     return 0
 
@@ -619,6 +642,8 @@ def register(subparsers) -> None:
                           "cpu: only the pages written count (the resident set of a CPU run)")
     mem.add_argument("--reduce-bucket", type=float, default=GRAD_BUCKET,
                      help="DeepSpeed's zero_optimization.reduce_bucket_size, elements (default 5e8)")
+    mem.add_argument("--prefetch-bucket", type=float, default=ZERO3_PREFETCH,
+                     help="DeepSpeed's zero_optimization.stage3_prefetch_bucket_size, elements (default 5e7)")
     mem.set_defaults(func=cmd_memory)
 
     lay = sub.add_parser("layout", help="Search dp/tp/pp/sp, ZeRO stage, micro-batch, recomputation and offload; "

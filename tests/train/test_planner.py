@@ -53,14 +53,48 @@ def test_gradient_bucket_counts_whole_on_a_gpu_and_as_written_on_the_cpu():
     assert br(2, device="cuda", overlap_comm=True) == pytest.approx(2 * 5e8 * 2)
     assert br(3, device="cuda", overlap_comm=True) == pytest.approx(5e8 * 2)  # stage 3: one buffer
     assert br(0, device="cuda") == br(0, device="cpu") == pytest.approx(psi * 2)
-    # the stage 1-3 bucket is held through the step, so it adds to the step's buffers too
-    est = memory(m, Layout(dp=2, zero=2), precision="fp32", device="cpu")
-    b = est.breakdown
-    assert est.temp_bytes == pytest.approx(b["grad_bucket_bytes"] + max(
-        b["loss_backward_bytes"], b["optimizer_step_temp_bytes"] + b["step_flat_grad_bytes"]))
-    assert b["step_flat_grad_bytes"] == pytest.approx(psi / 2 * 4)
     with pytest.raises(ValueError, match="device"):
         memory(m, Layout(), device="tpu")
+
+
+def test_peak_is_the_larger_of_backward_and_step():
+    """Activations and the backward's buffers (stages 1-2 release their bucket at the end of backward:
+    stage_1_and_2.py `_release_ipg_buffers`) are gone by the optimizer step, whose own buffers are the flattened
+    gradient partition (ZeRO 1-3), fp32 AdamW's two temporaries and stage 3's bucket, held for good."""
+    m = parse_model("demo")
+    psi = total_params(m)
+    largest = max(m.vocab_size * m.n_embd, psi / 2)
+    for zero in (1, 2, 3):
+        est = memory(m, Layout(dp=2, zero=zero), precision="fp32", device="cpu")
+        b = est.breakdown
+        assert b["step_flat_grad_bytes"] == pytest.approx(psi / 2 * 4)
+        assert b["optimizer_step_temp_bytes"] == pytest.approx(2 * 4 * largest)  # sqrt, then the division
+        held = b["grad_bucket_bytes"] if zero == 3 else 0.0
+        assert b["step_buffers_bytes"] == pytest.approx(2 * 4 * largest + psi / 2 * 4 + held)
+        assert est.total_bytes == pytest.approx(est.model_states_bytes + max(
+            est.activation_bytes + b["backward_buffers_bytes"], b["step_buffers_bytes"]))
+    # a step-bound case: short sequences, so the activations are small next to the step's buffers
+    short = memory(m, Layout(dp=2, zero=2), precision="fp32", device="cpu", seq_len=8)
+    assert short.total_bytes == pytest.approx(short.model_states_bytes + 2 * 4 * largest + psi / 2 * 4)
+    assert memory(m, Layout(dp=2, zero=2, offload=True), precision="fp32").breakdown["step_flat_grad_bytes"] == 0
+
+
+def test_zero3_prefetch_buffer_is_held_beside_the_gathered_parameters():
+    """Stage 3 all-gathers a prefetch bucket (stage3_prefetch_bucket_size, 5e7 elements) into one flat tensor
+    whose handle every parameter of the bucket keeps until it is fetched, after the first wait has copied
+    each parameter out: forward holds the gathered copies and the bucket's flat buffer."""
+    m = parse_model("demo")
+    psi = total_params(m)
+    est = lambda **kw: memory(m, Layout(dp=2, zero=3), **kw)  # noqa: E731
+    assert est().breakdown["zero3_prefetch_bytes"] == pytest.approx(psi * 2)  # the whole model fits a bucket
+    assert est(prefetch_bucket=1e5).breakdown["zero3_prefetch_bytes"] == pytest.approx(1e5 * 2)
+    assert est(precision="fp32").breakdown["zero3_prefetch_bytes"] == pytest.approx(psi * 4)
+    assert est().total_bytes - est(prefetch_bucket=0).total_bytes == pytest.approx(psi * 2)
+    assert est(max_live=1e5).breakdown["zero3_gathered_bytes"] == pytest.approx(1e5 * 2)
+    seven = parse_model("7b")
+    assert memory(seven, Layout(dp=8, zero=3)).breakdown["zero3_prefetch_bytes"] == pytest.approx(5e7 * 2)
+    for zero in (0, 1, 2):
+        assert memory(m, Layout(dp=2, zero=zero)).breakdown["zero3_prefetch_bytes"] == 0
 
 
 def test_korthikanti_formulas():
