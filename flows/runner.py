@@ -265,18 +265,24 @@ class ShardRunner:
                     continue
                 done = self._runner.wait_first(list(pending), (min(d[0] for d in due) - now) if due else None)
                 for fut in done:
-                    i = pending.pop(fut)
+                    if fut not in pending:  # a broken pool's, already rescheduled below
+                        continue
                     error = self._runner.error_of(fut)
                     if error is None:
-                        results[i] = fut.result()
+                        results[pending.pop(fut)] = fut.result()
                         progress()
                         continue
-                    delay = self._retry_delay(plan, i, error, attempts[i], retries)
-                    if delay is None:
-                        raise error
-                    attempts[i] += 1
-                    due.append((time.monotonic() + delay, i))
-                    if isinstance(error, BrokenProcessPool):  # a worker died (not a shard: those are forked off it)
+                    # a worker that died (the OOM killer; not a shard, those are forked off it) breaks the pool:
+                    # every shard still in it failed with it and is retried on a new one
+                    failed = list(pending.items()) if isinstance(error, BrokenProcessPool) else [(fut, pending[fut])]
+                    for f, i in failed:
+                        del pending[f]
+                        delay = self._retry_delay(plan, i, error, attempts[i], retries)
+                        if delay is None:
+                            raise error
+                        attempts[i] += 1
+                        due.append((time.monotonic() + delay, i))
+                    if isinstance(error, BrokenProcessPool):
                         self._runner.close(kill=True)
                         self._runner = self._make()
                         self._runner.start()

@@ -118,8 +118,8 @@ def test_an_error_a_retry_cannot_heal_is_not_retried_and_progress_counts_every_s
 def test_a_dead_worker_is_replaced_and_its_shard_retried(tmp_path):
     """A worker process killed under its shard (the OOM killer, an operator) breaks the pool: the runner starts a
     new one and retries the shard, whose forked process died with the worker (PR_SET_PDEATHSIG)."""
-    orch = OrchestrationConfig(dask_workers=1, shard_timeout_s=30, retry_backoff_s=0.01, retry_jitter=0)
-    plan = _plan(tmp_path, [["a"], ["kill_worker"]])
+    orch = OrchestrationConfig(dask_workers=2, shard_timeout_s=30, retry_backoff_s=0.01, retry_jitter=0)
+    plan = _plan(tmp_path, [["busy"], ["kill_worker"], ["a"]], busy_s=3)  # "busy" is in the other worker
     runner = ShardRunner(orch)
     try:
         first = runner._wait_started() or runner._open() or runner._runner
@@ -127,8 +127,8 @@ def test_a_dead_worker_is_replaced_and_its_shard_retried(tmp_path):
         assert runner._runner is not first  # replaced
     finally:
         runner.close()
-    assert [r["rows_kept"] for r in results] == [1, 1]
-    assert commit_plan(plan).read().column("item").to_pylist() == ["a", "kill_worker"]
+    assert [r["rows_kept"] for r in results] == [1, 1, 1]
+    assert commit_plan(plan).read().column("item").to_pylist() == ["busy", "kill_worker", "a"]
 
 
 def test_shards_run_on_a_dask_cluster_at_dask_address(tmp_path):
