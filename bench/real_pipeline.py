@@ -13,7 +13,7 @@ order, MinHash dedup (5-gram shingles, 14 bands x 8 rows), then PII replacement,
   imports and shutdown included; exact dedup before MinHash, dedup index off as datatrove has none);
 - datatrove 0.10.1: bench/pipeline_throughput.py's pipeline script run by its own interpreter (start included).
 Sides alternate over `--reps`; each run's wall time is the outside clock around the whole command, its peak
-memory the largest sum of RSS over the command's process tree, sampled every 0.1 s, and the same for PSS (which
+memory the largest sum of RSS over the command's process tree, sampled every 0.1 s, and the same for PSS (every 0.5 s) (which
 counts a page shared by forked processes once: the truer figure for both sides, which both fork workers). Fixed overhead of ours
 (command -> first stage, last stage -> exit) comes from the run summary's `timing` (epoch seconds, written by the
 flow) and the outside clock; it is null when the summary has no `timing`.
@@ -67,7 +67,7 @@ def corpus(cache: Path, mb: float, seed: int = 0) -> tuple[Path, dict]:
 # one command, timed from outside, with its process tree's peak RSS
 
 
-def tree_memory(root: int) -> tuple[int, int]:
+def tree_memory(root: int, pss: bool = True) -> tuple[int, int]:
     """(RSS, PSS) in bytes of `root` and all its descendants now (from /proc). RSS counts a page once per process
     that maps it, so forked workers and shard processes that share their parent's pages (copy-on-write: the
     interpreter, the language-ID model, numba's code) are counted several times; PSS divides each shared page among
@@ -80,14 +80,15 @@ def tree_memory(root: int) -> tuple[int, int]:
             except (OSError, IndexError, ValueError):
                 continue
             children[ppid].append(int(d))
-    rss = pss = 0
+    want_pss, rss, pss = pss, 0, 0
     stack = [root]
     while stack:
         pid = stack.pop()
         try:
             rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
-            pss += next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/smaps_rollup").read_text()
-                        .splitlines() if line.startswith("Pss:"))
+            if want_pss:
+                pss += next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/smaps_rollup").read_text()
+                            .splitlines() if line.startswith("Pss:"))
         except (OSError, IndexError, ValueError, StopIteration):
             pass
         stack.extend(children.get(pid, ()))
@@ -96,16 +97,18 @@ def tree_memory(root: int) -> tuple[int, int]:
 
 def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:
     """Run `cmd`; (stdout, {start, end (epoch s), wall_s, peak_rss_mb, peak_pss_mb}) (each peak the tree's
-    largest sum, sampled every 0.1 s). Raises with the output on failure."""
+    largest sum, sampled every 0.1 s, PSS every 0.5 s). Raises with the output on failure."""
     start = time.time()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
     peak, done = [0, 0], threading.Event()
 
-    def sample() -> None:
+    def sample() -> None:  # PSS every 5th sample: smaps_rollup walks each process's page tables under its mm lock
+        n = 0
         while not done.is_set():
-            rss, pss = tree_memory(proc.pid)
+            rss, pss = tree_memory(proc.pid, pss=n % 5 == 0)
             peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
+            n += 1
             done.wait(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
