@@ -85,13 +85,13 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
         summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,
                              prefect_flow_run_id=str(flow_run.id))
-        summary.timing = timing  # the very dict the cluster's start thread writes to (pydantic would copy it)
+        summary.timing = timing  # the very dict the workers' start thread writes to (pydantic would copy it)
         run = StageRunner(cfg, summary, until, on_done=_Logger(tracker, summary).stage_done, shards=shards)
         summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={
             "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
             **tags})
     except BaseException:
-        shards.close()  # the cluster started above
+        shards.close()  # the workers started above
         raise
     timing["tracker_ready"] = time.time()
     try:

@@ -77,22 +77,24 @@ def stage_task(
     )
 
 
-_LOCAL = "in the flow process"  # ShardRunner._runner with `dask_workers: 0`
-
-
 class _Pool:
-    """The local shard workers: a ProcessPoolExecutor whose processes fork from a forkserver that imported the data
-    stages once (`lifecycle.flows.worker_preload`). A Dask LocalCluster did the same job with a scheduler, a
-    nanny and a worker process per worker, 3.6-4.2 s of CPU to start on 2 cores against ~1.1 s here."""
+    """Local shard workers. `processes`: a ProcessPoolExecutor whose processes fork from a forkserver that imported
+    the data stages once (`lifecycle.flows.worker_preload`); a Dask LocalCluster did the same job with a scheduler,
+    a nanny and a worker process per worker, 3.6-4.2 s of CPU to start on 2 cores against ~1.1 s here. Otherwise
+    (`dask_workers: 0`) one thread of the flow process, one shard after another."""
 
-    def __init__(self, workers: int):
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
+    def __init__(self, workers: int, processes: bool = True):
+        from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["lifecycle.flows.worker_preload"])
-        self.workers = workers
-        self.executor = ProcessPoolExecutor(workers, mp_context=ctx)
+        self.workers, self.processes = workers, processes
+        if processes:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["lifecycle.flows.worker_preload"])
+            self.executor = ProcessPoolExecutor(workers, mp_context=ctx)
+        else:
+            self.executor = ThreadPoolExecutor(workers, thread_name_prefix="lifecycle-shard")
 
     def start(self) -> None:
         """Start every worker now (they are otherwise started as shards arrive) and wait until they answer."""
@@ -113,11 +115,12 @@ class _Pool:
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers; `kill`: at once, shards and all (a failed stage: their forked shard processes die with
-        them, PR_SET_PDEATHSIG), else after the queued work, which is none once `map` has returned."""
-        if kill:
-            for proc in list((getattr(self.executor, "_processes", None) or {}).values()):  # CPython 3.11's
+        them, PR_SET_PDEATHSIG; a thread is left to end with its shard), else after the queued work, which is none
+        once `map` has returned."""
+        if kill and self.processes:
+            for proc in list(self.executor._processes.values()):  # CPython 3.11 has no public call for it
                 proc.kill()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.executor.shutdown(wait=self.processes or not kill, cancel_futures=True)
 
 
 class _Dask:
@@ -156,7 +159,7 @@ class ShardRunner:
     """Runs the shards of the data stages, started on first use and shut down with the flow.
 
     `dask_workers` local worker processes by default (`_Pool`), the Dask cluster at `dask_address` when one is
-    configured, or (`dask_workers: 0`) one shard after another in the flow process. It is chosen per run from the
+    configured, or (`dask_workers: 0`) one shard after another in a thread of the flow process. It is chosen per run from the
     config, so deployments served from `prefect.yaml` get the same behaviour as `lifecycle run`.
 
     Shards are plain futures of `run_shard_watched`, not Prefect tasks: a Prefect task run costs its worker about
@@ -169,7 +172,7 @@ class ShardRunner:
 
     def __init__(self, orchestration: OrchestrationConfig, timing: dict[str, float] | None = None):
         self.orch = orchestration
-        self._runner = None  # a _Pool or _Dask, or _LOCAL
+        self._runner: _Pool | _Dask | None = None
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
         self._closing: threading.Thread | None = None
@@ -203,17 +206,14 @@ class ShardRunner:
     def _open(self) -> None:
         self.timing.setdefault("dask_start", time.time())
         runner = self._make()
-        if runner is not _LOCAL:
-            runner.start()
+        runner.start()
         self._runner = runner
         self.timing.setdefault("dask_ready", time.time())
 
     def _make(self):
         if self.orch.dask_address:
             return _Dask(self.orch.dask_address)
-        if self.orch.dask_workers == 0:
-            return _LOCAL
-        return _Pool(self.orch.dask_workers)
+        return _Pool(max(self.orch.dask_workers, 1), processes=self.orch.dask_workers > 0)
 
     def map(self, plan: StagePlan, n: int, retries: int, on_progress: Callable[[], None] | None = None) -> list:
         """Run shards 0..n-1 of `plan` (`run_shard_watched`); `on_progress()` after each one finishes. A failed
@@ -224,24 +224,7 @@ class ShardRunner:
         self._wait_started()
         if self._runner is None:
             self._open()
-        progress = on_progress or (lambda: None)
-        if self._runner is _LOCAL:
-            return [self._local(plan, i, retries, progress) for i in range(n)]
-        return self._futures(plan, n, retries, progress)
-
-    def _local(self, plan: StagePlan, index: int, retries: int, progress: Callable[[], None]) -> dict:
-        for attempt in range(retries + 1):
-            try:
-                out = run_shard_watched(plan, index, self.orch.shard_timeout_s, self.orch.stage_timeout_s)
-            except Exception as e:
-                delay = self._retry_delay(plan, index, e, attempt, retries)
-                if delay is None:
-                    raise
-                time.sleep(delay)
-                continue
-            progress()
-            return out
-        raise AssertionError("unreachable")
+        return self._futures(plan, n, retries, on_progress or (lambda: None))
 
     def _futures(self, plan: StagePlan, n: int, retries: int, progress: Callable[[], None]) -> list:
         from concurrent.futures.process import BrokenProcessPool
@@ -304,10 +287,10 @@ class ShardRunner:
         return delay
 
     def close_soon(self) -> None:
-        """Shut the cluster down in a background thread (1 s of retiring workers) while the flow goes on to its
-        next stage or its last steps; `close` waits for it."""
+        """Stop the workers in a background thread while the flow goes on to its next stage or its last steps;
+        `close` waits for it."""
         if self._closing is None and (self._runner is not None or self._starting is not None):
-            self._closing = threading.Thread(target=self._close, name="lifecycle-dask-close", daemon=True)
+            self._closing = threading.Thread(target=self._close, name="lifecycle-shards-close", daemon=True)
             self._closing.start()
 
     def close(self) -> None:
@@ -322,7 +305,7 @@ class ShardRunner:
         except BaseException as e:  # noqa: BLE001 - workers that failed to start have nothing to close
             log.warning("the shard workers failed to start: %s", e)
         runner, self._runner = self._runner, None
-        if runner not in (None, _LOCAL):
+        if runner is not None:
             self.timing["dask_close_start"] = time.time()
             runner.close()
             self.timing["dask_closed"] = time.time()
@@ -464,7 +447,7 @@ class StageRunner:
     """Runs registered stages (`lifecycle.tasks.stages`) as Prefect tasks, in the flow's order, up to `until`.
 
     `runner(STAGE, *parents, **kw)` calls the stage's entry points with (*parents, its config section, work dir,
-    **kw): a sharded stage is planned, its missing shards mapped over the shard runner (a Dask cluster) and
+    **kw): a sharded stage is planned, its missing shards mapped over the shard runner (`ShardRunner`) and
     committed; a single-task stage is one task. It returns the stage's output (a `DatasetRef`, or the train
     stage's `TrainResult`), or None once a stage at or after `until` has run, so the flow reads top to bottom.
     Each stage's outcome and manifest go into `summary`; `on_done(stage, output, outcome, extra, section)` is
@@ -489,7 +472,7 @@ class StageRunner:
         if not self.wants(stage):
             return None
         if stage.group != "data":
-            self.shards.close_soon()  # the Dask cluster is not needed past the data stages
+            self.shards.close_soon()  # the shard workers are not needed past the data stages
         orch = self.cfg.orchestration
         section = config if config is not None else (getattr(self.cfg, stage.name) if stage.configured else None)
         args = (*parents, *([section] if stage.configured else []), self.cfg.workdir)
@@ -515,7 +498,7 @@ class StageRunner:
         if hasattr(value, "manifest_path"):
             self.summary.datasets[stage.name] = str(value.manifest_path)
         self.on_done(stage, value, outcome, extra, section)
-        self.timing["last_stage_end"] = time.time()  # the cluster's shutdown below is overhead, not the stage's
+        self.timing["last_stage_end"] = time.time()  # the workers' shutdown below is overhead, not the stage's
         self.timing[f"stage:{stage.name}"] = round(self.timing["last_stage_end"] - started, 4)
         if self.until == stage.name:
             self.shards.close_soon()
