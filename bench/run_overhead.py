@@ -1,6 +1,6 @@
 """Fixed overhead of `lifecycle run`: from the command to its first stage, and from its last stage to the exit.
 
-`python -m bench.run_overhead [--repeat 3] [--docs 200] [--python PY] [--modes embedded,servers]`
+`python -m bench.run_overhead [--repeat 3] [--docs 200] [--python PY] [--modes embedded,servers,servers-no-runner]`
 
 Each round runs `lifecycle run deploy/configs/demo.yaml --until scrub --json` as a new process (interpreter start
 included) on a small corpus: `--docs` documents of the bundled Python documentation, a different slice each round,
@@ -8,7 +8,11 @@ so every stage computes (a user's hourly run on new data) while the work dir, it
 reused. Two modes, each in a work dir of its own:
 - `embedded`: no `lifecycle up`; the run's own Prefect server (round 1 starts it and creates the work dir's
   stores: reported apart as `cold`; the later rounds are the steady state);
-- `servers`: `lifecycle up` first (its start is not counted), then the same rounds; `lifecycle down` after.
+- `servers`: `lifecycle up` first (its start is not counted), then the same rounds; `lifecycle down` after. The
+  command is the `lifecycle` console script, as users start it, so `up`'s warm runner (lifecycle/launch.py) forks
+  each run from a process that imported everything once; every round but the first must say `launch: warm`;
+- `servers-no-runner`: the same with `lifecycle up --no-runner`: each run imports Prefect and MLflow itself (the
+  peer the runner is measured against, in the same bench run).
 
 The run's `timing` (flows/runner.py RunSummary) says where the time went; the exit is taken here, when the process
 has ended. Medians over the warm rounds. `--python` runs another checkout's interpreter (the code before a change:
@@ -31,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = sorted((ROOT / "corpus" / "python-docs").glob("*.jsonl.gz"))
-GOALS = {"servers": 3.0, "embedded": 8.0}
+GOALS = {"servers": 3.0, "embedded": 8.0, "servers-no-runner": 3.0}
 
 BEFORE = [  # (label, from, to): from the process's spawn to the first stage
     ("interpreter + cli import", "spawn", "command_start"),
@@ -71,7 +75,8 @@ def make_inputs(d: Path, rounds: int, docs: int) -> list[Path]:
 
 
 def lifecycle(py: str, cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([py, "-m", "lifecycle.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    script = Path(py).with_name("lifecycle")  # the console script, as users start it (the warm runner's client)
+    proc = subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=900)
     if check and proc.returncode != 0:
         raise SystemExit(f"lifecycle {' '.join(args)}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -89,7 +94,7 @@ def one_run(py: str, cwd: Path, workdir: Path, src: Path) -> dict:
     if "first_stage_start" not in t:
         raise SystemExit(f"the run's summary has no timing (is {py} a checkout with issue 25's timing?): {summary}")
     out = {"before_s": t["first_stage_start"] - spawn, "after_s": exit_ - t["last_stage_end"],
-           "wall_s": exit_ - spawn, "orchestration": summary.get("orchestration"),
+           "wall_s": exit_ - spawn, "orchestration": summary.get("orchestration"), "launch": summary.get("launch"),
            "stages": {k[6:]: v for k, v in summary["timing"].items() if k.startswith("stage:")}}
     out["overhead_s"] = out["before_s"] + out["after_s"]
     for label, a, b in BEFORE + AFTER + INSIDE:
@@ -107,18 +112,21 @@ def median_of(runs: list[dict]) -> dict:
 
 def mode_rounds(mode: str, py: str, cwd: Path, base: Path, inputs: list[Path]) -> dict:
     wd = base / f"wd-{mode}"
-    if mode == "servers":
+    if mode.startswith("servers"):
         from lifecycle.core.procs import free_port
 
         lifecycle(py, cwd, "up", "--set", f"workdir={wd}", "--prefect-port", str(free_port()), "--mlflow-port",
-                  str(free_port()), "--json")
+                  str(free_port()), "--json", *(["--no-runner"] if mode == "servers-no-runner" else []))
     try:
         runs = [one_run(py, cwd, wd, src) for src in inputs]
     finally:
         lifecycle(py, cwd, "down", "--set", f"workdir={wd}", check=False)  # also the embedded server, if any
     modes = {r["orchestration"] for r in runs}
-    if modes != {mode}:
+    if modes != {mode.removesuffix("-no-runner")}:
         raise SystemExit(f"mode {mode}: the runs said orchestration {modes}")
+    launches = [r["launch"] for r in runs[1:]]
+    if mode == "servers" and set(launches) != {"warm"}:
+        raise SystemExit(f"mode servers: the warm rounds said launch {launches} (is the runner up?)")
     return {"cold": runs[0], "warm": median_of(runs[1:]) if len(runs) > 1 else None, "rounds": len(runs)}
 
 

@@ -90,6 +90,7 @@ class _Pool:
         if processes:
             import multiprocessing as mp
 
+            self._others = {p.pid for p in mp.active_children()}  # processes this pool did not start
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(["lifecycle.flows.worker_preload"])
             self.executor = ProcessPoolExecutor(workers, mp_context=ctx)
@@ -121,6 +122,24 @@ class _Pool:
             for proc in list(self.executor._processes.values()):  # CPython 3.11 has no public call for it
                 proc.kill()
         self.executor.shutdown(wait=self.processes or not kill, cancel_futures=True)
+        if self.processes:
+            reap_workers(spare=self._others)
+
+
+def reap_workers(timeout: float = 5, spare: set[int] = frozenset()) -> list[int]:
+    """Kill the multiprocessing children still alive once the pool is shut down, and wait for them (bounded). A
+    worker whose start a signal interrupted is in no table of the executor's: it would wait for work forever,
+    and the interpreter's exit (multiprocessing's atexit hook) would wait for it. Returns their pids."""
+    import multiprocessing
+
+    left = [p for p in multiprocessing.active_children() if p.pid not in spare]
+    for proc in left:
+        proc.kill()
+    for proc in left:
+        proc.join(timeout)
+    if left:
+        log.warning("killed %d shard worker(s) left behind by the pool: %s", len(left), [p.pid for p in left])
+    return [p.pid for p in left]
 
 
 class _Dask:
@@ -206,7 +225,11 @@ class ShardRunner:
     def _open(self) -> None:
         self.timing.setdefault("dask_start", time.time())
         runner = self._make()
-        runner.start()
+        try:
+            runner.start()
+        except BaseException:  # a signal or a broken worker mid-start: the workers started so far go, not leak
+            runner.close(kill=True)
+            raise
         self._runner = runner
         self.timing.setdefault("dask_ready", time.time())
 

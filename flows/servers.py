@@ -26,7 +26,8 @@ from lifecycle.core.fs import cache_dir, copy_sqlite
 from lifecycle.core.procs import free_port, stop_group
 
 HOST = "127.0.0.1"
-SERVERS = ("prefect", "mlflow")
+SERVERS = ("prefect", "mlflow")  # a run uses `up`'s servers when both answer
+RUNNER = "runner"  # `up` also starts the warm runner (lifecycle/launch.py) unless --no-runner
 EMBEDDED = "embedded-prefect"  # started by `lifecycle run` when `up` started none (`embedded_server`)
 
 
@@ -43,8 +44,9 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex((HOST, port)) == 0
 
 
-def commands(workdir: Path, prefect_port: int, mlflow_port: int) -> dict[str, tuple[list[str], dict, str]]:
-    """name -> (argv, extra env, health URL)."""
+def commands(workdir: Path, prefect_port: int, mlflow_port: int, runner: bool = True
+             ) -> dict[str, tuple[list[str], dict, str]]:
+    """name -> (argv, extra env, health URL; `unix:PATH` for the runner's socket)."""
     prefect_env = {
         "PREFECT_HOME": str(workdir / ".prefect-server"),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{workdir / 'prefect.db'}",
@@ -64,7 +66,8 @@ def commands(workdir: Path, prefect_port: int, mlflow_port: int) -> dict[str, tu
             {},
             f"http://{HOST}:{mlflow_port}/health",
         ),
-    }
+    } | ({RUNNER: ([sys.executable, "-m", "lifecycle.launch", "--serve", str(workdir)], {},
+                   f"unix:{runner_socket(workdir)}")} if runner else {})
 
 
 def _read(workdir: Path) -> dict:
@@ -87,6 +90,8 @@ def _alive(entry: dict) -> bool:
 
 
 def _healthy(url: str, timeout: float = 2) -> bool:
+    if url.startswith("unix:"):
+        return ping_runner(Path(url[5:]), timeout)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status == 200
@@ -94,22 +99,24 @@ def _healthy(url: str, timeout: float = 2) -> bool:
         return False
 
 
-def up(workdir: str | Path, prefect_port: int = 4200, mlflow_port: int = 5000, timeout: float = 180) -> dict:
+def up(workdir: str | Path, prefect_port: int = 4200, mlflow_port: int = 5000, timeout: float = 180,
+       runner: bool = True) -> dict:
     workdir = Path(workdir).resolve()
     sdir = state_dir(workdir)
     sdir.mkdir(parents=True, exist_ok=True)
     state = _read(workdir)
-    cmds = commands(workdir, prefect_port, mlflow_port)
+    cmds = commands(workdir, prefect_port, mlflow_port, runner)
     for name, (argv, env, health) in cmds.items():
         if name in state and _alive(state[name]):
             continue  # already running for this work dir
-        port = int(argv[argv.index("--port") + 1])
-        if _port_in_use(port):
+        port = int(argv[argv.index("--port") + 1]) if "--port" in argv else None
+        if port is not None and _port_in_use(port):
             raise UsageError(f"{name}: port {port} on {HOST} is already in use; choose another with --{name}-port")
         log = open(sdir / f"{name}.log", "ab")
         proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=workdir)
-        state[name] = {"pid": proc.pid, "argv": argv, "url": health.rsplit("/", 2 if name == "prefect" else 1)[0],
+        state[name] = {"pid": proc.pid, "argv": argv, "url": health[5:] if name == RUNNER else
+                       health.rsplit("/", 2 if name == "prefect" else 1)[0],
                        "health": health, "log": str(sdir / f"{name}.log")}
         (sdir / f"{name}.pid").write_text(f"{proc.pid}\n")
     (sdir / "servers.json").write_text(json.dumps(state, indent=2))
@@ -135,6 +142,7 @@ def down(workdir: str | Path, timeout: float = 30) -> list[str]:
             stopped.append(name)
         (sdir / f"{name}.pid").unlink(missing_ok=True)
     (sdir / "servers.json").unlink(missing_ok=True)
+    runner_socket(workdir).unlink(missing_ok=True)
     if stop_embedded(workdir, timeout):
         stopped.append(EMBEDDED)
     return stopped
@@ -156,6 +164,61 @@ def active(workdir: str | Path) -> dict[str, str] | None:
     if all(st.get(n, {}).get("healthy") for n in SERVERS):
         return {"prefect_api": st["prefect"]["url"] + "/api", "mlflow": st["mlflow"]["url"]}
     return None
+
+
+# --------------------------------------------------------------- the warm runner's socket (lifecycle/launch.py)
+
+
+def runner_socket(workdir: str | Path) -> Path:
+    """`<workdir>/.servers/runner.sock`; where that path is too long for a Unix socket (107 bytes), a socket named
+    by the work dir's hash in a directory only this user can enter (`$XDG_RUNTIME_DIR`, else /tmp)."""
+    path = state_dir(Path(workdir).resolve()) / "runner.sock"
+    if len(os.fsencode(path)) <= 100:
+        return path
+    import hashlib
+
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"lifecycle-{os.getuid()}"
+    return base / f"runner-{hashlib.sha256(os.fsencode(path)).hexdigest()[:20]}.sock"
+
+
+def send_msg(sock: socket.socket, obj: dict, fds: list[int] = ()) -> None:
+    """One length-prefixed JSON message, with file descriptors (SCM_RIGHTS) when given."""
+    import struct
+
+    data = json.dumps(obj).encode()
+    frame = struct.pack("!I", len(data)) + data
+    if fds:
+        socket.send_fds(sock, [frame], list(fds))
+    else:
+        sock.sendall(frame)
+
+
+def recv_msg(sock: socket.socket) -> tuple[dict, list[int]]:
+    import struct
+
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+    for fd in fds:  # SCM_RIGHTS descriptors arrive inheritable: an exec (the runner's restart) must not keep them
+        os.set_inheritable(fd, False)
+    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+        more = sock.recv(1 << 16)
+        if not more:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the message ended early")
+        data += more
+    return json.loads(data[4:4 + struct.unpack("!I", data[:4])[0]]), list(fds)
+
+
+def ping_runner(path: Path, timeout: float = 2) -> bool:
+    """True when a runner answers on `path`."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(str(path))
+            send_msg(s, {"ping": True})
+            return "pong" in json.loads(s.makefile("rb").readline() or b"{}")
+    except (OSError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -438,6 +501,8 @@ def register(sub) -> None:
         if name == "up":
             p.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server's port (default 4200)")
             p.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server's port (default 5000)")
+            p.add_argument("--no-runner", action="store_true", help="start no warm runner (lifecycle/launch.py): "
+                           "every `lifecycle run` then imports Prefect and MLflow itself (~4 s more each)")
         p.set_defaults(func=fn, names_run=True)  # the work dir: `lifecycle` resolves it (args.workdir)
 
 
@@ -450,7 +515,7 @@ def _print(args, obj, text: str) -> None:
 
 
 def cmd_up(args) -> int:
-    st = up(_workdir(args), args.prefect_port, args.mlflow_port)
+    st = up(_workdir(args), args.prefect_port, args.mlflow_port, runner=not args.no_runner)
     _print(args, st, "\n".join(f"{n}: {e['url']} (pid {e['pid']}, log {e['log']})" for n, e in st.items())
            + f"\nlifecycle run now uses these servers. Prefect UI: {st['prefect']['url']}  MLflow UI: {st['mlflow']['url']}")
     return 0

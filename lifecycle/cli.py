@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 COMMAND_START = time.time()  # the run's `timing.command_start`: before the imports below (config, pydantic)
+LAUNCH = "cold"  # "warm" in a run the warm runner forked (lifecycle/launch.py; it also sets COMMAND_START)
 
 import argparse
 import json
@@ -74,6 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 timing["flow_call"] = time.time()
                 summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
+            summary["launch"] = LAUNCH
             summary["timing"] = {**timing, **summary.get("timing", {})}
     except WorkdirBusy as e:
         print(f"lifecycle run: error: {e}", file=err)
@@ -517,6 +519,8 @@ def _exit_now(rc: int) -> None:
     every dataset and manifest is fsynced and renamed into place) is skipped."""
     import atexit
 
+    if "lifecycle.flows.runner" in sys.modules:  # no exit handler may wait on a shard worker
+        sys.modules["lifecycle.flows.runner"].reap_workers()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

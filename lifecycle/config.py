@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import is_remote
-from lifecycle.core.paths import PathEscape, pattern_root, resolve_within
+from lifecycle.core.paths import DEFAULT_CONFIG, PathEscape, pattern_root, resolve_within  # DEFAULT_CONFIG: re-exported
 from lifecycle.lineage.tracking import TrackingConfig
 from lifecycle.tasks.data.collect.stage import CollectConfig
 from lifecycle.tasks.data.decontaminate.stage import DecontaminateConfig
@@ -32,8 +32,6 @@ from lifecycle.tasks.data.filter.stage import FilterConfig
 from lifecycle.tasks.data.scrub.stage import ScrubConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig
 from lifecycle.tasks.train.config import TrainConfig
-
-DEFAULT_CONFIG = "deploy/configs/demo.yaml"
 
 
 class OrchestrationConfig(BaseModel):

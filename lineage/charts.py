@@ -8,6 +8,14 @@ from pathlib import Path
 
 from lifecycle.tasks.stages import DATA_STAGES
 
+
+def preload() -> None:
+    """Import matplotlib's pyplot (Agg) ahead of the first chart: the warm runner (lifecycle/launch.py) does it once."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
 FUNNEL_STAGES = DATA_STAGES
 DUPLICATE_KIND_COUNTERS = {"duplicate_exact": "duplicate (exact)", "duplicate_near": "duplicate (near)",
                            "duplicate_simhash": "duplicate (near, simhash)",

@@ -128,6 +128,14 @@ def preload_sqlite_store() -> None:
     configure_mappers()
 
 
+def preload_client() -> None:
+    """Import what a run's Tracker imports against a tracking server: the client, its REST store and the
+    `mlflow-artifacts` repository (the warm runner, lifecycle/launch.py, does it once for every run it forks)."""
+    from mlflow import MlflowClient  # noqa: F401
+    from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepository  # noqa: F401
+    from mlflow.store.tracking.rest_store import RestStore  # noqa: F401
+
+
 def seed_sqlite_store(db: Path) -> None:
     """Create a new SQLite store as a copy of an empty one that MLflow's migrations (some 80 alembic scripts:
     seconds, on every new work dir) built once per MLflow version, in `$XDG_CACHE_HOME/lifecycle/` (default

@@ -80,9 +80,10 @@ def last_json(text: str):
 
 
 def lifecycle(*args: str, rc: int | None = 0, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the `lifecycle` command as a user does (a new process, in the checkout). `rc`: the exit status it
+    """Run the `lifecycle` command as a user does (a new process, in the checkout, through the console script's
+    entry point: `lifecycle run` goes to the warm runner where `lifecycle up` started one). `rc`: the exit status it
     must end with (None: any); the assertion shows the tail of its output."""
-    proc = subprocess.run([sys.executable, "-m", "lifecycle.cli", *map(str, args)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "lifecycle.launch", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if rc is not None:
         assert proc.returncode == rc, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -19,6 +19,8 @@ from typing import Iterable
 
 from lifecycle.core import fs
 
+DEFAULT_CONFIG = "deploy/configs/demo.yaml"  # `lifecycle run`'s CONFIG when none is given
+
 
 class PathEscape(ValueError):
     """A path that resolves outside the roots it is confined to."""

@@ -1,6 +1,7 @@
 """`lifecycle up/down/status` with the real servers: loopback only, used by `lifecycle run`, stopped exactly."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def _group_pids(pid):
 
 def test_up_status_and_loopback_only(live):
     wd, st = live
-    assert set(st) == {"prefect", "mlflow"} and all(e["healthy"] for e in st.values())
+    assert set(st) == {"prefect", "mlflow", "runner"} and all(e["healthy"] for e in st.values())
     assert (wd / ".servers" / "prefect.pid").read_text().strip() == str(st["prefect"]["pid"])
     status = last_json(lifecycle("status", "--set", f"workdir={wd}", "--json").stdout)
     assert all(e["healthy"] for e in status.values())
@@ -45,6 +46,7 @@ def test_run_uses_the_servers_and_refuses_a_concurrent_run(live, tmp_path):
     args = ["run", "--json", "--until", "collect", "--set", f"workdir={wd}", "--set", f"collect.inputs=[\"{src}\"]"]
     out = last_json(lifecycle(*args).stdout)
     assert out["orchestration"] == "servers" and out["mlflow_tracking_uri"] == st["mlflow"]["url"]
+    assert out["launch"] == "warm"  # forked by `up`'s runner (tests/flows/test_launch.py)
     # the MLflow server (not a SQLite file opened by the run) holds the run
     from mlflow import MlflowClient
     assert MlflowClient(st["mlflow"]["url"]).get_run(out["mlflow_run_id"]).info.status == "FINISHED"
@@ -141,13 +143,115 @@ def test_serve_runs_incrementally_on_the_cron_schedule(live, tmp_path):
     assert copy and copy[0]["reason"] == "duplicate" and "earlier run" in copy[0]["detail"], rejected
 
 
+# ------------------------------------------------------------------------------- the warm runner (lifecycle/launch.py)
+
+
+def _runs_in_runner_log(wd):
+    return [int(l.rsplit(" ", 1)[1]) for l in (wd / ".servers" / "runner.log").read_text().splitlines()
+            if l.startswith("runner: run ")]
+
+
+def _docs(path, n, tag=""):
+    path.write_text("".join(json.dumps({"id": f"{tag}d{i}", "text": f"{tag} document number {i} about the tide "
+                                        "tables of the northern harbour. " * 12}) + "\n" for i in range(n)))
+    return path
+
+
+@pytest.mark.parametrize("argv", [["run"], ["run", "deploy/configs/demo.yaml", "--set", "workdir=/tmp/x/../y"],
+                                  ["run", "--json", "--until", "filter", "--set", "workdir=file:///tmp/z", "-v"],
+                                  ["run", "deploy/configs/fineweb.yaml", "--set=workdir=rel/dir"]])
+def test_the_launcher_names_the_work_dir_the_config_loader_names(argv):
+    from lifecycle.config import load_config
+    from lifecycle.launch import peek_workdir, run_target
+
+    config, sets = run_target(argv)
+    assert str(peek_workdir(argv)) == load_config(config, sets).workdir
+
+
+def test_a_warm_run_is_the_cold_run_without_the_imports(live, tmp_path):
+    wd, _ = live
+    src = _docs(tmp_path / "in.jsonl", 5, "warm")
+    args = ["run", "--json", "--until", "collect", "--set", f"workdir={wd}", "--set", f"collect.inputs=[\"{src}\"]"]
+    before = _runs_in_runner_log(wd)
+    warm = last_json(lifecycle(*args).stdout)
+    assert warm["launch"] == "warm" and warm["stages"]["collect"] == "computed"
+    assert len(_runs_in_runner_log(wd)) == len(before) + 1
+    # the same command run cold: the same config and code (the stage's fingerprint), so it reuses what warm committed
+    cold = last_json(lifecycle(*args, env={**os.environ, "LIFECYCLE_WARM": "0"}).stdout)
+    assert cold["launch"] == "cold" and cold["stages"]["collect"] == "reused"
+    assert cold["datasets"] == warm["datasets"]
+    # an environment that would import differently: the runner declines, the run goes cold and -v says why
+    other = lifecycle(*args, "-v", env={**os.environ, "LIFECYCLE_TEST_MARK": "1"})
+    assert last_json(other.stdout)["launch"] == "cold"
+    assert "the environment differs from the runner's in LIFECYCLE_TEST_MARK" in other.stderr
+    # an error in a warm run is the cold run's error: one line, exit 2
+    bad = lifecycle(*args, "--set", "train.lr=fast", rc=2)
+    assert "train.lr" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_signal_to_the_command_reaches_its_warm_run(live, tmp_path):
+    import signal
+    import time
+
+    wd, _ = live
+    src = _docs(tmp_path / "big.jsonl", 3000, "sig")
+    args = ["run", "--json", "--until", "scrub", "--set", f"workdir={wd}", "--set", f"collect.inputs=[\"{src}\"]"]
+
+    def start():
+        seen = len(_runs_in_runner_log(wd))
+        proc = subprocess.Popen([sys.executable, "-m", "lifecycle.launch", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while len(_runs_in_runner_log(wd)) == seen:
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.5)  # into the flow
+        return proc, _runs_in_runner_log(wd)[-1]
+
+    proc, child = start()
+    proc.send_signal(signal.SIGTERM)  # forwarded: the run is interrupted as a cold one is
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "interrupted by SIGTERM" in err, (out, err)
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "interrupted"
+    proc, child = start()
+    proc.kill()  # the command dies: its run sees the socket close and stops as on SIGTERM
+    proc.wait()
+    deadline = time.time() + 30
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < deadline, f"the run {child} outlived its killed command by 30 s"
+        time.sleep(0.2)
+    # the work dir is free again, and the run resumes
+    done = last_json(lifecycle(*args).stdout)
+    assert done["status"] == "completed" and done["launch"] == "warm"
+
+
+def test_the_runner_restarts_when_the_code_changes(live, tmp_path):
+    import time
+
+    wd, st = live
+    src = _docs(tmp_path / "in.jsonl", 5, "code")
+    args = ["run", "--json", "--until", "collect", "--set", f"workdir={wd}", "--set", f"collect.inputs=[\"{src}\"]"]
+    module = ROOT / "lifecycle" / "core" / "paths.py"
+    os.utime(module, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns + 1_000_000_000))
+    stale = lifecycle(*args, "-v")
+    assert last_json(stale.stdout)["launch"] == "cold" and "the project's code changed" in stale.stderr
+    deadline = time.time() + 90  # it replaced itself (exec: the same pid) and imports again
+    while not last_json(lifecycle("status", "--set", f"workdir={wd}", "--json").stdout)["runner"]["healthy"]:
+        assert time.time() < deadline, (wd / ".servers" / "runner.log").read_text()
+        time.sleep(0.5)
+    assert psutil.Process(st["runner"]["pid"]).is_running()
+    assert last_json(lifecycle(*args).stdout)["launch"] == "warm"
+
+
+
 def test_down_stops_exactly_what_up_started(live):
     wd, st = live
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         pids = set().union(*(_group_pids(e["pid"]) for e in st.values()))
         out = last_json(lifecycle("down", "--set", f"workdir={wd}", "--json").stdout)
-        assert sorted(out["stopped"]) == ["mlflow", "prefect"]
+        assert sorted(out["stopped"]) == ["mlflow", "prefect", "runner"]
+        assert not (wd / ".servers" / "runner.sock").exists()
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
         assert bystander.poll() is None  # an unrelated process is untouched
         assert not (wd / ".servers" / "prefect.pid").exists()
