@@ -63,7 +63,9 @@ def commands(workdir: Path, prefect_port: int, mlflow_port: int, runner: bool = 
             [_bin("mlflow"), "server", "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
              "--artifacts-destination", str(workdir / "mlartifacts"), "--host", HOST, "--port", str(mlflow_port),
              "--workers", "1"],
-            {},
+            # no GenAI job runner (huey consumers): nothing here submits jobs, and each start of it leaves a
+            # directory in /dev/shm behind (mlflow/server/__init__.py: `tempfile.mkdtemp(dir="/dev/shm")`)
+            {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             f"http://{HOST}:{mlflow_port}/health",
         ),
     } | ({RUNNER: ([sys.executable, "-m", "lifecycle.launch", "--serve", str(workdir)], {},
