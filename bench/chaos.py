@@ -19,7 +19,8 @@ reference, or it fails with a clear message (a final `lifecycle:` line, no trace
 to give) and a rerun with the fault removed (disk space freed, tracking server restarted) completes with
 identical outputs. After a byte flip the work dir is rerun and `lifecycle verify`ed even when the run completed,
 since the flip may have hit a file the run had already read. No process of the round may outlive it (checked
-10 s after its end: any process whose working directory is inside the round's directory).
+10 s after its end, and after `lifecycle down` has stopped the work dir's embedded Prefect server, which outlives
+runs by design: any process whose working directory is inside the round's directory).
 """
 
 from __future__ import annotations
@@ -350,6 +351,7 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
                     rec["problems"].append(f"lifecycle verify after the rerun: exit {v.returncode}")
         rec["outcome"] = "pass" if not rec["problems"] else "FAIL"
     finally:
+        subprocess.run([lifecycle_bin(), "down", "--workdir", str(workdir)], capture_output=True, timeout=60)
         if server:
             server.kill()
         if mounted:
@@ -360,7 +362,10 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
 
 
 def leftovers(round_dir: Path, workdir: Path) -> list[str]:
-    """Processes still inside the round 10 s after its run ended (stopped ranks are resumed so they can die)."""
+    """Processes still inside the round 10 s after its run ended (stopped ranks are resumed so they can die). The
+    work dir's embedded Prefect server outlives a run by design (the next run reuses it): it is stopped first, the
+    way a user stops it (`lifecycle down`), and a server that will not stop counts as a leftover."""
+    subprocess.run([lifecycle_bin(), "down", "--workdir", str(workdir)], capture_output=True, timeout=60)
     time.sleep(10)
     pids = procs_under(round_dir)
     names = []
@@ -390,6 +395,7 @@ def reference(base: Path) -> tuple[dict, float, tuple[float, float], list[str]]:
             time.sleep(0.1)
         secs = time.monotonic() - run.t0
         s = run.summary()
+        subprocess.run([lifecycle_bin(), "down", "--workdir", str(d / "work")], capture_output=True, timeout=60)
         if run.proc.returncode != 0 or not s or first_rank is None:
             raise RuntimeError(f"undisturbed run failed: {run.last_error_line()} (see {run.err.name})")
         results.append((outputs(s), secs, (first_rank, last_rank)))

@@ -93,7 +93,11 @@ class _Pool:
             self._others = {p.pid for p in mp.active_children()}  # processes this pool did not start
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(["lifecycle.flows.worker_preload"])
-            self.executor = ProcessPoolExecutor(workers, mp_context=ctx)
+            from lifecycle.core.procs import start_time
+            from lifecycle.flows.worker_preload import worker_started
+
+            self.executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=worker_started,
+                                                initargs=(os.getpid(), start_time(os.getpid())))
         else:
             self.executor = ThreadPoolExecutor(workers, thread_name_prefix="lifecycle-shard")
 

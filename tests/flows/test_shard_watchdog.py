@@ -148,3 +148,27 @@ def test_shards_run_on_a_dask_cluster_at_dask_address(tmp_path):
         finally:
             runner.close()
     assert commit_plan(plan).read().column("item").to_pylist() == ["a", "block"]
+
+
+def test_the_pool_dies_with_its_flow_process():
+    """A SIGKILL of the flow process (`lifecycle run`) leaves no worker, forkserver or resource tracker behind: each
+    worker watches the flow's pid (without that, all of them waited on each other for ever; found by bench.chaos)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("from lifecycle.flows.runner import _Pool\nimport time\np = _Pool(2)\np.start()\n"
+              "print(flush=True)\ntime.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline() == "\n", "the pool did not start"
+        pool = psutil.Process(owner.pid).children(recursive=True)
+        assert len([p for p in pool if "forkserver" in " ".join(p.cmdline())]) >= 3  # the server and 2 workers
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        _, alive = psutil.wait_procs(pool, timeout=15)
+        assert not alive, f"outlived the flow process by 15 s: {[(p.pid, p.cmdline()[-1][:60]) for p in alive]}"
+    finally:
+        owner.kill()
