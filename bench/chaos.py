@@ -173,7 +173,8 @@ def committed_files(workdir: Path) -> list[Path]:
             m = json.loads(marker.read_text())
         except (OSError, ValueError):
             continue
-        files += [marker.parent / name for name in m.get("files", {})]
+        listed = m.get("files", [])  # a list of {path, bytes, sha256} (older markers: a {name: sha256} mapping)
+        files += [marker.parent / (f["path"] if isinstance(f, dict) else f) for f in listed]
     return [f for f in files if f.is_file() and f.stat().st_size > 0]
 
 
