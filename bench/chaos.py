@@ -218,8 +218,8 @@ class TrackingServer:
     def start(self) -> None:
         store = self.round_dir / "tracking"
         store.mkdir(exist_ok=True)
-        argv = commands(store, 0, self.port)["mlflow"][0]  # the server `lifecycle up` starts, on its own store
-        self.proc = subprocess.Popen(argv, cwd=store, stdout=open(store / "server.log", "ab"),
+        argv, env, _ = commands(store, 0, self.port, runner=False)["mlflow"]  # `lifecycle up`'s, on its own store
+        self.proc = subprocess.Popen(argv, cwd=store, env={**os.environ, **env}, stdout=open(store / "server.log", "ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         import urllib.request
         deadline = time.monotonic() + 120
