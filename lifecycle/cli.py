@@ -513,10 +513,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_now(rc: int) -> None:
-    """End the process as soon as `lifecycle run` is done: the exit handlers (the libraries' own, the log
-    capture's) run, the output is flushed, then the interpreter's teardown of the thousands of modules Prefect,
-    MLflow and their dependencies loaded (seconds of garbage collection and finalizers, nothing left to write:
-    every dataset and manifest is fsynced and renamed into place) is skipped."""
+    """End the process as soon as `lifecycle run` is done: `finish_run`, then the interpreter's teardown of the
+    thousands of modules Prefect, MLflow and their dependencies loaded (seconds of garbage collection and
+    finalizers, nothing left to write: every dataset and manifest is fsynced and renamed into place) is skipped."""
+    finish_run()
+    os._exit(rc)
+
+
+def finish_run() -> None:
+    """What a process that ran `lifecycle run` does before `os._exit` (here, and in the warm runner's child): shard
+    workers left behind are killed, the exit handlers (the libraries' own, the log capture's) run, the output is
+    flushed."""
     import atexit
 
     if "lifecycle.flows.runner" in sys.modules:  # no exit handler may wait on a shard worker
@@ -527,7 +534,6 @@ def _exit_now(rc: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more to say
             pass
-    os._exit(rc)
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -324,7 +324,6 @@ class Runner:
 
 def child(workdir: Path, conn: socket.socket, msg: dict, fds: list[int]) -> int:
     """The forked run: the client's stdio, cwd, environment and arguments, then `lifecycle.cli.main`."""
-    import atexit
     import threading
 
     for target, fd in enumerate(fds):
@@ -374,15 +373,7 @@ def child(workdir: Path, conn: socket.socket, msg: dict, fds: list[int]) -> int:
 
         traceback.print_exc()
         rc = 1
-    from lifecycle.flows.runner import reap_workers
-
-    reap_workers()  # no exit handler may wait on a shard worker
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    cli.finish_run()
     try:
         conn.sendall(json.dumps({"exit": rc}).encode() + b"\n")
     except OSError:
