@@ -18,6 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from lifecycle.core.procs import free_port
+from lifecycle.flows.servers import commands
 from lifecycle.lineage.tracking import Tracker, TrackingConfig, TrackingStoreError, bound_http_requests
 from tests.conftest import ROOT
 
@@ -29,11 +30,9 @@ class Cfg(BaseModel):
 def start_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri",
-         f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art"),
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    argv, env, _ = commands(tmp_path, 0, port, runner=False)["mlflow"]  # `lifecycle up`'s server, env included
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, cwd=tmp_path)
     deadline = time.monotonic() + 180
     while True:
         try:
