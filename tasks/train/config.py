@@ -363,7 +363,9 @@ class LaunchConfig(Section):
     commit). Covers a step with its eval and its checkpoint save."""
     startup_s: float = Field(900, gt=0)
     """The same watchdog before a rank's first heartbeat: imports, DeepSpeed's engine set-up, a JIT build of its
-    CPU comm op by a rank, the restore of a checkpoint. Much longer than a step, so it has its own bound."""
+    CPU comm op by a rank, the restore of a checkpoint. Much longer than a step, so it has its own bound. Within
+    it, a rank whose liveness beat (every 2 s, from its first lines) goes quiet for `stall_s` (a stopped, dead or
+    wedged rank) stalls the launch at once."""
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchConfig":

@@ -10,7 +10,10 @@ shm op, the shared-memory buffers a launch leaves behind, and the ranks' heartbe
   and never unlinks them. A launch releases exactly its own port's buffers when it ends, and records which port it
   owns (`Ownership`), so a later launch releases the leftovers of a supervisor that died, never a live one's.
 - **Heartbeats.** Each rank writes `<run_dir>/heartbeat/rank<N>` after every step; `Heartbeats.check` fails the
-  launch when a rank makes no step for `stall_bound` (see `LaunchConfig.stall_s`, `startup_s`).
+  launch when a rank makes no step for `stall_bound` (see `LaunchConfig.stall_s`, `startup_s`). Before its first
+  step (imports, engine set-up, a JIT build, a restore: up to `startup_s`), a rank shows it is alive instead: a
+  thread started on its first lines rewrites `heartbeat/rank<N>.alive` every `ALIVE_EVERY_S`, so a rank that is
+  stopped, dead or stuck holding the GIL in start-up is named after `stall_s`, not after `startup_s`.
 
 No torch here: the supervisor never imports it.
 """
@@ -206,6 +209,44 @@ def write_heartbeat(run_dir: Path, rank: int, step: int, step_time: float | None
     os.replace(tmp, path)
 
 
+ALIVE_EVERY_S = 2.0  # a rank's start-up liveness beat (`start_alive_beat`); silence is judged after 3 of them at least
+
+
+def alive_path(run_dir: Path, rank: int) -> Path:
+    return heartbeat_dir(run_dir) / f"rank{rank}.alive"
+
+
+def start_alive_beat(run_dir: Path, rank: int, every: float = ALIVE_EVERY_S) -> None:
+    """In a rank, from its first lines (stdlib only, before the slow imports): a daemon thread that rewrites
+    `heartbeat/rank<N>.alive` every `every` seconds. It goes quiet when the rank is stopped (SIGSTOP), dead, or
+    stuck in native code that holds the GIL; a rank merely waiting (a JIT build in a subprocess, a collective, a
+    restore) keeps it going."""
+    import threading
+
+    path = alive_path(run_dir, rank)
+
+    def beat() -> None:
+        while True:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid()}))
+                os.replace(tmp, path)
+            except OSError:  # the run dir is gone (the launch is over) or full: the supervisor judges the silence
+                pass
+            time.sleep(every)
+
+    threading.Thread(target=beat, name="lifecycle-alive", daemon=True).start()
+
+
+def rank_alive_beat(argv: list[str]) -> None:
+    """`start_alive_beat` for the rank that `argv` (`... --config <run_dir>/config.json`) and $RANK describe."""
+    config = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if config is None and "--config" in argv[:-1]:
+        config = argv[argv.index("--config") + 1]
+    if config is not None:
+        start_alive_beat(Path(config).parent, int(os.environ.get("RANK", "0")))
+
+
 def _state(pid: int) -> str:
     """`stopped`, `gone`, ... of a local pid, from /proc (empty where it cannot be read, e.g. a remote rank)."""
     try:
@@ -238,6 +279,25 @@ class Heartbeats:
                 self.step_times[(r, beats[r]["step"])] = beats[r]["step_time"]
         return beats
 
+    def _silent_in_start_up(self, ranks: list[int], now: float) -> str | None:
+        """A rank still starting whose liveness beat (`start_alive_beat`) is older than `stall_s` (3 beats at least),
+        or that has sent none that long after the launch: it is stopped, dead or wedged, and the others wait on it."""
+        silent, bound = [], max(self.stall_s, 3 * ALIVE_EVERY_S)
+        for r in ranks:
+            try:
+                alive = json.loads(alive_path(self.dir.parent, r).read_text())
+            except (OSError, ValueError):
+                alive = None
+            since = alive["time"] if alive else self.started
+            if now - since > bound:
+                who = f"rank {r} (pid {alive['pid']}, {_state(alive['pid'])})" if alive else f"rank {r}"
+                silent.append(f"{who} silent for {now - since:.0f} s" if alive else
+                              f"{who} gave no sign of life {now - since:.0f} s after the launch")
+        if not silent:
+            return None
+        return (f"training stalled in start-up, before the first step: {'; '.join(silent)} "
+                f"(train.launch.stall_s={self.stall_s:g})")
+
     def stall_bound(self) -> float:
         """max(stall_s, 10 x the median step time seen so far)."""
         median = statistics.median(self.step_times.values()) if self.step_times else 0.0
@@ -247,11 +307,11 @@ class Heartbeats:
         now = now or time.time()
         beats = self.read()
         if len(beats) < self.ranks:  # still starting: imports, the op build, restore, the first step
-            if now - self.started <= self.startup_s:
-                return None
             missing = [r for r in range(self.ranks) if r not in beats]
-            return (f"rank(s) {', '.join(map(str, missing))} sent no heartbeat {now - self.started:.0f} s after the "
-                    f"launch (train.launch.startup_s={self.startup_s:g})")
+            if now - self.started > self.startup_s:
+                return (f"rank(s) {', '.join(map(str, missing))} sent no heartbeat {now - self.started:.0f} s after "
+                        f"the launch (train.launch.startup_s={self.startup_s:g})")
+            return self._silent_in_start_up(missing, now)
         bound = self.stall_bound()
         if max(now - b["time"] for b in beats.values()) <= bound:
             return None

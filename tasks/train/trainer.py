@@ -25,9 +25,11 @@ T_START = time.time()
 
 if __name__ == "__main__":  # a rank: die with the process that started it and with the run, before the slow imports
     from lifecycle.core.procs import die_with_parent, watch_parent_run
+    from lifecycle.tasks.train.supervise import rank_alive_beat
 
     die_with_parent()
     watch_parent_run()
+    rank_alive_beat(sys.argv)  # the supervisor's start-up watchdog sees this rank alive until its first step
 
 import numpy as np
 import torch

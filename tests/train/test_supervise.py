@@ -112,6 +112,8 @@ def test_a_stale_build_lock_is_removed_and_a_live_builds_lock_is_kept(tmp_path, 
 def test_heartbeats_bound_start_up_and_steps_and_name_the_stopped_rank(tmp_path):
     beats = sv.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100)
     t0 = beats.started
+    for r in range(2):  # alive (`start_alive_beat`) but no step yet: start-up's own bound
+        sv.alive_path(tmp_path, r).write_text(f'{{"time": {t0 + 98}, "pid": {os.getpid()}}}')
     assert beats.check(t0 + 99) is None  # still starting, no heartbeat yet
     assert "rank(s) 0, 1 sent no heartbeat 101 s after the launch (train.launch.startup_s=100)" in beats.check(t0 + 101)
     stopped, running = _sleeper(), _sleeper()
@@ -134,6 +136,41 @@ def test_heartbeats_bound_start_up_and_steps_and_name_the_stopped_rank(tmp_path)
             p.kill()
             p.wait()
     assert sv.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100).read() == {}  # a new launch starts clean
+
+
+def test_a_rank_silent_in_start_up_is_named_after_stall_s_not_startup_s(tmp_path):
+    """Before the first step there is no step heartbeat; the rank's liveness beat (a thread from its first lines)
+    shows it alive. A SIGSTOPped rank's beat goes quiet, and the launch stalls after stall_s (chaos round 12 on
+    1cd513d: a rank stopped during start-up held the run for the whole startup_s, 900 s)."""
+    beats = sv.Heartbeats(tmp_path, ranks=2, stall_s=6, startup_s=100)
+    t0 = beats.started
+    assert beats.check(t0 + 5) is None
+    msg = beats.check(t0 + 7)  # no rank has said anything since the launch
+    assert msg == ("training stalled in start-up, before the first step: rank 0 gave no sign of life 7 s after the "
+                   "launch; rank 1 gave no sign of life 7 s after the launch (train.launch.stall_s=6)"), msg
+    cmd = [sys.executable, "-c", "import sys, time; from lifecycle.tasks.train.supervise import rank_alive_beat; "
+           "rank_alive_beat(sys.argv); time.sleep(60)", "--config", str(tmp_path / "config.json")]
+    ranks = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r)}) for r in range(2)]
+    try:
+        while not all(sv.alive_path(tmp_path, r).exists() for r in range(2)):
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert beats.check() is None  # both alive, no step yet
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        while (msg := beats.check()) is None:
+            assert time.time() - stopped_at < 6 + sv.ALIVE_EVERY_S + 5, "the stopped rank was not named"
+            time.sleep(0.2)
+        assert msg.startswith(f"training stalled in start-up, before the first step: rank 1 (pid {ranks[1].pid}, "
+                              "stopped) silent for "), msg
+        assert "rank 0" not in msg  # it is alive: its beat goes on
+        sv.write_heartbeat(tmp_path, 0, 1, step_time=0.5)
+        sv.write_heartbeat(tmp_path, 1, 1, step_time=0.5)
+        assert beats.check() is None  # past the first step the step heartbeats judge (bound: stall_s)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
 
 
 RANKENV = """import json, os, sys
