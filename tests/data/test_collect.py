@@ -71,6 +71,22 @@ def test_gzip_parquet_txt_and_truncated_gzip(tmp_path):
     assert s["rows_in"] == s["rows_kept"] + s["rows_rejected"]
 
 
+def test_kept_parts_are_cut_by_bytes_of_text_with_the_same_rows(tmp_path):
+    """A compressed file is one shard (never split), but its kept rows land in parts of about `max_part_bytes`,
+    so the later stages, which hold one part at a time, need the same memory on any input size."""
+    with gzip.open(tmp_path / "big.jsonl.gz", "wb") as f:
+        for i in range(300):
+            f.write((json.dumps({"id": f"d{i}", "text": f"record {i} " + "word " * 400}) + "\n").encode())
+    whole = run_collect(CollectConfig(inputs=[str(tmp_path / "big.jsonl.gz")]), str(tmp_path / "w1"))
+    cut = run_collect(CollectConfig(inputs=[str(tmp_path / "big.jsonl.gz")], max_part_bytes=100_000),
+                      str(tmp_path / "w2"))
+    assert len(whole.manifest()["files"]) == 1
+    parts = [pq.read_table(f) for f in cut.files()]
+    assert len(parts) >= 6  # 300 rows of 2 kB of text: 600 kB, and more as Python strings with their rows
+    assert all(sum(len(t) for t in part.column("text").to_pylist()) < 100_000 + 2_100 for part in parts)
+    assert cut.read().to_pylist() == whole.read().to_pylist()  # same rows, same order
+
+
 def test_too_large_rule(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [json.dumps({"text": "x" * 100}).encode(), json.dumps({"text": "ok"}).encode()])
     ref = collect(tmp_path, ["a.jsonl"], max_doc_bytes=50)

@@ -100,7 +100,13 @@ class CollectConfig(BaseModel):
         64, gt=0, description="A JSONL record nested deeper than this (objects/arrays) is rejected as `json_too_deep`."
     )
     rows_per_shard: int = Field(20_000, gt=0, description="Kept rows per output Parquet file (at most; a file is "
-                                "cut earlier when its rows hold more than `max_memory_bytes` allows).")
+                                "cut earlier when its rows hold `max_part_bytes`, or more than `max_memory_bytes` "
+                                "allows).")
+    max_part_bytes: int = Field(
+        32 << 20, gt=0, description="A kept output Parquet file (a part) is also cut once its rows' strings hold this "
+        "many bytes (32 MiB). Every later stage holds one part at a time, so this, not the size of the input files, "
+        "bounds their memory: a 300 MB .jsonl.gz (never split, being compressed) still becomes parts of 32 MiB. "
+        "Smaller means more files; the kept rows, their order and every decision are the same at any value.")
     max_memory_bytes: int = Field(
         2 << 30, gt=0, description="Bound on the peak memory of one collect shard (2 GiB), whatever its files "
         "decompress to (a `.jsonl.gz` of 1 MiB lines compresses 1000:1): kept and rejected rows are written out "
@@ -490,19 +496,21 @@ def split_file(path: str, split_bytes: int, chunk: int = 4 << 20) -> list[FilePa
 
 def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
     """Read the shard's input files in order; kept rows in files of at most `rows_per_shard` rows and about
-    `part_bytes(cfg)` bytes of held text, rejected rows beside (in files of the same byte bound), so a shard's
-    memory is bounded by `max_memory_bytes` whatever its files decompress to."""
+    `max_part_bytes` bytes of held text (or `part_bytes(cfg)`, if smaller), rejected rows beside (in files of
+    `part_bytes(cfg)`), so a shard's memory is bounded by `max_memory_bytes` whatever its files decompress to,
+    and a later stage's by `max_part_bytes`."""
     stats = StageStats()
     kept: list[dict] = []
     rejected: list[dict] = []
     positions: dict[str, list] = {n: [] for n in POSITIONS_SCHEMA.names}
     budget = part_bytes(cfg)
+    kept_budget = min(budget, cfg.max_part_bytes)
     forgotten = cfg.forgotten.matcher() if getattr(cfg, "forgotten", None) else None
     held = held_rejected = 0  # bytes of the strings buffered in `kept` / `rejected`
 
     def flush(final: bool = False) -> None:
         nonlocal held, held_rejected
-        if kept and (final or len(kept) >= cfg.rows_per_shard or held >= budget):
+        if kept and (final or len(kept) >= cfg.rows_per_shard or held >= kept_budget):
             writer.write_table(pa.Table.from_pylist(kept, schema=DOC_SCHEMA))
             kept.clear()
             held = 0
