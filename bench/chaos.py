@@ -49,7 +49,7 @@ OVERRIDES = [f'collect.inputs=["{ROOT}/corpus/python-docs/*.jsonl.gz"]', "train.
              "evaluate.max_batches=10"]
 FAULTS = ("flow_sigkill", "flow_sigterm", "rank_sigkill", "rank_sigstop", "disk_full", "byte_flip", "tracking_dead")
 TMPFS_SIZE = "2g"
-MESSAGE = re.compile(r"lifecycle( run)?: ")  # the run's own error line, e.g. `lifecycle run: run failed: ...`
+MESSAGE = re.compile(r"lifecycle( run)?: (?!warning: )")  # the run's own error line, e.g. `lifecycle run: run failed: ...`, not a warning
 PACKAGE_CONTENT = ("model.safetensors", "model_config.json", "tokenizer.json")
 
 

@@ -67,11 +67,28 @@ def corpus(cache: Path, mb: float, seed: int = 0) -> tuple[Path, dict]:
 # one command, timed from outside, with its process tree's peak RSS
 
 
-def tree_memory(root: int, pss: bool = True) -> tuple[int, int]:
-    """(RSS, PSS) in bytes of `root` and all its descendants now (from /proc). RSS counts a page once per process
-    that maps it, so forked workers and shard processes that share their parent's pages (copy-on-write: the
-    interpreter, the language-ID model, numba's code) are counted several times; PSS divides each shared page among
-    the processes that map it, so the tree's PSS is the memory the run really holds."""
+def role(pid: int, root: int) -> str:
+    """What a process of the measured tree is, from its command line: `command` (the measured process itself: our
+    CLI and flow, or datatrove's main), `server` (an embedded Prefect server, uvicorn), `workers` (multiprocessing's
+    forkserver, pool workers and shard processes forked from them), `other: <command line>`."""
+    if pid == root:
+        return "command"
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return "other"
+    if b"flows.servers" in cmd or b"prefect" in cmd or b"uvicorn" in cmd:
+        return "server"
+    if b"multiprocessing" in cmd or b"datatrove_pipeline.py" in cmd:  # forkserver or a fork of the command
+        return "workers"
+    return f"other: {cmd.decode(errors='replace').strip()[:60]}"
+
+
+def tree_memory(root: int, pss: bool = True) -> tuple[int, int, dict[str, int]]:
+    """(RSS, PSS, {role: PSS}) in bytes of `root` and all its descendants now (from /proc; roles: `role`). RSS counts
+    a page once per process that maps it, so forked workers and shard processes that share their parent's pages
+    (copy-on-write: the interpreter, the language-ID model, numba's code) are counted several times; PSS divides
+    each shared page among the processes that map it, so the tree's PSS is the memory the run really holds."""
     children: dict[int, list[int]] = defaultdict(list)
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -81,33 +98,39 @@ def tree_memory(root: int, pss: bool = True) -> tuple[int, int]:
                 continue
             children[ppid].append(int(d))
     want_pss, rss, pss = pss, 0, 0
+    roles: dict[str, int] = defaultdict(int)
     stack = [root]
     while stack:
         pid = stack.pop()
         try:
             rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
             if want_pss:
-                pss += next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/smaps_rollup").read_text()
-                            .splitlines() if line.startswith("Pss:"))
+                p = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/smaps_rollup").read_text()
+                         .splitlines() if line.startswith("Pss:"))
+                pss += p
+                roles[role(pid, root)] += p
         except (OSError, IndexError, ValueError, StopIteration):
             pass
         stack.extend(children.get(pid, ()))
-    return rss, pss
+    return rss, pss, dict(roles)
 
 
 def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:
-    """Run `cmd`; (stdout, {start, end (epoch s), wall_s, peak_rss_mb, peak_pss_mb}) (each peak the tree's
-    largest sum, sampled every 0.1 s, PSS every 0.5 s). Raises with the output on failure."""
+    """Run `cmd`; (stdout, {start, end (epoch s), wall_s, peak_rss_mb, peak_pss_mb, pss_timeline}) (each peak the
+    tree's largest sum, sampled every 0.1 s, PSS every 0.5 s; `pss_timeline`: [(epoch s, PSS MB, {role: MB})] at
+    each PSS sample). Raises with the output on failure."""
     start = time.time()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-    peak, done = [0, 0], threading.Event()
+    peak, done, timeline = [0, 0], threading.Event(), []
 
     def sample() -> None:  # PSS every 5th sample: smaps_rollup walks each process's page tables under its mm lock
         n = 0
         while not done.is_set():
-            rss, pss = tree_memory(proc.pid, pss=n % 5 == 0)
+            rss, pss, roles = tree_memory(proc.pid, pss=n % 5 == 0)
             peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
+            if n % 5 == 0:
+                timeline.append((time.time(), pss / 1e6, {k: v / 1e6 for k, v in roles.items()}))
             n += 1
             done.wait(0.1)
 
@@ -120,7 +143,29 @@ def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
     return out, {"start": start, "end": start + wall, "wall_s": wall, "peak_rss_mb": peak[0] / 1e6,
-                 "peak_pss_mb": peak[1] / 1e6}
+                 "peak_pss_mb": peak[1] / 1e6, "pss_timeline": timeline}
+
+
+def memory_by_stage(info: dict) -> dict:
+    """Peak PSS (MB) of the tree and of each role in each phase of a run of ours: `before` (command to first stage),
+    each stage (from `stage_start:<name>` to the next phase), `after` (last stage to exit)."""
+    t = info["timing"]
+    starts = sorted((v, k.split(":", 1)[1]) for k, v in t.items() if k.startswith("stage_start:"))
+    if not starts:
+        return {}
+    bounds = [(info["start"], "before")] + starts + [(t["last_stage_end"], "after")]
+    out: dict[str, dict] = {}
+    for when, pss, roles in info["pss_timeline"]:
+        phase = next((name for (a, name), (b, _) in zip(bounds, bounds[1:] + [(float("inf"), "")]) if a <= when < b),
+                     None)
+        if phase is None:
+            continue
+        cur = out.setdefault(phase, {"peak_mb": 0.0, "roles_at_peak": {}, "role_peaks_mb": {}})
+        if pss > cur["peak_mb"]:
+            cur["peak_mb"], cur["roles_at_peak"] = round(pss, 1), {k: round(v, 1) for k, v in roles.items()}
+        for k, v in roles.items():
+            cur["role_peaks_mb"][k] = round(max(cur["role_peaks_mb"].get(k, 0.0), v), 1)
+    return out
 
 
 def ours_config(src: Path, wd: Path) -> dict:
@@ -155,6 +200,7 @@ def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False) -> di
     info["stages_s"] = {k.split(":", 1)[1]: v for k, v in t.items() if k.startswith("stage:")}
     info["rows"] = {s: json.loads(Path(m).read_text()).get("num_rows") for s, m in summary["datasets"].items()}
     info["timing"] = t
+    info["memory_by_stage"] = memory_by_stage(info)
     return info
 
 
@@ -335,11 +381,18 @@ def scaling(args) -> None:
                  "mb_per_s": meta["text_bytes"] / 1e6 / info["wall_s"],
                  "stage_docs_per_s": (meta["documents"] / sum(info["stages_s"].values())
                                       if info["stages_s"] else None),
-                 "peak_rss_mb": info["peak_rss_mb"], "peak_pss_mb": info["peak_pss_mb"], "load_avg": os.getloadavg()[0], "note": meta.get("note")}
+                 "peak_rss_mb": info["peak_rss_mb"], "peak_pss_mb": info["peak_pss_mb"], "load_avg": os.getloadavg()[0], "note": meta.get("note"),
+                 "stages_s": info["stages_s"], "memory_by_stage": info["memory_by_stage"]}
+        if points:  # the cost of the extra documents alone: what a linear cost keeps constant
+            prev = points[-1]
+            point["marginal_docs_per_s"] = (point["documents"] - prev["documents"]) / (point["wall_s"] - prev["wall_s"])
         points.append(point)
         print(f"  {point['mb']:8.1f} MB {point['documents']:>9,} docs {point['wall_s']:8.1f} s "
               f"{point['docs_per_s']:8.1f} docs/s {point['peak_rss_mb']:8,.0f} MB peak RSS "
               f"{point['peak_pss_mb']:8,.0f} MB peak PSS", flush=True)
+        for phase, m in point["memory_by_stage"].items():
+            print(f"      {phase:<8} peak PSS {m['peak_mb']:8,.0f} MB  at peak: "
+                  + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(m["roles_at_peak"].items())), flush=True)
     if args.plots:
         plot(points, args.plots)
     print(json.dumps({"bench": "real_pipeline_scaling", "workers": args.workers, "points": points}))

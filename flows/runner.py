@@ -461,7 +461,7 @@ class RunSummary(BaseModel):
     answers), `flow_call`, then
     `flow_start` (the flow function entered), `tracker_ready` (MLflow run open), `first_stage_start`,
     `last_stage_end`, `flow_end`, and `dask_start`/`dask_ready`/`dask_close_start`/`dask_closed` when the shard
-    cluster ran; `stage:<name>`: each stage's duration in seconds."""
+    cluster ran; `stage:<name>`: each stage's duration in seconds, `stage_start:<name>` its start (epoch)."""
 
 
 def outcome_of(value: Any) -> str:
@@ -508,6 +508,7 @@ class StageRunner:
         outcome = None
         started = time.time()
         self.timing.setdefault("first_stage_start", started)
+        self.timing[f"stage_start:{stage.name}"] = started
         self.reporter.stage_started(stage.name)
         if stage.plan:
             name = stage.sharded_name or stage.name
