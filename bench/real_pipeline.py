@@ -175,14 +175,14 @@ def ours_config(src: Path, wd: Path) -> dict:
             "dedup": {"ngram": 5, "bands": 14, "rows": 8, "incremental": False}}
 
 
-def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False) -> dict:
+def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False, sets: list[str] = ()) -> dict:
     """One `lifecycle run` in `wd/work`. `keep_server`: leave its embedded Prefect server running for the next
     run in the same work dir (--recurring), and recompute every stage there (its datasets are removed first)."""
     shutil.rmtree(wd / "work" / "datasets", ignore_errors=True)
     path = wd / "config.yaml"
     path.write_text(json.dumps(ours_config(src, wd)))  # JSON is YAML
     cmd = [str(ROOT / ".venv/bin/lifecycle"), "run", str(path), "--until", "scrub", "--json",
-           "--set", f"orchestration.dask_workers={workers}"]
+           "--set", f"orchestration.dask_workers={workers}", *(a for kv in sets for a in ("--set", kv))]
     from lifecycle.flows.servers import template_path
 
     template = template_path()
@@ -317,11 +317,11 @@ def compare(args) -> None:
         home = Path(tmp) / "ours-recurring"
         if args.recurring:  # one untimed run starts the work dir's server and creates its stores
             home.mkdir()
-            run_ours(src, home, args.workers, keep_server=True)
+            run_ours(src, home, args.workers, keep_server=True, sets=args.set)
         for rep in range(args.reps):
             for side, fn in order if rep % 2 == 0 else order[::-1]:
                 if side == "ours" and args.recurring:
-                    info = run_ours(src, home, args.workers, keep_server=True)
+                    info = run_ours(src, home, args.workers, keep_server=True, sets=args.set)
                     runs[side].append(info)
                     print(f"  rep {rep + 1}: ours      {info['wall_s']:7.1f} s wall, peak RSS {info['peak_rss_mb']:,.0f} MB, "
                           f"PSS {info['peak_pss_mb']:,.0f} MB, to first stage {info['to_first_stage_s']:.2f}, after last stage "
@@ -349,7 +349,7 @@ def compare(args) -> None:
         return
     ours, dt = runs["ours"], runs["datatrove"]
     result = {
-        "bench": "real_pipeline", "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
+        "bench": "real_pipeline", "sets": args.set, "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
         "ours_mode": "recurring" if args.recurring else "new work dir",
         "ratio": med(ratios), "ratios": [round(r, 3) for r in ratios],
         "ours_wall_s": med([r["wall_s"] for r in ours]), "datatrove_wall_s": med([r["wall_s"] for r in dt]),
@@ -375,7 +375,7 @@ def scaling(args) -> None:
     for mb in sizes:
         src, meta = corpus(args.cache, mb)
         with tempfile.TemporaryDirectory(prefix="real-pipeline-scaling-") as tmp:
-            info = run_ours(src, Path(tmp), args.workers)
+            info = run_ours(src, Path(tmp), args.workers, sets=args.set)
         point = {"mb": meta["text_bytes"] / 1e6, "target_mb": mb, "documents": meta["documents"],
                  "wall_s": info["wall_s"], "docs_per_s": meta["documents"] / info["wall_s"],
                  "mb_per_s": meta["text_bytes"] / 1e6 / info["wall_s"],
@@ -395,7 +395,8 @@ def scaling(args) -> None:
                   + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(m["roles_at_peak"].items())), flush=True)
     if args.plots:
         plot(points, args.plots)
-    print(json.dumps({"bench": "real_pipeline_scaling", "workers": args.workers, "points": points}))
+        plot_memory({"this run": points}, args.plots)
+    print(json.dumps({"bench": "real_pipeline_scaling", "workers": args.workers, "sets": args.set, "points": points}))
 
 
 def plot(points: list[dict], out: Path) -> None:
@@ -430,10 +431,42 @@ def plot(points: list[dict], out: Path) -> None:
         plt.close(fig)
 
 
+def plot_memory(series: dict[str, list[dict]], out: Path) -> None:
+    """`out/real_pipeline_memory.png`: peak PSS of the tree by corpus size, one line per series (label -> scaling
+    points), and beside it each phase's peak for the last series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    for label, points in series.items():
+        a.plot([p["mb"] for p in points], [p["peak_pss_mb"] for p in points], "o-", label=label)
+    last = list(series.values())[-1]
+    for phase in ("collect", "filter", "dedup", "scrub"):
+        b.plot([p["mb"] for p in last], [p["memory_by_stage"][phase]["peak_mb"] for p in last], "o-", label=phase)
+    for ax, title in ((a, "peak PSS of the run (MB)"), (b, f"peak PSS per stage: {list(series)[-1]}")):
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        xs = sorted({p["mb"] for pts in series.values() for p in pts})
+        ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
+        ax.set_xlabel("corpus size (MB of text)")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "real_pipeline_memory.png", dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.real_pipeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=24, help="corpus size in MB of text (default 24)")
     ap.add_argument("--workers", type=int, default=2, help="workers on both sides (default 2)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for ours (`lifecycle run --set`), e.g. collect.max_part_bytes=8388608")
     ap.add_argument("--reps", type=int, default=2, help=(
         "alternating repetitions per side (default 2); 0 runs only the in-process per-stage profile"))
     ap.add_argument("--cache", type=Path, default=Path("/tmp/real-corpus"), help="where corpora are built and reused")
