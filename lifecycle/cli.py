@@ -22,6 +22,7 @@ LAUNCH = "cold"  # "warm" in a run the warm runner forked (lifecycle/launch.py; 
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 
@@ -92,8 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(json.dumps({"status": "interrupted", "signal": signal.Signals(signum).name}), file=out)
         return 128 + signum
     except Exception as e:  # the flow has logged the traceback; report and fail
-        print(f"lifecycle run: run failed: {type(e).__name__}: {one_line(str(e))}"  # one line, as every error
-              + (f" (traceback and library logs: {log})" if log else ""), file=err)
+        print(f"lifecycle run: run failed: {type(e).__name__}: {without_sql(one_line(str(e)))}"  # one line, as every error
+              + disk_full_hint(e, cfg.workdir) + (f" (traceback and library logs: {log})" if log else ""), file=err)
         if args.json:
             print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}), file=out)
         return 1
@@ -427,6 +428,39 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (UsageError, ConfigError, PathEscape, OSError, UnicodeError, json.JSONDecodeError, yaml.YAMLError,
             ValidationError)
+
+
+_SQL_DETAIL = re.compile(r"\s*\[SQL: .*?(\(Background on this error at: [^)]*\)|$)", re.S)
+FULL_BELOW = 64 << 20  # a file system with less free space than this counts as full
+
+
+def without_sql(text: str) -> str:
+    """SQLAlchemy's message without the statement, its parameters and its help link (a disk-full INSERT into the
+    MLflow store printed the whole row)."""
+    return _SQL_DETAIL.sub("", text).rstrip("; ")
+
+
+def disk_full_hint(e: BaseException, workdir: str) -> str:
+    """`; <workdir>'s file system is full ...` when the failure, or anything in its chain, is a full disk (ENOSPC,
+    SQLite's `database or disk is full`), or the work dir's file system has under 64 MiB free: a full disk shows up
+    as many other errors (a server that exits in its start-up, a store that cannot flush)."""
+    import errno
+    import shutil
+
+    full, seen, cur = False, set(), e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        full |= (isinstance(cur, OSError) and cur.errno == errno.ENOSPC) or "disk is full" in str(cur)
+        cur = cur.__cause__ or cur.__context__
+    try:
+        free = shutil.disk_usage(workdir).free
+    except OSError:
+        free = None
+    if not full and (free is None or free >= FULL_BELOW):
+        return ""
+    space = f"{free:,} bytes free" if free is not None else "no space"
+    return (f"; the file system of {workdir} is full ({space}): free space there and rerun, the committed stages "
+            "and checkpoints are reused")
 
 
 def one_line(text: str) -> str:

@@ -224,3 +224,35 @@ def test_the_reported_cases_as_a_user_runs_them(tmp_path, argv):
     assert line.startswith(f"lifecycle {argv[0]}: error:")
     if "--json" in argv:
         assert json.loads(proc.stdout.strip().splitlines()[-1])["error"] == line
+
+
+def test_a_full_disk_is_named_whatever_error_it_surfaces_as(tmp_path, monkeypatch):
+    """Chaos round 11 (seed 10): a full disk surfaced as MLflow's SQLAlchemy error, with the INSERT's statement
+    and row in the one line; a full disk in the embedded server's start-up as `server exited (exit 3)`."""
+    import shutil
+
+    from lifecycle import cli
+
+    msg = ("(raised as a result of Query-invoked autoflush); (sqlite3.OperationalError) database or disk is full\n"
+           "[SQL: INSERT INTO runs (run_uuid, name) VALUES (?, ?)]\n[parameters: ('4dba', 'train')]\n"
+           "(Background on this error at: https://sqlalche.me/e/20/e3q8)")
+    line = cli.without_sql(cli.one_line(msg))
+    assert line == "(raised as a result of Query-invoked autoflush); (sqlite3.OperationalError) database or disk is full"
+    assert cli.without_sql("no SQL here; fine") == "no SQL here; fine"
+    full = f"; the file system of {tmp_path} is full ("
+    assert full in cli.disk_full_hint(RuntimeError(msg), str(tmp_path))  # the message says so
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("could not write the manifest") from inner
+    except RuntimeError as e:
+        chained = e
+    assert full in cli.disk_full_hint(chained, str(tmp_path))  # its cause says so
+    assert cli.disk_full_hint(RuntimeError("the embedded Prefect server exited during start-up (exit 3)"),
+                              str(tmp_path)) == ""  # nothing says so and the disk has room: no hint
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 4096))
+    hint = cli.disk_full_hint(RuntimeError("the embedded Prefect server exited during start-up (exit 3)"),
+                              str(tmp_path))
+    assert hint == (f"; the file system of {tmp_path} is full (4,096 bytes free): free space there and rerun, the "
+                    "committed stages and checkpoints are reused")
