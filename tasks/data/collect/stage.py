@@ -103,9 +103,9 @@ class CollectConfig(BaseModel):
                                 "cut earlier when its rows hold `max_part_bytes`, or more than `max_memory_bytes` "
                                 "allows).")
     max_part_bytes: int = Field(
-        32 << 20, gt=0, description="A kept output Parquet file (a part) is also cut once its rows' strings hold this "
-        "many bytes (32 MiB). Every later stage holds one part at a time, so this, not the size of the input files, "
-        "bounds their memory: a 300 MB .jsonl.gz (never split, being compressed) still becomes parts of 32 MiB. "
+        8 << 20, gt=0, description="A kept output Parquet file (a part) is also cut once its rows' strings hold this "
+        "many bytes (8 MiB). Every later stage holds one part at a time, so this, not the size of the input files, "
+        "bounds their memory: a 300 MB .jsonl.gz (never split, being compressed) still becomes parts of 8 MiB. "
         "Smaller means more files; the kept rows, their order and every decision are the same at any value.")
     max_memory_bytes: int = Field(
         2 << 30, gt=0, description="Bound on the peak memory of one collect shard (2 GiB), whatever its files "
