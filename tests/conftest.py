@@ -103,6 +103,27 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long fault-injection runs; skipped unless LIFECYCLE_SLOW=1")
 
 
+_TIERS_BEFORE: set = set()
+
+
+def pytest_sessionstart(session):
+    from lifecycle.tasks.train import memtier  # stdlib only
+
+    _TIERS_BEFORE.update(memtier.ROOT.glob(f"lifecycle-{os.getuid()}-*"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A failed or killed training run keeps its memory tier in /dev/shm for its rerun (`memtier.release_dead` frees
+    it at the next launch); a test's run has no rerun, so the tiers this session created and whose supervisor is
+    gone are removed here. Tiers that were there before the session (a user's own) are left alone. Under xdist only
+    the controller does it, once every worker is done (a worker could see another's tier mid-creation)."""
+    from lifecycle.tasks.train import memtier
+
+    if hasattr(session.config, "workerinput"):
+        return
+    memtier.release_dead(grace_s=0.0, only=set(memtier.ROOT.glob(f"lifecycle-{os.getuid()}-*")) - _TIERS_BEFORE)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:  # pytest-timeout's bound (pyproject: 600 s) is a backstop against hangs; slow runs get more
         if "slow" in item.keywords and not item.get_closest_marker("timeout"):

@@ -80,12 +80,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def release_dead(keep: Path | None = None, root: Path = ROOT, grace_s: float = 60.0) -> list[Path]:
+def release_dead(keep: Path | None = None, root: Path = ROOT, grace_s: float = 60.0,
+                 only: set[Path] | None = None) -> list[Path]:
     """Remove this user's tiers whose supervisor is dead (a killed run), except `keep` (the tier a rerun of
-    the same run restores from). A tier without a supervisor file is removed once older than `grace_s`."""
+    the same run restores from); with `only`, just those of these. A tier without a supervisor file is removed
+    once older than `grace_s`."""
     gone = []
     for tier in root.glob(f"lifecycle-{os.getuid()}-*"):
-        if keep is not None and tier == keep or not tier.is_dir():
+        if keep is not None and tier == keep or not tier.is_dir() or only is not None and tier not in only:
             continue
         try:
             pid = int((tier / SUPERVISOR).read_text())

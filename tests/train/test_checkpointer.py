@@ -210,6 +210,8 @@ def test_dead_runs_tiers_are_released_live_and_kept_ones_stay(tmp_path):
     assert not tiers["a"].exists() and tiers["b"].is_dir() and tiers["c"].is_dir() and tiers["d"].is_dir()
     os.utime(tiers["d"], (0, 0))
     assert memtier.release_dead(keep=tiers["c"], root=tmp_path) == [tiers["d"]]
+    assert memtier.release_dead(root=tmp_path, only={tiers["b"]}) == []  # `only`: just these (b is alive)
+    assert memtier.release_dead(root=tmp_path, only={tiers["b"], tiers["c"]}) == [tiers["c"]]
     tiers["b"].chmod(0o777)
     with pytest.raises(PermissionError, match="not private"):
         memtier.claim(tiers["b"], os.getpid())
