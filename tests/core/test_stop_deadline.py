@@ -15,8 +15,8 @@ HANG_AFTER_SIGTERM = """
 import signal, sys, time
 from lifecycle.core.procs import Terminated
 signal.signal(signal.SIGTERM, Terminated.raise_for)
-print("ready", flush=True)
-try:
+try:  # the signal may come as soon as "ready" is out
+    print("ready", flush=True)
     time.sleep(60)
 except Terminated:
     print("stopping", flush=True)
