@@ -97,7 +97,7 @@ def tree_memory(root: int, pss: bool = True) -> tuple[int, int, dict[str, int]]:
             except (OSError, IndexError, ValueError):
                 continue
             children[ppid].append(int(d))
-    want_pss, rss, pss = pss, 0, 0
+    want_pss, rss = pss, 0
     roles: dict[str, int] = defaultdict(int)
     stack = [root]
     while stack:
@@ -105,14 +105,13 @@ def tree_memory(root: int, pss: bool = True) -> tuple[int, int, dict[str, int]]:
         try:
             rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
             if want_pss:
-                p = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/smaps_rollup").read_text()
-                         .splitlines() if line.startswith("Pss:"))
-                pss += p
-                roles[role(pid, root)] += p
+                roles[role(pid, root)] += next(int(line.split()[1]) * 1024 for line in
+                                               Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+                                               if line.startswith("Pss:"))
         except (OSError, IndexError, ValueError, StopIteration):
             pass
         stack.extend(children.get(pid, ()))
-    return rss, pss, dict(roles)
+    return rss, sum(roles.values()), dict(roles)
 
 
 def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:

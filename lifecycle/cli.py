@@ -447,11 +447,10 @@ def disk_full_hint(e: BaseException, workdir: str) -> str:
     import errno
     import shutil
 
-    full, seen, cur = False, set(), e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        full |= (isinstance(cur, OSError) and cur.errno == errno.ENOSPC) or "disk is full" in str(cur)
-        cur = cur.__cause__ or cur.__context__
+    from lifecycle.core.errors import exception_chain
+
+    full = any((isinstance(c, OSError) and c.errno == errno.ENOSPC) or "disk is full" in str(c)
+               for c in exception_chain(e))
     try:
         free = shutil.disk_usage(workdir).free
     except OSError:

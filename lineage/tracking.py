@@ -224,14 +224,11 @@ def unreachable(e: BaseException) -> BaseException | None:
     """The connection error, timeout or exhausted retry behind an MLflow call's exception, else None."""
     import requests
 
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
-                          requests.exceptions.RetryError, ConnectionError, TimeoutError)):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
+    from lifecycle.core.errors import exception_chain
+
+    return next((c for c in exception_chain(e) if isinstance(c, (
+        requests.exceptions.ConnectionError, requests.exceptions.Timeout, requests.exceptions.RetryError,
+        ConnectionError, TimeoutError))), None)
 
 
 class GuardedClient:

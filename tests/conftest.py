@@ -109,7 +109,7 @@ _TIERS_BEFORE: set = set()
 def pytest_sessionstart(session):
     from lifecycle.tasks.train import memtier  # stdlib only
 
-    _TIERS_BEFORE.update(memtier.ROOT.glob(f"lifecycle-{os.getuid()}-*"))
+    _TIERS_BEFORE.update(memtier.tiers())
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -121,7 +121,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     if hasattr(session.config, "workerinput"):
         return
-    memtier.release_dead(grace_s=0.0, only=set(memtier.ROOT.glob(f"lifecycle-{os.getuid()}-*")) - _TIERS_BEFORE)
+    memtier.release_dead(grace_s=0.0, only=memtier.tiers() - _TIERS_BEFORE)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,3 +5,12 @@ prints it as one line and exits 2 (lifecycle/cli.py `main`). Any layer may raise
 
 class UsageError(Exception):
     """What the command was given or found is wrong; the message says what, naming the file, argument or URI."""
+
+
+def exception_chain(e: BaseException | None):
+    """`e`, then what it was raised from or during (`__cause__`, else `__context__`), each once."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__

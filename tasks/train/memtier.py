@@ -80,13 +80,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def tiers(root: Path = ROOT) -> set[Path]:
+    """This user's tiers under `root`, of every run."""
+    return set(root.glob(f"lifecycle-{os.getuid()}-*"))
+
+
 def release_dead(keep: Path | None = None, root: Path = ROOT, grace_s: float = 60.0,
                  only: set[Path] | None = None) -> list[Path]:
     """Remove this user's tiers whose supervisor is dead (a killed run), except `keep` (the tier a rerun of
     the same run restores from); with `only`, just those of these. A tier without a supervisor file is removed
     once older than `grace_s`."""
     gone = []
-    for tier in root.glob(f"lifecycle-{os.getuid()}-*"):
+    for tier in sorted(tiers(root)):
         if keep is not None and tier == keep or not tier.is_dir() or only is not None and tier not in only:
             continue
         try:

@@ -203,9 +203,14 @@ def heartbeat_dir(run_dir: Path) -> Path:
 def write_heartbeat(run_dir: Path, rank: int, step: int, step_time: float | None, pid: int | None = None) -> None:
     """A rank's `heartbeat/rank<N>`: its last completed step, when, its pid (this process's unless given), and how
     long that step took."""
-    path = heartbeat_dir(run_dir) / f"rank{rank}"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "time": time.time(), "pid": pid or os.getpid(), "step_time": step_time}))
+    _write_beat(heartbeat_dir(run_dir) / f"rank{rank}",
+                {"step": step, "time": time.time(), "pid": pid or os.getpid(), "step_time": step_time})
+
+
+def _write_beat(path: Path, beat: dict) -> None:
+    """`beat` as `path`'s whole content, never half of it (written beside it, then renamed over it)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(beat))
     os.replace(tmp, path)
 
 
@@ -227,10 +232,8 @@ def start_alive_beat(run_dir: Path, rank: int, every: float = ALIVE_EVERY_S) -> 
 
     def beat() -> None:
         while True:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             try:
-                tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid()}))
-                os.replace(tmp, path)
+                _write_beat(path, {"time": time.time(), "pid": os.getpid()})
             except OSError:  # the run dir is gone (the launch is over) or full: the supervisor judges the silence
                 pass
             time.sleep(every)
