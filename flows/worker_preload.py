@@ -9,6 +9,9 @@ from lifecycle.tasks.data.dedup import stage as _dedup  # noqa: F401
 from lifecycle.tasks.data.filter import stage as _filter  # noqa: F401
 from lifecycle.tasks.data.scrub import stage as _scrub  # noqa: F401
 
+# the workers forked from here share these imports' pages: keep their collections off them (freeze_heap's docstring)
+lifecycle.core.shards.freeze_heap()
+
 
 def worker_started(flow_pid: int, flow_started: int | None, interval: float = 1.0) -> None:
     """`ProcessPoolExecutor`'s initializer in each local shard worker: end this worker once the flow process that
