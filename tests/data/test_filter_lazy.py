@@ -11,6 +11,7 @@ import json
 import random
 from collections import Counter
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -145,3 +146,27 @@ def test_ngram_counts_match_datatrove_loops(texts):
             assert dup_ngram_chars(words, n) == reference_dup_ngram_chars(words, n), (words, n)
             if len(words) >= n:
                 assert top_ngram_chars(words, n) == reference_top_ngram_chars(words, n), (words, n)
+
+
+def test_the_mapped_language_model_classifies_as_py3langid_loads_it(texts, tmp_path, monkeypatch):
+    """`language._identifier` maps py3langid's arrays, unpacked once into the user's cache, instead of loading the
+    package's LZMA file: every text gets the language and score py3langid's own loader gives."""
+    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    language._identifier.cache_clear()
+    try:
+        mapped = language._identifier()
+        unpacked = language.unpacked_model()
+        assert unpacked.parent == tmp_path / "lifecycle"
+        assert sorted(p.name for p in unpacked.iterdir()) == sorted(
+            [f"{n}.npy" for n in language.MODEL_ARRAYS] + ["classes.json"])
+        assert isinstance(mapped.nb_ptc, np.memmap)  # mapped, not read: shared by every worker on the machine
+        reference = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+        samples = [t[:3000] for t in texts[:150]] + ["Bonjour tout le monde, ceci est une phrase.",
+                                                     "Das ist ein deutscher Satz.", "これは日本語です", "", "12345"]
+        for text in samples:
+            got, want = mapped.classify(text), reference.classify(text)
+            assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-6), text[:80]
+    finally:
+        language._identifier.cache_clear()
