@@ -3,8 +3,9 @@
     python -m bench.real_pipeline [--mb 24] [--reps 2] [--workers 2]      # ours vs datatrove, one JSON line last
     python -m bench.real_pipeline --scaling 24,240,2400 [--plots docs/img] # ours alone: docs/s, peak memory per size
 
-Corpus: bench/real_corpus.py (man pages, generated man pages, translated man pages, package docs, pydoc, Python
-source; seed 0), built once per size under `--cache` (default /tmp/real-corpus) and reused.
+Corpus: bench/real_corpus.py (man pages, generated man pages, translated man pages, package docs in text and HTML,
+pydoc, Python source, Go's and the kernel's source trees; one seeded shuffle, so every size has the same mix; seed
+0), built once per size under `--cache` (default /tmp/real-corpus) and reused.
 
 Both sides run Gopher repetition, Gopher quality, C4 (filter_no_terminal_punct=False) and FineWeb in FineWeb's
 order, MinHash dedup (5-gram shingles, 14 bands x 8 rows), then PII replacement, with `--workers` workers:
@@ -52,14 +53,14 @@ def dtvenv() -> Path:
                 Path("/tmp/dtvenv"))
 
 
-def corpus(cache: Path, mb: float, seed: int = 0) -> tuple[Path, dict]:
-    """bench/real_corpus.py's corpus of `mb` MB, built once under `cache` and reused."""
+def corpus(cache: Path, mb: float, mix: str = "crawl", seed: int = 0) -> tuple[Path, dict]:
+    """bench/real_corpus.py's corpus of `mb` MB in `mix`, built once under `cache` and reused."""
     from bench.real_corpus import build
 
-    out = cache / f"mb{mb:g}-seed{seed}"
+    out = cache / f"{mix}-mb{mb:g}-seed{seed}"
     if not (out / "corpus.json").exists():
         shutil.rmtree(out, ignore_errors=True)
-        build(out, mb, seed=seed)
+        build(out, mb, seed=seed, mix=mix)
     return out, json.loads((out / "corpus.json").read_text())
 
 
@@ -306,7 +307,7 @@ def med(xs: list) -> float | None:
 def compare(args) -> None:
     if not (dtvenv() / "bin/python").exists():
         raise SystemExit(f"no datatrove venv at {dtvenv()} (create it with bench/make_dtvenv.sh, or set $DTVENV)")
-    src, meta = corpus(args.cache, args.mb)
+    src, meta = corpus(args.cache, args.mb, args.mix or "crawl")
     docs, mb = meta["documents"], meta["text_bytes"] / 1e6
     print(f"real pipeline: {docs:,} docs, {mb:.1f} MB of text in {src}; {args.workers} workers both sides; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
@@ -348,7 +349,7 @@ def compare(args) -> None:
         return
     ours, dt = runs["ours"], runs["datatrove"]
     result = {
-        "bench": "real_pipeline", "sets": args.set, "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
+        "bench": "real_pipeline", "sets": args.set, "mix": args.mix or "crawl", "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
         "ours_mode": "recurring" if args.recurring else "new work dir",
         "ratio": med(ratios), "ratios": [round(r, 3) for r in ratios],
         "ours_wall_s": med([r["wall_s"] for r in ours]), "datatrove_wall_s": med([r["wall_s"] for r in dt]),
@@ -372,7 +373,7 @@ def scaling(args) -> None:
     sizes = [float(x) for x in args.scaling.split(",") if x]
     points = []
     for mb in sizes:
-        src, meta = corpus(args.cache, mb)
+        src, meta = corpus(args.cache, mb, args.mix or "uniform")
         with tempfile.TemporaryDirectory(prefix="real-pipeline-scaling-") as tmp:
             info = run_ours(src, Path(tmp), args.workers, sets=args.set)
         point = {"mb": meta["text_bytes"] / 1e6, "target_mb": mb, "documents": meta["documents"],
@@ -395,7 +396,8 @@ def scaling(args) -> None:
     if args.plots:
         plot(points, args.plots)
         plot_memory({"this run": points}, args.plots)
-    print(json.dumps({"bench": "real_pipeline_scaling", "workers": args.workers, "sets": args.set, "points": points}))
+    print(json.dumps({"bench": "real_pipeline_scaling", "mix": args.mix or "uniform", "workers": args.workers, "sets": args.set,
+                      "points": points}))
 
 
 def plot(points: list[dict], out: Path) -> None:
@@ -469,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=2, help=(
         "alternating repetitions per side (default 2); 0 runs only the in-process per-stage profile"))
     ap.add_argument("--cache", type=Path, default=Path("/tmp/real-corpus"), help="where corpora are built and reused")
+    ap.add_argument("--mix", choices=("crawl", "uniform"), help=(
+        "bench/real_corpus.py's mix: default crawl against datatrove, uniform with --scaling (the same mix at every "
+        "size)"))
     ap.add_argument("--recurring", action="store_true", help=(
         "ours as a recurring run: every repetition in one work dir whose embedded Prefect server a first, untimed "
         "run started (its datasets removed before each, so every stage runs); default: a new work dir each"))
