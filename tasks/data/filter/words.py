@@ -34,6 +34,32 @@ _URL = re.compile(  # host names with a lowercase TLD, optional scheme, user, po
     r"(?:[\w+.-]{2,}://)?(?:\S+(?::\S*)?@)?(?:[A-Za-z0-9\u00a1-\uffff](?:[A-Za-z0-9\u00a1-\uffff_-]{0,62}"
     rf"[A-Za-z0-9\u00a1-\uffff])?\.)+[{_LOWER}]{{2,63}}(?::\d{{2,5}})?(?:[/?#]\S*)?"
 )
+# _URL in two pieces, for `_is_url`: its scheme, and what follows its optional user part
+_URL_SCHEME = re.compile(r"[\w+.-]{2,}://")
+_URL_HOST = re.compile(
+    r"(?:[A-Za-z0-9\u00a1-\uffff](?:[A-Za-z0-9\u00a1-\uffff_-]{0,62}[A-Za-z0-9\u00a1-\uffff])?\.)+"
+    rf"[{_LOWER}]{{2,63}}(?::\d{{2,5}})?(?:[/?#]\S*)?"
+)
+_DOTS = re.compile(r"\.+")
+
+
+def _is_url(s: str) -> bool:
+    """`_URL.fullmatch(s)` for a chunk without whitespace, in linear time. The regex backtracks over its user part
+    (`\\S+(?::\\S*)?@`, spaCy's) at every `:` of a chunk: a search index of 830 KB without a space (Rust's
+    searchindex.json) took minutes. In a chunk without whitespace that part is any non-empty run ending in `@`,
+    so the host part starts at 0, after the scheme, or after an `@` that follows at least one character."""
+    bases = [0]
+    if m := _URL_SCHEME.match(s):  # the scheme's class has no ":": where it ends is fixed
+        bases.append(m.end())
+    for base in bases:
+        if _URL_HOST.fullmatch(s, base):
+            return True
+        at = s.find("@", base + 1)
+        while at != -1:
+            if _URL_HOST.fullmatch(s, at + 1):
+                return True
+            at = s.find("@", at + 1)
+    return False
 
 
 def _build_specials() -> dict[str, tuple[str, ...]]:
@@ -82,6 +108,7 @@ def _build_specials() -> dict[str, tuple[str, ...]]:
 
 
 _SPECIALS = _build_specials()
+_LONGEST_SPECIAL = max(map(len, _SPECIALS))
 _AFFIX_SPECIALS = {k for k in _SPECIALS if not k.isalnum()}  # re-joined when affix rules cut them apart
 _AFFIX_PREFIXES = frozenset(k[:i] for k in _AFFIX_SPECIALS for i in range(len(k) + 1))
 
@@ -132,6 +159,29 @@ def _suffix_len(s: str) -> int:
     return 1 if n and _is_suffix(s, n - 1) else 0
 
 
+def _is_special(c: str, a: int, b: int) -> bool:
+    """c[a:b] in _SPECIALS, without slicing (or hashing) a string longer than any special case."""
+    return b - a <= _LONGEST_SPECIAL and c[a:b] in _SPECIALS
+
+
+def _prefix_len_at(c: str, a: int, b: int) -> int:
+    """`_prefix_len(c[a:b])` (b > a) from at most 4 characters, or the run of dots it cuts whole."""
+    if c.startswith("..", a, b):
+        return _DOTS.match(c, a, b).end() - a
+    return _prefix_len(c[a:min(b, a + 4)])
+
+
+def _suffix_len_at(c: str, a: int, b: int) -> int:
+    """`_suffix_len(c[a:b])` from at most the last 6 characters (its rules look 4 back, and 2 before that), or
+    the run of dots it cuts whole."""
+    if c.endswith("..", a, b):
+        k = b
+        while k > a and c[k - 1] == ".":
+            k -= 1
+        return b - k
+    return _suffix_len(c[max(a, b - 6):b])
+
+
 @lru_cache(maxsize=1 << 17)
 def _split_chunk(s: str) -> tuple[str, ...]:
     """Tokens of one whitespace-free chunk, following spaCy's Tokenizer._split_affixes/_attach_tokens."""
@@ -142,32 +192,35 @@ def _split_chunk(s: str) -> tuple[str, ...]:
         if ((core.isalpha() or core.isascii())  # also has non-decimal digits such as "²": those take the rules)
                 and core not in _SPECIALS and pre + core not in _SPECIALS and core + suf not in _SPECIALS):
             return tuple(t for t in (pre, core, suf) if t)
+    # the affixes are cut off by moving two indices over the chunk `c`: what is left is c[i:j] (slicing it anew at
+    # each step, and looking it up in _SPECIALS, made a chunk of 100,000 closing brackets quadratic)
+    c, i, j, last = s, 0, len(s), -1
     prefixes: list[str] = []
     suffixes: list[str] = []
-    last = -1
-    while s and len(s) != last and s not in _SPECIALS:
-        last = len(s)
-        pre = _prefix_len(s)
-        if pre and s[pre:] in _SPECIALS:
-            prefixes.append(s[:pre])
-            s = s[pre:]
+    while i < j and j - i != last and not _is_special(c, i, j):
+        last = j - i
+        pre = _prefix_len_at(c, i, j)
+        if pre and _is_special(c, i + pre, j):
+            prefixes.append(c[i:i + pre])
+            i += pre
             break
-        suf = _suffix_len(s[pre:])
-        if suf and s[:-suf] in _SPECIALS:
-            suffixes.append(s[-suf:])
-            s = s[:-suf]
+        suf = _suffix_len_at(c, i + pre, j)
+        if suf and _is_special(c, i, j - suf):
+            suffixes.append(c[j - suf:j])
+            j -= suf
             break
         if pre:
-            prefixes.append(s[:pre])
-        if suf and pre + suf <= len(s):
-            suffixes.append(s[-suf:])
-            s = s[pre:-suf]
+            prefixes.append(c[i:i + pre])
+        if suf and pre + suf <= j - i:
+            suffixes.append(c[j - suf:j])
+            i, j = i + pre, j - suf
         else:
-            s = s[pre:]
+            i += pre
+    s = c[i:j]
     middle: list[str] = []
     if s in _SPECIALS:
         middle = list(_SPECIALS[s])
-    elif s and _URL.fullmatch(s):
+    elif s and _is_url(s):
         middle = [s]
     elif s:
         start = 0
