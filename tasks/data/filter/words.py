@@ -48,6 +48,8 @@ def _is_url(s: str) -> bool:
     (`\\S+(?::\\S*)?@`, spaCy's) at every `:` of a chunk: a search index of 830 KB without a space (Rust's
     searchindex.json) took minutes. In a chunk without whitespace that part is any non-empty run ending in `@`,
     so the host part starts at 0, after the scheme, or after an `@` that follows at least one character."""
+    if len(s) <= 256:  # the backtracking is bounded: one regex call is cheaper
+        return _URL.fullmatch(s) is not None
     bases = [0]
     if m := _URL_SCHEME.match(s):  # the scheme's class has no ":": where it ends is fixed
         bases.append(m.end())
@@ -159,27 +161,17 @@ def _suffix_len(s: str) -> int:
     return 1 if n and _is_suffix(s, n - 1) else 0
 
 
-def _is_special(c: str, a: int, b: int) -> bool:
-    """c[a:b] in _SPECIALS, without slicing (or hashing) a string longer than any special case."""
-    return b - a <= _LONGEST_SPECIAL and c[a:b] in _SPECIALS
+def _dots_after(c: str, a: int, b: int) -> int:
+    """Length of the run of dots that starts at c[a] (within c[a:b])."""
+    return _DOTS.match(c, a, b).end() - a
 
 
-def _prefix_len_at(c: str, a: int, b: int) -> int:
-    """`_prefix_len(c[a:b])` (b > a) from at most 4 characters, or the run of dots it cuts whole."""
-    if c.startswith("..", a, b):
-        return _DOTS.match(c, a, b).end() - a
-    return _prefix_len(c[a:min(b, a + 4)])
-
-
-def _suffix_len_at(c: str, a: int, b: int) -> int:
-    """`_suffix_len(c[a:b])` from at most the last 6 characters (its rules look 4 back, and 2 before that), or
-    the run of dots it cuts whole."""
-    if c.endswith("..", a, b):
-        k = b
-        while k > a and c[k - 1] == ".":
-            k -= 1
-        return b - k
-    return _suffix_len(c[max(a, b - 6):b])
+def _dots_before(c: str, a: int, b: int) -> int:
+    """Length of the run of dots that ends at c[b - 1] (within c[a:b])."""
+    k = b
+    while k > a and c[k - 1] == ".":
+        k -= 1
+    return b - k
 
 
 @lru_cache(maxsize=1 << 17)
@@ -193,29 +185,35 @@ def _split_chunk(s: str) -> tuple[str, ...]:
                 and core not in _SPECIALS and pre + core not in _SPECIALS and core + suf not in _SPECIALS):
             return tuple(t for t in (pre, core, suf) if t)
     # the affixes are cut off by moving two indices over the chunk `c`: what is left is c[i:j] (slicing it anew at
-    # each step, and looking it up in _SPECIALS, made a chunk of 100,000 closing brackets quadratic)
-    c, i, j, last = s, 0, len(s), -1
+    # each step, and looking it up in _SPECIALS, made a chunk of 100,000 closing brackets quadratic). The rules
+    # look at most 4 characters in (6 at the end), except for a run of dots, which is cut whole.
+    c, i, j, last, longest = s, 0, len(s), -1, _LONGEST_SPECIAL
     prefixes: list[str] = []
     suffixes: list[str] = []
-    while i < j and j - i != last and not _is_special(c, i, j):
+    while i < j and j - i != last and not (j - i <= longest and c[i:j] in _SPECIALS):
         last = j - i
-        pre = _prefix_len_at(c, i, j)
-        if pre and _is_special(c, i + pre, j):
+        pre = _prefix_len(c[i:i + 4] if j - i > 4 else c[i:j])
+        if pre > 1 and c.startswith("..", i, j):  # a run of dots, which may go on past the 4 characters
+            pre = _dots_after(c, i, j)
+        if pre and j - i - pre <= longest and c[i + pre:j] in _SPECIALS:
             prefixes.append(c[i:i + pre])
             i += pre
             break
-        suf = _suffix_len_at(c, i + pre, j)
-        if suf and _is_special(c, i, j - suf):
+        a = i + pre
+        suf = _suffix_len(c[j - 6:j] if j - a > 6 else c[a:j])
+        if suf > 1 and c.endswith("..", a, j):
+            suf = _dots_before(c, a, j)
+        if suf and j - suf - i <= longest and c[i:j - suf] in _SPECIALS:
             suffixes.append(c[j - suf:j])
             j -= suf
             break
         if pre:
-            prefixes.append(c[i:i + pre])
+            prefixes.append(c[i:a])
         if suf and pre + suf <= j - i:
             suffixes.append(c[j - suf:j])
-            i, j = i + pre, j - suf
+            i, j = a, j - suf
         else:
-            i += pre
+            i = a
     s = c[i:j]
     middle: list[str] = []
     if s in _SPECIALS:
