@@ -386,6 +386,7 @@ def scaling(args) -> None:
         if points:  # the cost of the extra documents alone: what a linear cost keeps constant
             prev = points[-1]
             point["marginal_docs_per_s"] = (point["documents"] - prev["documents"]) / (point["wall_s"] - prev["wall_s"])
+            point["marginal_mb_per_s"] = (point["mb"] - prev["mb"]) / (point["wall_s"] - prev["wall_s"])
         points.append(point)
         print(f"  {point['mb']:8.1f} MB {point['documents']:>9,} docs {point['wall_s']:8.1f} s "
               f"{point['docs_per_s']:8.1f} docs/s {point['peak_rss_mb']:8,.0f} MB peak RSS "
@@ -393,11 +394,30 @@ def scaling(args) -> None:
         for phase, m in point["memory_by_stage"].items():
             print(f"      {phase:<8} peak PSS {m['peak_mb']:8,.0f} MB  at peak: "
                   + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(m["roles_at_peak"].items())), flush=True)
+    result = {"bench": "real_pipeline_scaling", "mix": args.mix or "uniform", "workers": args.workers,
+              "sets": args.set, "linear_fit": linear_fit(points), "points": points}
+    print(json.dumps(result), flush=True)
     if args.plots:
+        args.plots.mkdir(parents=True, exist_ok=True)
+        (args.plots / "real_pipeline_scaling.json").write_text(json.dumps(result, indent=1) + "\n")
         plot(points, args.plots)
         plot_memory({"this run": points}, args.plots)
-    print(json.dumps({"bench": "real_pipeline_scaling", "mix": args.mix or "uniform", "workers": args.workers, "sets": args.set,
-                      "points": points}))
+
+
+def linear_fit(points: list[dict]) -> dict | None:
+    """wall = fixed_s + documents / docs_per_s, least squares over the points: a cost that grows linearly has
+    one docs/s for the documents beyond the fixed cost at every size; `marginal_spread` is how far the marginal
+    docs/s between consecutive sizes differ (max / min - 1)."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    xs, ys = [p["documents"] for p in points], [p["wall_s"] for p in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    marginal = [p["marginal_docs_per_s"] for p in points if p.get("marginal_docs_per_s")]
+    return {"fixed_s": round(my - slope * mx, 2), "docs_per_s": round(1 / slope, 1),
+            "marginal_docs_per_s": [round(m, 1) for m in marginal],
+            "marginal_spread": round(max(marginal) / min(marginal) - 1, 3) if marginal else None}
 
 
 def plot(points: list[dict], out: Path) -> None:
@@ -445,8 +465,9 @@ def plot_memory(series: dict[str, list[dict]], out: Path) -> None:
     for label, points in series.items():
         a.plot([p["mb"] for p in points], [p["peak_pss_mb"] for p in points], "o-", label=label)
     last = list(series.values())[-1]
-    for phase in ("collect", "filter", "dedup", "scrub"):
-        b.plot([p["mb"] for p in last], [p["memory_by_stage"][phase]["peak_mb"] for p in last], "o-", label=phase)
+    for phase in ("collect", "filter", "dedup", "scrub"):  # a phase shorter than the 0.5 s PSS sampling has no point
+        got = [(p["mb"], p["memory_by_stage"][phase]["peak_mb"]) for p in last if phase in p["memory_by_stage"]]
+        b.plot([x for x, _ in got], [y for _, y in got], "o-", label=phase)
     for ax, title in ((a, "peak PSS of the run (MB)"), (b, f"peak PSS per stage: {list(series)[-1]}")):
         ax.set_xscale("log")
         ax.minorticks_off()
