@@ -20,7 +20,8 @@ documents and bytes of each kind were written and the sha256 of every file. Two 
   2.3 GB is measured on the same mix. Three quarters of its bytes are source code (the kernel's, Python's):
   only source trees hold that much text here.
 
-The same seed gives the same files on the same set of installed packages. Man pages are rendered by groff
+The same seed gives the same files (byte for byte: no gzip time stamp, no memory address in pydoc pages) on the
+same set of installed packages, but for pydoc's page of `sys`, which shows the command line. Man pages are rendered by groff
 (`-mandoc -Tutf8`, no hyphenation, no overstrike), as `man` renders them for a terminal 80 columns wide. HTML pages
 are extracted with trafilatura (`favor_recall`, tables kept). The kernel's tarball (`/usr/src/linux-source-*.tar.*`,
 Debian package linux-source-6.1) is unpacked once under `--src` (default `OUT_DIR/../src`).
@@ -38,6 +39,7 @@ import json
 import os
 import pydoc
 import random
+import re
 import subprocess
 import sys
 import sysconfig
@@ -47,7 +49,7 @@ from pathlib import Path
 MAN = Path("/usr/share/man")
 DOC = Path("/usr/share/doc")
 KINDS = ("man", "man_generated", "man_l10n", "doc", "html", "pydoc", "code", "source")
-MIXES = {  # name: (kinds, what the draw does; see draw_order)
+MIXES = {  # name: the kinds it draws (how: draw_order)
     "crawl": ("man", "man_generated", "man_l10n", "doc", "pydoc", "code"),
     "uniform": KINDS,
 }
@@ -57,6 +59,7 @@ DOC_SUFFIXES = (".txt", ".md", ".rst", ".gz", "")  # README, NEWS, copyright, ch
 MAX_DOC_BYTES = 1 << 20  # a longer file is cut here (a few changelogs and generated sources run to megabytes)
 MAX_HTML_BYTES = 4 << 20  # a larger page (a generated index) is skipped: trafilatura would take minutes on it
 HTML_SUFFIXES = (".html", ".htm")
+ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # a memory address in a pydoc page: differs in every process
 SOURCE_ROOTS = ("/usr/share/go-*/src",)  # plus the kernel tree unpacked under --src
 
 
@@ -122,6 +125,7 @@ def render(item: tuple[str, str]) -> tuple[str, str, str] | None:
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # `this` prints on import
                 warnings.simplefilter("ignore")
                 text = pydoc.render_doc(importlib.import_module(what), renderer=pydoc.plaintext)
+            text = ADDRESS.sub(" at 0x0", text)  # default values' reprs: `<object object at 0x7f...>`
         else:  # code, source
             raw = Path(what).read_bytes()
             if b"\x00" in raw[:4096]:
@@ -145,10 +149,11 @@ def unpack_kernel(src_root: Path) -> None:
         marker.write_text("")
 
 
-def draw_order(kinds: list[str], seed: int, mix: str = "crawl", src_root: Path | None = None) -> list[tuple[str, str]]:
-    """Every candidate of every kind once. `crawl`: each kind in its own seeded order, kinds interleaved by
+def draw_order(mix: str, seed: int, src_root: Path | None = None) -> list[tuple[str, str]]:
+    """Every candidate of every kind of MIXES[mix] once. `crawl`: each kind in its own seeded order, kinds interleaved by
     CRAWL_WEIGHTS (a kind that runs out leaves the others). `uniform`: one seeded shuffle of all of them, so every
     prefix is a uniform sample of the same mix."""
+    kinds = MIXES[mix]
     if mix == "uniform":
         order = [(k, what) for k in kinds for what in candidates(k, src_root)]
         random.Random(seed).shuffle(order)
@@ -179,10 +184,11 @@ def build(out: Path, mb: float, files: int = 8, seed: int = 0, mix: str = "crawl
         raise SystemExit(f"{out} already holds part-*.jsonl.gz files; give an empty or new directory")
     target = int(mb * 1e6)
     paths = [out / f"part-{i:03d}.jsonl.gz" for i in range(files)]
-    sinks = [gzip.open(p, "wt", encoding="utf-8", compresslevel=6) for p in paths]
+    sinks = [io.TextIOWrapper(gzip.GzipFile(p, "wb", compresslevel=6, mtime=0), encoding="utf-8")  # no time stamp
+             for p in paths]
     per_kind = {k: {"documents": 0, "bytes": 0} for k in kinds}
     written = n = 0
-    order = draw_order(kinds, seed, mix, src_root)
+    order = draw_order(mix, seed, src_root)
     with ProcessPoolExecutor(workers) as pool:
         for got in pool.map(render, order, chunksize=16):
             if got is None:

@@ -57,7 +57,8 @@ def test_specials_and_plain_chunks(reference):
 
 def slicing_split(s: str) -> tuple[str, ...]:
     """`_split_chunk` as it was before its affix loop moved indices (2026-11-25): the string sliced anew at each
-    step and looked up whole, `_URL.fullmatch` on what is left. Quadratic on long chunks; the reference here."""
+    step and looked up whole, `_URL.fullmatch` on what is left (the infix split, which did not change, is shared).
+    Quadratic on long chunks; the reference here."""
     if s in words._SPECIALS:
         return words._SPECIALS[s]
     if m := words._WRAPPED.fullmatch(s):
@@ -91,15 +92,7 @@ def slicing_split(s: str) -> tuple[str, ...]:
     elif s and words._URL.fullmatch(s):
         middle = [s]
     elif s:
-        start = 0
-        for m in words._INFIX.finditer(s):
-            a, b = m.span()
-            if a == 0:
-                continue
-            middle += [s[start:a]] if a != start else []
-            middle += [s[a:b]] if a != b else []
-            start = b
-        middle += [s[start:]] if s[start:] else []
+        middle = words._split_infixes(s)  # unchanged by the index loop
     return tuple(words._join_specials(prefixes + middle + suffixes[::-1]))
 
 

@@ -16,7 +16,6 @@ import numpy as np
 from pydantic import Field
 
 from lifecycle.core.fs import cache_dir
-
 from lifecycle.tasks.data.filter.rule import Rule, Verdict
 
 
@@ -36,18 +35,21 @@ def unpacked_model() -> Path:
     if (out / "classes.json").exists():
         return out
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    with lzma.open(src) as f, np.load(f, allow_pickle=False) as data:
-        missing = set(MODEL_ARRAYS) - set(data.files)
-        if missing:
-            raise ValueError(f"{src}: py3langid model without {sorted(missing)}; is py3langid the pinned version?")
-        for name in MODEL_ARRAYS:
-            np.save(tmp / f"{name}.npy", np.ascontiguousarray(data[name]))
-        (tmp / "classes.json").write_text(json.dumps(data["classes"].tolist()))
     try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        with lzma.open(src) as f, np.load(f, allow_pickle=False) as data:
+            missing = set(MODEL_ARRAYS) - set(data.files)
+            if missing:
+                raise ValueError(f"{src}: py3langid model without {sorted(missing)}; is py3langid the pinned version?")
+            for name in MODEL_ARRAYS:
+                np.save(tmp / f"{name}.npy", np.ascontiguousarray(data[name]))
+            (tmp / "classes.json").write_text(json.dumps(data["classes"].tolist()))
         os.rename(tmp, out)
-    except OSError:  # another process unpacked it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        if not (out / "classes.json").exists():  # not another process that unpacked it first: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
     return out
 
 

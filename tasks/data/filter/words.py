@@ -30,16 +30,13 @@ _INFIX = re.compile(
     rf"\.\.+|…|(?<=[0-9])[+\-*^](?=[0-9-])|(?<=[{_LOWER}{_Q}])\.(?=[{_UPPER}{_Q}])|(?<=[{_ALPHA}]),(?=[{_ALPHA}])"
     rf"|(?<=[^\W_])(?:-|–|—|--|---|——|~)(?=[{_ALPHA}])|(?<=[^\W_])[:<>=/](?=[{_ALPHA}])"
 )
-_URL = re.compile(  # host names with a lowercase TLD, optional scheme, user, port and path: kept whole
-    r"(?:[\w+.-]{2,}://)?(?:\S+(?::\S*)?@)?(?:[A-Za-z0-9\u00a1-\uffff](?:[A-Za-z0-9\u00a1-\uffff_-]{0,62}"
-    rf"[A-Za-z0-9\u00a1-\uffff])?\.)+[{_LOWER}]{{2,63}}(?::\d{{2,5}})?(?:[/?#]\S*)?"
-)
-# _URL in two pieces, for `_is_url`: its scheme, and what follows its optional user part
 _URL_SCHEME = re.compile(r"[\w+.-]{2,}://")
-_URL_HOST = re.compile(
+_URL_HOST = re.compile(  # what follows the user part: host names with a lowercase TLD, port and path
     r"(?:[A-Za-z0-9\u00a1-\uffff](?:[A-Za-z0-9\u00a1-\uffff_-]{0,62}[A-Za-z0-9\u00a1-\uffff])?\.)+"
     rf"[{_LOWER}]{{2,63}}(?::\d{{2,5}})?(?:[/?#]\S*)?"
 )
+# kept whole: optional scheme and user, then the host part (spaCy's URL_MATCH); `_is_url` tries it in pieces
+_URL = re.compile(rf"(?:{_URL_SCHEME.pattern})?(?:\S+(?::\S*)?@)?{_URL_HOST.pattern}")
 _DOTS = re.compile(r"\.+")
 
 
@@ -221,16 +218,21 @@ def _split_chunk(s: str) -> tuple[str, ...]:
     elif s and _is_url(s):
         middle = [s]
     elif s:
-        start = 0
-        for m in _INFIX.finditer(s):
-            a, b = m.span()
-            if a == 0:
-                continue
-            middle += [s[start:a]] if a != start else []
-            middle += [s[a:b]] if a != b else []
-            start = b
-        middle += [s[start:]] if s[start:] else []
+        middle = _split_infixes(s)
     return tuple(_join_specials(prefixes + middle + suffixes[::-1]))
+
+
+def _split_infixes(s: str) -> list[str]:
+    """What is left of a chunk once its affixes are cut, split around its infixes (`_INFIX`)."""
+    out, start = [], 0
+    for m in _INFIX.finditer(s):
+        a, b = m.span()
+        if a == 0:
+            continue
+        out += [s[start:a]] if a != start else []
+        out += [s[a:b]] if a != b else []
+        start = b
+    return out + ([s[start:]] if s[start:] else [])
 
 
 def _join_specials(toks: list[str]) -> list[str]:
