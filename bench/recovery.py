@@ -7,11 +7,11 @@ GPT-2-medium-shaped model (24 layers, 1024 wide, 16 heads: about 300M non-embedd
 
 Each round trains two runs from scratch, one with `train.checkpoint.memory_tier: true` and one with false
 (in alternating order), until a commit at step `--kill-after` (and, with the tier, its tier commit); then it
-SIGKILLs rank 1 alone, lets run_train fail as it does when a rank dies, and calls run_train again (what
+SIGKILLs the last rank alone, lets run_train fail as it does when a rank dies, and calls run_train again (what
 Prefect's retry does). Two figures per relaunch: the time from that call to the first training step recorded
 in metrics.jsonl, and the restore phase alone (the `restore` record the ranks write: choosing, verifying and
 loading the checkpoint). Both paths verify what they load: the disk path re-hashes every file of the commit
-(sha256) and torch.loads them, the memory path checks the tier's sha256 per 64 MiB chunk and clones the
+(sha256) and torch.loads them, the memory path checks the tier's CRC-32 per 64 MiB chunk and clones the
 tensors out of the tmpfs arenas. The ratios memory/disk of the medians are the result. Goal: <= 0.2.
 
 The disk here is a local file system whose pages the kill leaves cached (the checkpoint was written seconds
@@ -37,8 +37,10 @@ MODELS = {
 
 
 def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32",
-         kill_after: int = 10, every: int = 10) -> dict:
+         kill_after: int = 10, every: int = 10, seq_len: int | None = None, micro: int | None = None) -> dict:
     shape, batch = MODELS[model]
+    shape = {**shape, **({"seq_len": seq_len} if seq_len else {})}
+    batch = {**batch, **({"micro_batch_size": micro} if micro else {})}
     times: dict[str, dict[str, list[float]]] = {m: {"relaunch": [], "restore": []} for m in ("memory", "disk")}
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = str(Path(tmp) / "tokens")
@@ -49,7 +51,7 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
                         "model": shape, "batch": batch,
                         "checkpoint": {"every": every, "keep_last": 2, "memory_tier": mode == "memory"}}
                 got = kill_rank_and_relaunch(tokdir, str(Path(tmp) / f"{mode}{i}"), opts, after_step=kill_after,
-                                             finish=False)
+                                             rank=ranks - 1, finish=False)
                 r = got["restore"]
                 if r is None or got["relaunch_to_first_step"] is None:
                     raise RuntimeError(f"round {i} ({mode}): the relaunch recorded no restore and first step: {got}")
@@ -81,7 +83,10 @@ if __name__ == "__main__":
     ap.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--kill-after", type=int, default=10, help="SIGKILL rank 1 once this step (or a later one) is committed")
+    ap.add_argument("--kill-after", type=int, default=10,
+                    help="SIGKILL the last rank once this step (or a later one) is committed")
     ap.add_argument("--every", type=int, default=10, help="train.checkpoint.every")
+    ap.add_argument("--seq", type=int, help="model.seq_len instead of the model's (a short one keeps CPU steps short)")
+    ap.add_argument("--micro", type=int, help="batch.micro_batch_size instead of the model's")
     a = ap.parse_args()
-    main(a.rounds, a.model, a.accelerator, a.ranks, a.precision, a.kill_after, a.every)
+    main(a.rounds, a.model, a.accelerator, a.ranks, a.precision, a.kill_after, a.every, a.seq, a.micro)

@@ -35,7 +35,7 @@ resume (`latest_valid`), and the next save of that tag, or pruning, removes it.
 
 With the memory tier (`train.checkpoint.memory_tier`, `lifecycle.tasks.train.memtier`) the arenas are files on
 tmpfs instead of memfds, consecutive checkpoints alternate between two of them (the committed one stays intact
-while the next is staged), the persist process also returns a sha256 per 64 MiB chunk of what it staged, each
+while the next is staged), the persist process also returns a CRC-32 per 64 MiB chunk of what it staged, each
 rank indexes its files once they are durable, and rank 0 commits the tier after the disk commit.
 `restore_from_tier` loads the newest commit from there when it can.
 """
@@ -703,9 +703,10 @@ class TierLoader:
         return state
 
     def close(self) -> None:
-        import gc
-
-        gc.collect()  # the unstaged views over the maps are garbage by now
+        # No gc.collect() to free views caught in reference cycles first: it walks torch's and DeepSpeed's whole
+        # heap (0.19 s per rank on the demo, five times the rest of the restore). A map that a view still holds
+        # is unmapped with its last view; the mapping is private and read-only to us, so it holds no memory of
+        # its own meanwhile.
         for mm in self.maps.values():
             try:
                 mm.close()

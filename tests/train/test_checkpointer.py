@@ -3,6 +3,7 @@ process) they write the same files (the consolidated weights byte for byte, Deep
 contents) and the same commit markers, prune alike, and each restores the other's checkpoints."""
 
 import os
+import pickle
 import socket
 from pathlib import Path
 
@@ -182,8 +183,15 @@ def test_memory_tier_restores_the_newest_commit_from_memory_and_falls_back_to_di
     (_, state), info = restore(max_step=2)  # the tier holds step 3, the newest commit at or below 2 is step 2
     assert info["tier"] == "disk" and "memory holds step 3" in info["reason"] and state["step"] == 2
 
-    arena = max((tier / "rank0").glob("arena-*"), key=lambda p: p.stat().st_mtime)
     index = memtier.read_index(tier, 0, 3)
+    older = memtier.index_path(tier, 0, 3)
+    good = older.read_bytes()
+    older.write_bytes(pickle.dumps({k: v for k, v in index.items() if k != "checksum"}))  # a sha256-era index
+    (tag_dir, _), info = restore()
+    assert info["tier"] == "disk" and "has sha256 checksums, this version checks crc32" in info["reason"], info
+    older.write_bytes(good)
+
+    arena = max((tier / "rank0").glob("arena-*"), key=lambda p: p.stat().st_mtime)
     name, start, end, _ = index["ranges"][0]
     with open(tier / "rank0" / name, "r+b") as f:  # flip one staged byte of step 3
         f.seek((start + end) // 2)
