@@ -194,7 +194,11 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise RuntimeError(f"another run_train is supervising {run_dir}") from None
         tier = memory_tier(cfg, run_dir)  # this run's in-memory checkpoint tier (a rerun of it restores from there)
         memtier.release_dead(keep=tier)  # tiers of dead runs
-        latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
+        # Sizes only: the ranks verify the hashes of what they load (the disk copy's sha256, or the memory tier's
+        # checksums), and a relaunch should not first read a large checkpoint here for nothing.
+        latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps, hashes=False)
+        if latest is not None and ckpt.step_of(latest) == cfg.max_steps:  # reused without a launch: hashes here
+            latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if (newer := [s for s in found if latest is None or s.step > ckpt.step_of(latest)]) and \
                 (converted := _resume_other_layout(newer, ckpt_root, cfg, run_dir)) is not None:
             latest = converted
@@ -258,6 +262,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             finally:
                 owner.release()
         tail.poll()
+        resumed_from = _restored_step(run_dir / "metrics.jsonl", resumed_from)
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if final is None or ckpt.step_of(final) != cfg.max_steps:
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
@@ -267,6 +272,25 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
 
 
 LAYOUT_CHANGE = "layout_change.json"
+
+
+def _restored_step(metrics: Path, expected: int | None) -> int | None:
+    """The step the ranks restored (the last `restore` record: rank 0 writes one per launch, after truncating the
+    file to that step), else `expected`. It is older than the supervisor's guess when that commit's hashes
+    failed in the ranks and they fell back to the one before."""
+    try:
+        lines = metrics.read_bytes().splitlines()
+    except OSError:
+        return expected
+    for line in reversed(lines):
+        if b'"restore"' in line:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "restore":
+                return int(rec["step"])
+    return expected
 
 
 def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig, run_dir: Path) -> Path | None:
@@ -281,6 +305,9 @@ def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig
             except BlockingIOError:
                 log.warning("run %s (layout %s) is being trained: not resuming from it", src.run_dir,
                             describe(src.layout))
+                continue
+            if (why := ckpt.verify(src.tag_dir)) is not None:  # `siblings` checked sizes only
+                log.warning("not resuming from %s (layout %s): %s", src.tag_dir, describe(src.layout), why)
                 continue
             tag_dir, _ = convert_layout(src, ckpt_root, dst)
         change = f"{describe(src.layout)} -> {describe(dst)} at step {src.step}"

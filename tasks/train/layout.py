@@ -124,7 +124,9 @@ class Sibling:
 
 def siblings(workdir: Path, trajectory: str, max_steps: int, exclude: Path | None = None) -> list[Sibling]:
     """Run directories under `<workdir>/train/` whose config.json has trajectory fingerprint `trajectory` (and
-    batch fields), with a valid commit at most `max_steps`; newest commit first."""
+    batch fields), with a commit at most `max_steps` whose files have their sizes; newest commit first. Their
+    hashes are not read here (seconds per GB, for every run of the trajectory at every launch): the one that is
+    converted is verified then (`launch._resume_other_layout`)."""
     found = []
     for cfg_path in sorted((workdir / "train").glob("*/config.json")):
         run_dir = cfg_path.parent
@@ -136,7 +138,7 @@ def siblings(workdir: Path, trajectory: str, max_steps: int, exclude: Path | Non
             continue
         if launch.get("trajectory") != trajectory:
             continue
-        tag = ckpt.latest_valid(run_dir / "checkpoints", max_step=max_steps)
+        tag = ckpt.latest_valid(run_dir / "checkpoints", max_step=max_steps, hashes=False)
         if tag is None:
             continue
         train = TrainConfig.model_validate(launch["train"])

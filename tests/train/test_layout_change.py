@@ -77,6 +77,37 @@ def test_siblings_and_batch_for_siblings(tmp_path):
         lay.batch_for_siblings(three, found)
 
 
+def test_a_sibling_commit_is_hashed_when_it_is_converted_not_when_it_is_listed(tmp_path, caplog, monkeypatch):
+    """`siblings` runs at every launch over every run of the trajectory: it checks sizes; the commit chosen for
+    conversion is hashed first, and a damaged one is not converted."""
+    import logging
+
+    from lifecycle.tasks.train import launch
+
+    a = _fake_run(tmp_path, CFG, "T", [4, 8], "a")
+    (a / "checkpoints" / ckpt.tag_name(8) / "x.bin").write_bytes(b"y" * 8)  # the same size, other bytes
+    [sib] = lay.siblings(tmp_path, "T", max_steps=20)
+    assert sib.step == 8
+    converted = []
+    monkeypatch.setattr(launch, "convert_layout", lambda src, root, dst: converted.append(src))
+    one = with_(CFG, **{"batch.num_ranks": 1, "engine.zero_stage": 3})
+    with caplog.at_level(logging.WARNING, logger="lifecycle.tasks.train.launch"):
+        assert launch._resume_other_layout([sib], tmp_path / "new" / "checkpoints", one, tmp_path / "new") is None
+    assert converted == [] and "x.bin: sha256 mismatch" in caplog.text and "step_00000008" in caplog.text
+
+
+def test_the_resumed_step_is_the_one_the_ranks_restored(tmp_path):
+    from lifecycle.tasks.train.launch import _restored_step
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert _restored_step(metrics, 10) == 10  # no file: the supervisor's pick
+    metrics.write_text('{"kind": "restore", "step": 5, "tier": "disk"}\n{"kind": "train", "step": 6}\n'
+                       '{"kind": "restore", "step": 6, "tier": "disk"}\n{"kind": "train", "step": 7}\n')
+    assert _restored_step(metrics, 10) == 6  # this launch's: the last one
+    metrics.write_text('{"kind": "train", "step": 1}\n')
+    assert _restored_step(metrics, None) is None
+
+
 def test_convert_refuses_with_every_converters_reason_and_takes_a_registered_one(tmp_path, monkeypatch):
     src_cfg = with_(CFG, **{"engine.zero_stage": 0})
     run = _fake_run(tmp_path, src_cfg, "T", [4], "a")
