@@ -35,7 +35,7 @@ resume (`latest_valid`), and the next save of that tag, or pruning, removes it.
 
 With the memory tier (`train.checkpoint.memory_tier`, `lifecycle.tasks.train.memtier`) the arenas are files on
 tmpfs instead of memfds, consecutive checkpoints alternate between two of them (the committed one stays intact
-while the next is staged), the persist process also returns a CRC-32 per 64 MiB chunk of what it staged, each
+while the next is staged), the persist process also returns a CRC-32 of every tensor it staged, each
 rank indexes its files once they are durable, and rank 0 commits the tier after the disk commit.
 `restore_from_tier` loads the newest commit from there when it can.
 """
@@ -99,6 +99,17 @@ class _Slot:
     dtype: torch.dtype
     shape: tuple[int, ...]
     numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def slots(skeleton: Any) -> list[_Slot]:
+    """The distinct slots of a skeleton (a slot reused for the same memory is listed once)."""
+    found: dict[int, _Slot] = {}
+    _map(skeleton, lambda s: found.setdefault(s.offset, s) if isinstance(s, _Slot) else s)
+    return list(found.values())
 
 
 class Arena:
@@ -262,7 +273,8 @@ def _child_main(fd: int) -> None:
                 digests = {os.path.join(target, name): d for name, d in ckpt.write_model(target, state, arg).items()}
             del state  # no view of the arena outlives the job (a dropped map can be closed)
             # the memory tier's checksums of what was staged for this file, after it is durable on disk
-            tier = memtier.chunk_digests(maps[arena], *staged) if staged is not None else None
+            tier = {slot.offset: memtier.checksum(maps[arena], slot.offset, slot.offset + slot.nbytes)
+                    for slot in slots(skeleton)} if staged is not None else None
             _send(sock, (job, digests, None, tier))
         except BaseException:
             _send(sock, (job, None, traceback.format_exc(), None))
@@ -335,7 +347,7 @@ class PersistProcess:
         """Stage `state` (blocking copy) and queue its write; kind 'states' (torch.save to the file `target`) or
         'model' (`checkpoint.write_model` into the directory `target`). The future's result is {path: (sha256,
         bytes)} of the files written, once they are durable; with the memory tier, a 'states' file's future
-        also gets `tier`: the chunk digests of its staged range (`memtier.chunk_digests`)."""
+        also gets `tier`: the CRC-32 of every tensor it staged, by arena offset (`memtier.checksum`)."""
         def stage():
             aid, arena = self.reserve(staged_bytes(state))
             start = arena.cursor
@@ -353,7 +365,7 @@ class PersistProcess:
 
     def _queue(self, kind: str, target: str, stage: Callable[[], tuple], arg: Any) -> cf.Future:
         fut: cf.Future = cf.Future()
-        fut.tier = None  # the staged range's chunk digests, from the process (memory tier only)
+        fut.tier = None  # the staged tensors' checksums, from the process (memory tier only)
         skeleton, aid, fut.staged = stage()
         with self.lock:
             job = next(self.ids)
@@ -611,7 +623,9 @@ class AsyncSaver:
 
     def restore_from_tier(self, max_step: int | None) -> tuple[tuple[Path, dict] | None, str | None]:
         """Collective. ((tag directory, client_state), None) when the newest commit on disk (at most
-        `max_step`) was loaded from the memory tier; (None, why not) when the disk has to be read instead."""
+        `max_step`) was loaded from the memory tier; ((tag directory, client_state), why) when some files of it
+        were read from disk instead (their tensors failed the tier's checksums); (None, why not) when the disk
+        has to be read instead."""
         if self.tier is None:
             return None, "memory tier off"
         decision: list[Any] = list(self._tier_candidate(max_step)) if self.rank == 0 else [None, None]
@@ -619,13 +633,13 @@ class AsyncSaver:
         step, why = decision
         if step is None:
             return None, why
-        mine = memtier.verify_rank(self.tier, self.rank, step, self.world, torch.get_num_threads())
+        mine = memtier.verify_rank(self.tier, self.rank, step, self.world)
         reasons: list[Any] = [None] * self.world
         dist.all_gather_object(reasons, mine)
         if bad := [r for r in reasons if r is not None]:
             return None, "; ".join(bad)
         tag_dir = self.root / ckpt.tag_name(step)
-        loader = TierLoader(self.tier, step, self.world, tag_dir, self.ds_engine)
+        loader = TierLoader(self.tier, step, self.world, tag_dir, self.ds_engine, torch.get_num_threads())
         self.engine.checkpoint_engine = loader
         try:
             _, client_state = self.engine.load_checkpoint(str(self.root), tag=tag_dir.name)
@@ -634,6 +648,11 @@ class AsyncSaver:
             loader.close()
         if not loader.from_memory:
             raise RuntimeError(f"memory tier of step {step} verified, but DeepSpeed read no file from it")
+        fell_back: list[Any] = [None] * self.world
+        dist.all_gather_object(fell_back, loader.from_disk)
+        if damaged := [why for rank in fell_back for why in rank]:
+            memtier.uncommit(self.tier)  # a later relaunch reads the disk until the next commit
+            return (tag_dir, client_state), "read from disk instead: " + "; ".join(damaged)
         return (tag_dir, client_state), None
 
     def _tier_candidate(self, max_step: int | None) -> tuple[int | None, str | None]:
@@ -665,51 +684,87 @@ class AsyncSaver:
 
 class TierLoader:
     """A DeepSpeed checkpoint engine for `engine.load_checkpoint` whose `load(path)` returns the state of a file of
-    tag directory `tag_dir` from the tier (the skeleton over the arena, every tensor cloned: what `torch.load` of
-    the file returns); a file no index lists is read from disk by `base`."""
+    tag directory `tag_dir` from the tier: the skeleton with every tensor read out of the arena into memory of
+    its own, its CRC-32 checked on the way (`memtier.read_checked`), in up to `threads` threads. A file no
+    index lists is read from disk by `base`; so is a file with a tensor whose checksum does not match, after its
+    sha256 is checked against the commit marker (`from_disk` says which and why)."""
 
-    def __init__(self, tier: Path, step: int, world: int, tag_dir: Path, base):
-        self.tier, self.tag_dir, self.base = tier, Path(tag_dir), base
+    def __init__(self, tier: Path, step: int, world: int, tag_dir: Path, base, threads: int = 1):
+        self.tier, self.tag_dir, self.base, self.threads = tier, Path(tag_dir), base, max(1, threads)
         self.files: dict[str, tuple[Path, Any]] = {}
+        self.sums: dict[tuple[Path, int], str] = {}
         for r in range(world):
-            for rel, (name, skeleton) in memtier.read_index(tier, r, step)["files"].items():
+            index = memtier.read_index(tier, r, step)
+            for rel, (name, skeleton) in index["files"].items():
                 self.files[rel] = (memtier.rank_dir(tier, r) / name, skeleton)
-        self.maps: dict[Path, mmap.mmap] = {}
+            for name, _start, _end, sums in index["ranges"]:
+                self.sums.update({(memtier.rank_dir(tier, r) / name, off): crc for off, crc in sums.items()})
+        self.fds: dict[Path, int] = {}
         self.from_memory: list[str] = []
+        self.from_disk: list[str] = []
+        self.last: tuple[str, Any] | None = None
 
-    def _map(self, path: Path) -> mmap.mmap:
-        if path not in self.maps:
-            with open(path, "rb") as f:
-                self.maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
-        return self.maps[path]
+    def _fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
 
     def load(self, path, map_location=None):
-        import torch
-
         try:
             rel = Path(path).resolve().relative_to(self.tag_dir.resolve()).as_posix()
         except ValueError:
             rel = None
         if rel not in self.files:
             return self.base.load(path, map_location=map_location)
+        if self.last is not None and self.last[0] == rel:
+            # DeepSpeed loads the model states file twice in a row (SDLoaderFactory's check_ckpt_list reads
+            # mp_world_size from a first load, then `load` loads it again): the same tensors, new containers
+            return _map(self.last[1], lambda t: t)
         arena, skeleton = self.files[rel]
+        fd = self._fd(arena)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        def own(t):  # a copy that does not point into the arena (ndarrays, e.g. RNG states, are already copies)
-            if not isinstance(t, torch.Tensor):
-                return t.copy()
-            return t.clone() if device is None else t.to(device, copy=True)
-        state = _map(unstage(skeleton, self._map(arena)), own)
+        jobs: list[tuple[_Slot, torch.Tensor]] = []
+        def own(s):  # a fresh tensor for a slot (filled below); a copy of anything else the skeleton holds
+            if isinstance(s, _Slot):
+                t = torch.empty(s.numel, dtype=s.dtype)
+                jobs.append((s, t))
+                return t.view(s.shape)
+            return s.copy() if isinstance(s, np.ndarray) else s.clone()
+        state = _map(skeleton, own)
+        def read(job) -> bool:
+            s, t = job
+            want = self.sums.get((arena, s.offset))
+            return want is not None and memtier.read_checked(fd, t.view(torch.uint8).numpy(), s.offset, want)
+        if self.threads > 1 and len(jobs) > 1:
+            with cf.ThreadPoolExecutor(max_workers=self.threads) as pool:
+                ok = all(list(pool.map(read, sorted(jobs, key=lambda j: -j[0].nbytes))))
+        else:
+            ok = all(read(j) for j in jobs)
+        if not ok:
+            del state, jobs
+            return self._from_disk(rel, path, map_location)
+        if device is not None and torch.device(device).type != "cpu":
+            state = _map(state, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
         self.from_memory.append(rel)
+        self.last = (rel, state)
         return state
 
+    def _from_disk(self, rel: str, path, map_location):
+        """The disk copy of `rel`, once its sha256 matches the commit marker."""
+        from lifecycle.core.fs import sha256_file
+
+        want = {f["path"]: f["sha256"] for f in ckpt.read_marker(self.tag_dir)["files"]}.get(rel)
+        if want is None or sha256_file(path) != want:
+            raise RuntimeError(f"{rel} of {self.tag_dir}: the memory tier's copy fails its checksum and the disk "
+                               f"copy its sha256 (or the marker lists no sha256 for it)")
+        self.from_disk.append(f"{rel}: a tensor in the memory tier does not match its checksum")
+        return self.base.load(path, map_location=map_location)
+
     def close(self) -> None:
-        # No gc.collect() to free views caught in reference cycles first: it walks torch's and DeepSpeed's whole
-        # heap (0.19 s per rank on the demo, five times the rest of the restore). A map that a view still holds
-        # is unmapped with its last view; the mapping is private and read-only to us, so it holds no memory of
-        # its own meanwhile.
-        for mm in self.maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a view still alive: the map goes with it
-                pass
-        self.maps.clear()
+        # Nothing points into the arenas (every tensor was read into memory of its own): no gc.collect() is
+        # needed to free views before an unmap (it walked torch's and DeepSpeed's heap: 0.19 s per rank on the
+        # demo, five times the rest of its restore).
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self.last = None

@@ -41,7 +41,8 @@ class Checkpointer:
     def __init__(self, engine, root: str | Path, keep_last: int, log: Callable[[str], None] = print):
         self.engine, self.root, self.keep_last, self.log = engine, Path(root), keep_last, log
         self.last_restore: dict = {}
-        """{"tier": "memory" | "disk", "seconds": restore time, "reason": why not from memory (disk only)}"""
+        """{"tier": "memory" | "disk" | "memory+disk", "seconds": restore time, "reason": why not (all) from
+        memory; "memory+disk": a file whose tensors failed their checksums in memory was read from disk}"""
 
     def save(self, step: int, client_state: dict, model_config: Any, marker: dict, wait: bool = False) -> None:
         raise NotImplementedError
@@ -129,7 +130,8 @@ class AsyncCheckpointer(Checkpointer):
         got, why = self.saver.restore_from_tier(max_step)
         if got is None:
             return self._from_disk(max_step, t0, why)
-        self.last_restore = {"tier": "memory", "seconds": time.perf_counter() - t0, "reason": None}
+        self.last_restore = {"tier": "memory" if why is None else "memory+disk", "seconds": time.perf_counter() - t0,
+                             "reason": why}
         return got
 
     def save(self, step: int, client_state: dict, model_config: Any, marker: dict, wait: bool = False) -> None:

@@ -12,9 +12,9 @@ Layout of one run's tier (mode 0700, owned by the user):
 - `supervisor`: pid of the `run_train` that owns it; `release_dead` removes tiers whose supervisor is gone.
 - `rank<r>/step_<8 digits>.idx`: rank r's index of checkpoint `step` (pickle): for every DeepSpeed file it
   saved, the arena and the state's skeleton (tensors as their place in the arena); and every arena range it
-  staged, with a CRC-32 per 64 MiB chunk, computed by the persist process after it wrote the files.
+  staged, with a CRC-32 of every tensor in it, computed by the persist process after it wrote the files.
 
-The chunk checksum is CRC-32 (zlib's, 6.8 GB/s on this project's 2-core CI machine, against sha256's 2.0 and a
+The checksum is CRC-32 (zlib's, 6.8 GB/s on this project's 2-core CI machine, against sha256's 2.0 and a
 memory copy's 2.7), not the sha256 of the disk copy. It guards against accidents (a torn or stale arena, a bug that
 writes into one), not against an adversary: the tier is a directory only this user can write (`check_owner`),
 and a sha256 would cost a restore as much time as copying the state out, on the path meant to be fast. The disk
@@ -24,9 +24,11 @@ not used (the restore reads the disk and says why).
   every rank wrote its index.
 
 A restore uses the tier only when its step is the newest commit on disk, the disk copy's files have the sizes
-its marker lists, every rank's index is there, and every chunk digest matches (each rank checks its own, in
-parallel threads); else it reads the disk, and says why. The tier is then a DeepSpeed checkpoint engine whose
-`load(path)` returns the state over the arena (cloned), so DeepSpeed's own load logic runs unchanged.
+its marker lists, every rank's index is there and its arenas hold the ranges it lists; else it reads the disk,
+and says why. The tier is then a DeepSpeed checkpoint engine whose `load(path)` reads each tensor out of the
+arena into memory of its own (`read_checked`: pread in pieces, each piece checksummed while it is still in the
+CPU cache, so the bytes are read once), and DeepSpeed's own load logic runs unchanged. A file with a tensor
+whose checksum does not match is read from the disk copy instead (its sha256 checked), and the restore says so.
 
 The indexes are pickles: like DeepSpeed's `torch.load(weights_only=False)` of the checkpoint files, they are
 only read from a directory this user created with mode 0700. torch is imported in the functions that need it:
@@ -35,10 +37,8 @@ the supervisor imports this module to clean tiers up.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import json
-import mmap
 import os
 import pickle
 import shutil
@@ -51,8 +51,9 @@ from typing import Any
 ROOT = Path("/dev/shm")
 MARKER = "COMMITTED.json"
 SUPERVISOR = "supervisor"
-CHUNK = 64 << 20  # bytes per checksum: chunks are verified in parallel threads (zlib.crc32 releases the GIL)
-CHECKSUM = "crc32"  # what an index's chunk checksums are (`write_index` records it, `verify_rank` requires it)
+PIECE = 4 << 20  # bytes per pread in `read_checked`: checksummed while in the CPU cache
+CHECKSUM = "crc32-tensor"  # an index's checksums: one CRC-32 per tensor (`write_index` records it, `verify_rank`
+# requires it)
 
 
 def path_for(run_dir: str | Path, root: Path = ROOT) -> Path:
@@ -147,11 +148,30 @@ def index_path(tier: Path, rank: int, step: int) -> Path:
     return rank_dir(tier, rank) / f"step_{step:08d}.idx"
 
 
-def chunk_digests(buf, start: int, end: int) -> list[str]:
-    """The CHECKSUM of every CHUNK of buf[start:end], as 8 hex digits."""
+def checksum(buf, start: int, end: int) -> str:
+    """CRC-32 of buf[start:end], as 8 hex digits."""
     view = memoryview(buf)
     try:
-        return [f"{zlib.crc32(view[o : min(o + CHUNK, end)]):08x}" for o in range(start, end, CHUNK)]
+        return f"{zlib.crc32(view[start:end]):08x}"
+    finally:
+        view.release()
+
+
+def read_checked(fd: int, dest, offset: int, want: str) -> bool:
+    """Read len(dest) bytes of file `fd` at `offset` into the writable byte buffer `dest`; True when their CRC-32
+    is `want`. One pass: each piece is checksummed right after the kernel copied it in. Both calls release the
+    GIL, so tensors can be read in parallel threads."""
+    view = memoryview(dest).cast("B")
+    crc, done, n = 0, 0, len(view)
+    try:
+        while done < n:
+            piece = view[done : min(done + PIECE, n)]
+            got = os.preadv(fd, [piece], offset + done)
+            if got <= 0:
+                return False  # the arena is shorter than its index says
+            crc = zlib.crc32(piece[:got], crc)
+            done += got
+        return f"{crc:08x}" == want
     finally:
         view.release()
 
@@ -159,7 +179,7 @@ def chunk_digests(buf, start: int, end: int) -> list[str]:
 def write_index(tier: Path, rank: int, step: int, files: dict[str, tuple[str, Any]],
                 ranges: list[tuple[str, int, int, list[str]]]) -> None:
     """files: {path relative to the tag directory: (arena file name, skeleton)}; ranges: (arena file name, start,
-    end, chunk digests) of every range staged for them."""
+    end, {tensor offset: CRC-32}) of every range staged for them."""
     path = index_path(tier, rank, step)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(pickle.dumps({"step": step, "rank": rank, "checksum": CHECKSUM, "files": files, "ranges": ranges},
@@ -179,8 +199,9 @@ def prune_rank(tier: Path, rank: int, keep: set[str]) -> None:
             p.unlink(missing_ok=True)
 
 
-def verify_rank(tier: Path, rank: int, step: int, world: int, threads: int) -> str | None:
-    """None when every rank's index of `step` is here and rank r's staged ranges match their digests; else why."""
+def verify_rank(tier: Path, rank: int, step: int, world: int) -> str | None:
+    """None when every rank's index of `step` is here and rank r's arenas hold the ranges its index lists; else
+    why. The bytes are checked as they are read (`read_checked`)."""
     for r in range(world):
         if not index_path(tier, r, step).is_file():
             return f"no index of rank {r} for step {step} in {tier} on this host"
@@ -190,28 +211,11 @@ def verify_rank(tier: Path, rank: int, step: int, world: int, threads: int) -> s
         return f"rank {rank}'s index is unreadable ({type(e).__name__}: {e})"
     if index.get("checksum") != CHECKSUM:
         return f"rank {rank}'s index has {index.get('checksum', 'sha256')} checksums, this version checks {CHECKSUM}"
-    maps: dict[str, mmap.mmap] = {}
-    try:
-        jobs = []
-        for name, start, end, digests in index["ranges"]:
-            path = rank_dir(tier, rank) / name
-            if name not in maps:
-                if not path.is_file():
-                    return f"rank {rank}: arena {name} is missing"
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size < end:
-                        return f"rank {rank}: arena {name} has {size} bytes, the index needs {end}"
-                    maps[name] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-            for i, o in enumerate(range(start, end, CHUNK)):
-                jobs.append((name, o, min(o + CHUNK, end), digests[i] if i < len(digests) else None))
-        def check(job):
-            name, a, b, want = job
-            return None if want is not None and chunk_digests(maps[name], a, b) == [want] else \
-                f"rank {rank}: arena {name} bytes {a}..{b} do not match their checksum"
-        with cf.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            bad = [r for r in pool.map(check, jobs) if r is not None]
-        return bad[0] if bad else None
-    finally:
-        for mm in maps.values():
-            mm.close()
+    for name, _start, end, _sums in index["ranges"]:
+        try:
+            size = (rank_dir(tier, rank) / name).stat().st_size
+        except OSError:
+            return f"rank {rank}: arena {name} is missing"
+        if size < end:
+            return f"rank {rank}: arena {name} has {size} bytes, the index needs {end}"
+    return None

@@ -188,7 +188,7 @@ def test_memory_tier_restores_the_newest_commit_from_memory_and_falls_back_to_di
     good = older.read_bytes()
     older.write_bytes(pickle.dumps({k: v for k, v in index.items() if k != "checksum"}))  # a sha256-era index
     (tag_dir, _), info = restore()
-    assert info["tier"] == "disk" and "has sha256 checksums, this version checks crc32" in info["reason"], info
+    assert info["tier"] == "disk" and "has sha256 checksums, this version checks crc32-tensor" in info["reason"], info
     older.write_bytes(good)
 
     arena = max((tier / "rank0").glob("arena-*"), key=lambda p: p.stat().st_mtime)
@@ -198,10 +198,16 @@ def test_memory_tier_restores_the_newest_commit_from_memory_and_falls_back_to_di
         b = f.read(1)
         f.seek((start + end) // 2)
         f.write(bytes([b[0] ^ 0xFF]))
-    (tag_dir, state), info = restore()
-    assert info["tier"] == "disk" and "checksum" in info["reason"], info
+    flipped = next(rel for rel, (arena_name, _) in index["files"].items() if arena_name == name)
+    (tag_dir, state), info = restore()  # that file is read from its disk copy, the others from memory
+    assert info["tier"] in ("memory+disk", "disk") and f"{flipped}: a tensor in the memory tier does not match its " \
+        "checksum" in info["reason"], info
     assert tag_dir == root / ckpt.tag_name(3) and all(torch.equal(saved[k], v) for k, v in weights(engine).items())
+    assert_same_state({k: v for k, v in state.items()}, {k: v for k, v in disk_state.items() if k in state})
     assert arena.exists()
+    assert memtier.committed_step(tier) is None  # the damaged tier is not offered again
+    (_, _), info = restore()
+    assert info["tier"] == "disk" and "no committed snapshot" in info["reason"]
 
 
 def test_dead_runs_tiers_are_released_live_and_kept_ones_stay(tmp_path):

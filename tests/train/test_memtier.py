@@ -87,3 +87,24 @@ def test_auto_interval_is_chosen_logged_and_leaves_the_trajectory_alone(referenc
     assert saves == sorted(set(expected + [40]))
     assert result(workdir)["weights"] == ref["weights"] and result(workdir)["losses"] == ref["losses"]
     assert os.path.exists(next(Path(workdir).glob("train/*/checkpoints/step_00000040/COMMITTED.json")))
+
+
+def test_read_checked_reads_once_and_checks_the_crc_across_pieces(tmp_path, monkeypatch):
+    import zlib
+
+    import numpy as np
+
+    monkeypatch.setattr(memtier, "PIECE", 1000)  # several pieces per read, one short last piece
+    data = np.random.default_rng(0).integers(0, 256, 10_500, dtype=np.uint8).tobytes()
+    path = tmp_path / "arena"
+    path.write_bytes(b"H" * 64 + data)
+    want = f"{zlib.crc32(data):08x}"
+    assert memtier.checksum(b"H" * 64 + data, 64, 64 + len(data)) == want
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dest = bytearray(len(data))
+        assert memtier.read_checked(fd, dest, 64, want) and bytes(dest) == data
+        assert not memtier.read_checked(fd, bytearray(len(data)), 63, want)  # other bytes
+        assert not memtier.read_checked(fd, bytearray(len(data) + 1), 64, want)  # past the end of the arena
+    finally:
+        os.close(fd)
