@@ -322,11 +322,17 @@ class PersistProcess:
         return self.slots[self.slot][-1][1] if self.slots[self.slot] else None
 
     def reserve(self, nbytes: int) -> tuple[int, Arena]:
-        """(id, arena) with `nbytes` free after its cursor: a larger new one when needed (the old one stays
-        mapped, in its slot, until the slot is reused)."""
+        """(id, arena) with `nbytes` free after its cursor: a new one when needed (the old one stays mapped, in
+        its slot, until the slot is reused). A memfd arena doubles (its pages cost nothing until written); a
+        tier arena on tmpfs is allocated up front, so it is sized to what this checkpoint still needs (the
+        largest checkpoint's bytes so far, less what is staged; just `nbytes` on the first one): doubling
+        took 12.1 GB of tmpfs for the 6.1 GB first checkpoint of a 300M-parameter run."""
         old = self.arena
         if old is None or old.cursor + nbytes > old.size:
-            size = max(nbytes, 2 * old.size if old else self.last_total)
+            if self.tier_dir is None:
+                size = max(nbytes, 2 * old.size if old else self.last_total)
+            else:
+                size = max(nbytes, self.last_total - self.staged_total)
             aid = next(self.arena_ids)
             path = self.tier_dir / f"arena-{os.getpid()}-{aid}" if self.tier_dir is not None else None
             try:

@@ -82,6 +82,28 @@ def test_persist_process_writes_the_staged_state_while_training_goes_on(tmp_path
     assert not (tmp_path / "d.pt").exists()
 
 
+def test_tier_arenas_on_tmpfs_are_sized_to_the_checkpoint_not_doubled(tmp_path):
+    """A tier arena's pages are allocated up front: the first checkpoint gets arenas of what each file needs,
+    the next (in the other slot) one arena of the whole checkpoint, and a reused slot keeps an arena that holds
+    it; what the tier holds stays at two checkpoints."""
+    tier = tmp_path / "rank0"
+    tier.mkdir()
+    files = {"a.pt": {"x": torch.randn(1 << 16)}, "b.pt": {"y": torch.randn(3 << 16)},
+             "c.pt": {"z": torch.randn(1 << 15)}}
+    total = sum(4 * t.numel() for f in files.values() for t in f.values())  # float32, 64-byte multiples
+    writer = PersistProcess(tier)
+    try:
+        sizes = []
+        for _ in range(3):
+            for name, state in files.items():
+                writer.submit("states", str(tmp_path / name), state, True).result(timeout=TIMEOUT)
+            sizes.append(sum(p.stat().st_size for p in tier.glob("arena-*")))
+            writer.new_checkpoint()
+    finally:
+        writer.close()
+    assert sizes == [total, 2 * total, 2 * total], (sizes, total)  # doubling: 2.3 x total on the first
+
+
 STATE = {"module": collections.OrderedDict(w=torch.randn(300, 700), b=torch.ones(3, dtype=torch.bfloat16),
                                            empty=torch.zeros(0), view=torch.arange(10.0)[2:5]),
          "opt": {"state": {0: {"exp_avg": torch.randn(3 << 18), "step": torch.tensor(7)}}, "lr": 0.1},
