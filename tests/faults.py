@@ -109,7 +109,8 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
     its tier commit), SIGKILL rank `rank` alone, let run_train fail as it does when a rank dies, then call it
     again (what Prefect's retry does) and time the relaunch: Popen to the first training step recorded.
     `finish`: let the relaunched run finish (else it is killed after its first step).
-    Returns {"killed_after", "failed_rc", "relaunch_to_first_step", "restore" (the restore record), "rc"}."""
+    Returns {"killed_after", "failed_rc", "relaunch_to_first_step", "first_step_time" (that step's own
+    step_time), "restore" (the restore record), "rc"}."""
     from lifecycle.tasks.train import checkpoint as ckpt
     from lifecycle.tasks.train import memtier
 
@@ -133,11 +134,11 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
     killed_after = done[-1]
     t0 = time.monotonic()
     again = launch(tokdir, workdir, opts)
-    first = None
+    first = first_step_time = None
     while again.poll() is None and time.monotonic() < t0 + timeout:
         restored = records(workdir, "restore")
-        if restored and any(r["step"] > restored[-1]["step"] for r in records(workdir, "train")):
-            first = time.monotonic() - t0
+        if restored and (steps := [r for r in records(workdir, "train") if r["step"] > restored[-1]["step"]]):
+            first, first_step_time = time.monotonic() - t0, steps[0].get("step_time")
             break
         time.sleep(0.01)
     if finish:
@@ -146,7 +147,7 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
         kill_all(again)
     restored = records(workdir, "restore")
     return {"killed_after": killed_after, "failed_rc": proc.returncode, "relaunch_to_first_step": first,
-            "restore": restored[-1] if restored else None, "rc": again.returncode}
+            "first_step_time": first_step_time, "restore": restored[-1] if restored else None, "rc": again.returncode}
 
 
 def kill_all(proc: subprocess.Popen) -> None:
