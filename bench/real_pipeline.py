@@ -115,19 +115,29 @@ def tree_memory(root: int, pss: bool = True) -> tuple[int, int, dict[str, int]]:
     return rss, sum(roles.values()), dict(roles)
 
 
-def measured(cmd: list[str], what: str, **kw) -> tuple[str, dict]:
+def measured(cmd: list[str], what: str, also: tuple[int, ...] = (), **kw) -> tuple[str, dict]:
     """Run `cmd`; (stdout, {start, end (epoch s), wall_s, peak_rss_mb, peak_pss_mb, pss_timeline}) (each peak the
     tree's largest sum, sampled every 0.1 s, PSS every 0.5 s; `pss_timeline`: [(epoch s, PSS MB, {role: MB})] at
-    each PSS sample). Raises with the output on failure."""
+    each PSS sample; `also`: the trees of these pids are added, e.g. the warm runner that does the work of a
+    `lifecycle run` against `lifecycle up`). Raises with the output on failure."""
     start = time.time()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
     peak, done, timeline = [0, 0], threading.Event(), []
 
+    def trees(pss: bool) -> tuple[int, int, dict[str, int]]:
+        rss, total, roles = tree_memory(proc.pid, pss=pss)
+        for pid in also:
+            r, p, more = tree_memory(pid, pss=pss)
+            rss, total = rss + r, total + p
+            for k, v in more.items():
+                roles[k] = roles.get(k, 0) + v
+        return rss, total, roles
+
     def sample() -> None:  # PSS every 5th sample: smaps_rollup walks each process's page tables under its mm lock
         n = 0
         while not done.is_set():
-            rss, pss, roles = tree_memory(proc.pid, pss=n % 5 == 0)
+            rss, pss, roles = trees(n % 5 == 0)
             peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
             if n % 5 == 0:
                 timeline.append((time.time(), pss / 1e6, {k: v / 1e6 for k, v in roles.items()}))
@@ -175,9 +185,11 @@ def ours_config(src: Path, wd: Path) -> dict:
             "dedup": {"ngram": 5, "bands": 14, "rows": 8, "incremental": False}}
 
 
-def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False, sets: list[str] = ()) -> dict:
-    """One `lifecycle run` in `wd/work`. `keep_server`: leave its embedded Prefect server running for the next
-    run in the same work dir (--recurring), and recompute every stage there (its datasets are removed first)."""
+def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False, sets: list[str] = (),
+             also: tuple[int, ...] = ()) -> dict:
+    """One `lifecycle run` in `wd/work`. `keep_server`: leave its embedded Prefect server (or `lifecycle up`'s
+    servers) running for the next run in the same work dir (--recurring, --up), and recompute every stage there
+    (its datasets are removed first). `also`: pids whose memory counts as the run's (the warm runner)."""
     shutil.rmtree(wd / "work" / "datasets", ignore_errors=True)
     path = wd / "config.yaml"
     path.write_text(json.dumps(ours_config(src, wd)))  # JSON is YAML
@@ -187,7 +199,7 @@ def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False, sets:
 
     template = template_path()
     had_template = template is not None and template.exists()
-    out, info = measured(cmd, "lifecycle run", cwd=wd)
+    out, info = measured(cmd, "lifecycle run", also=also, cwd=wd)
     info["prefect_template"] = had_template  # False: this run's new server migrated its database (~10 s more)
     # not timed: stop the embedded Prefect server the run started in this throwaway work dir (it would idle an hour)
     if not keep_server:
@@ -202,6 +214,18 @@ def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False, sets:
     info["timing"] = t
     info["memory_by_stage"] = memory_by_stage(info)
     return info
+
+
+def start_servers(wd: Path) -> int:
+    """`lifecycle up` for `wd/work` (Prefect and MLflow servers and the warm runner, on free ports); the
+    runner's pid."""
+    from lifecycle.core.procs import free_port
+
+    (wd / "work").mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "up", "--workdir", str(wd / "work"), "--prefect-port",
+                    str(free_port()), "--mlflow-port", str(free_port())], cwd=wd, check=True,
+                   stdout=subprocess.DEVNULL, timeout=300)
+    return json.loads((wd / "work" / ".servers" / "servers.json").read_text())["runner"]["pid"]
 
 
 def stop_server(wd: Path) -> None:
@@ -304,6 +328,12 @@ def med(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def mode_of(args) -> str:
+    if args.up:
+        return "lifecycle up: same work dir, servers and warm runner up (their memory: the runner's counted)"
+    return "recurring: same work dir, embedded server up" if args.recurring else "new work dir"
+
+
 def compare(args) -> None:
     if not (dtvenv() / "bin/python").exists():
         raise SystemExit(f"no datatrove venv at {dtvenv()} (create it with bench/make_dtvenv.sh, or set $DTVENV)")
@@ -315,17 +345,20 @@ def compare(args) -> None:
     with tempfile.TemporaryDirectory(prefix="real-pipeline-") as tmp:
         order = (("ours", run_ours), ("datatrove", run_datatrove))
         home = Path(tmp) / "ours-recurring"
-        if args.recurring:  # one untimed run starts the work dir's server and creates its stores
+        same_dir, runner = args.recurring or args.up, ()
+        if same_dir:  # one untimed run starts the work dir's server (or warms `up`'s runner) and creates its stores
             home.mkdir()
-            run_ours(src, home, args.workers, keep_server=True, sets=args.set)
+            if args.up:
+                runner = (start_servers(home),)
+            run_ours(src, home, args.workers, keep_server=True, sets=args.set, also=runner)
         for rep in range(args.reps):
             for side, fn in order if rep % 2 == 0 else order[::-1]:
-                if side == "ours" and args.recurring:
-                    info = run_ours(src, home, args.workers, keep_server=True, sets=args.set)
+                if side == "ours" and same_dir:
+                    info = run_ours(src, home, args.workers, keep_server=True, sets=args.set, also=runner)
                     runs[side].append(info)
                     print(f"  rep {rep + 1}: ours      {info['wall_s']:7.1f} s wall, peak RSS {info['peak_rss_mb']:,.0f} MB, "
                           f"PSS {info['peak_pss_mb']:,.0f} MB, to first stage {info['to_first_stage_s']:.2f}, after last stage "
-                          f"{info['after_last_stage_s']:.2f} (recurring: same work dir, server up)", flush=True)
+                          f"{info['after_last_stage_s']:.2f} ({mode_of(args)})", flush=True)
                     continue
                 wd = Path(tmp) / f"{side}-{rep}"
                 wd.mkdir()
@@ -337,7 +370,7 @@ def compare(args) -> None:
                 print(f"  rep {rep + 1}: {side:<9} {info['wall_s']:7.1f} s wall, peak RSS {info['peak_rss_mb']:,.0f} MB, "
                       f"PSS {info['peak_pss_mb']:,.0f} MB{extra}", flush=True)
                 shutil.rmtree(wd, ignore_errors=True)
-        if args.recurring:
+        if same_dir:
             stop_server(home)
         prof = None if args.no_profile else profile(src, Path(tmp) / "profile")
     ratios = [d["wall_s"] / o["wall_s"] for o, d in zip(runs["ours"], runs["datatrove"])]
@@ -350,7 +383,7 @@ def compare(args) -> None:
     ours, dt = runs["ours"], runs["datatrove"]
     result = {
         "bench": "real_pipeline", "sets": args.set, "mix": args.mix or "crawl", "mb": round(mb, 1), "documents": docs, "workers": args.workers, "reps": args.reps,
-        "ours_mode": "recurring" if args.recurring else "new work dir",
+        "ours_mode": mode_of(args),
         "ratio": med(ratios), "ratios": [round(r, 3) for r in ratios],
         "ours_wall_s": med([r["wall_s"] for r in ours]), "datatrove_wall_s": med([r["wall_s"] for r in dt]),
         "ours_docs_per_s": docs / med([r["wall_s"] for r in ours]),
@@ -498,6 +531,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recurring", action="store_true", help=(
         "ours as a recurring run: every repetition in one work dir whose embedded Prefect server a first, untimed "
         "run started (its datasets removed before each, so every stage runs); default: a new work dir each"))
+    ap.add_argument("--up", action="store_true", help=(
+        "ours against `lifecycle up` (Prefect and MLflow servers and the warm runner, started untimed): every "
+        "repetition a `lifecycle run` in that work dir, after one untimed run; the runner's memory is counted"))
     ap.add_argument("--no-profile", action="store_true", help="skip the in-process per-stage profile")
     ap.add_argument("--scaling", help="comma-separated sizes in MB: ours alone, docs/s and peak memory per size")
     ap.add_argument("--plots", type=Path, help="with --scaling: folder for the PNG plots (e.g. docs/img)")
