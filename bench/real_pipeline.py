@@ -234,7 +234,7 @@ def stop_server(wd: Path) -> None:
 
 
 def run_datatrove(src: Path, wd: Path, workers: int) -> dict:
-    from bench.pipeline_throughput import DATATROVE_SCRIPT
+    from bench.datatrove_pipeline import DATATROVE_SCRIPT
 
     script = wd / "datatrove_pipeline.py"  # a file: the executor's workers re-import __main__
     script.write_text(DATATROVE_SCRIPT)
