@@ -726,6 +726,7 @@ class TierLoader:
             # DeepSpeed loads the model states file twice in a row (SDLoaderFactory's check_ckpt_list reads
             # mp_world_size from a first load, then `load` loads it again): the same tensors, new containers
             return _map(self.last[1], lambda t: t)
+        self.last = None  # not held while another file is read (DeepSpeed has copied the module's weights by now)
         arena, skeleton = self.files[rel]
         fd = self._fd(arena)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
