@@ -344,7 +344,7 @@ def compare(args) -> None:
     runs = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="real-pipeline-") as tmp:
         order = (("ours", run_ours), ("datatrove", run_datatrove))
-        home = Path(tmp) / "ours-recurring"
+        home = Path(tmp) / "ours-same-dir"
         same_dir, runner = args.recurring or args.up, ()
         if same_dir:  # one untimed run starts the work dir's server (or warms `up`'s runner) and creates its stores
             home.mkdir()

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train import memtier
 
@@ -758,8 +759,6 @@ class TierLoader:
 
     def _from_disk(self, rel: str, path, map_location):
         """The disk copy of `rel`, once its sha256 matches the commit marker."""
-        from lifecycle.core.fs import sha256_file
-
         want = {f["path"]: f["sha256"] for f in ckpt.read_marker(self.tag_dir)["files"]}.get(rel)
         if want is None or sha256_file(path) != want:
             raise RuntimeError(f"{rel} of {self.tag_dir}: the memory tier's copy fails its checksum and the disk "

@@ -13,13 +13,6 @@ Layout of one run's tier (mode 0700, owned by the user):
 - `rank<r>/step_<8 digits>.idx`: rank r's index of checkpoint `step` (pickle): for every DeepSpeed file it
   saved, the arena and the state's skeleton (tensors as their place in the arena); and every arena range it
   staged, with a CRC-32 of every tensor in it, computed by the persist process after it wrote the files.
-
-The checksum is CRC-32 (zlib's, 6.8 GB/s on this project's 2-core CI machine, against sha256's 2.0 and a
-memory copy's 2.7), not the sha256 of the disk copy. It guards against accidents (a torn or stale arena, a bug that
-writes into one), not against an adversary: the tier is a directory only this user can write (`check_owner`),
-and a sha256 would cost a restore as much time as copying the state out, on the path meant to be fast. The disk
-copy keeps its sha256, which is also the lineage's content address. An index written with another checksum is
-not used (the restore reads the disk and says why).
 - `COMMITTED.json`: {"step", "world_size"}, written by rank 0 after the disk commit of that step, only when
   every rank wrote its index.
 
@@ -29,6 +22,13 @@ and says why. The tier is then a DeepSpeed checkpoint engine whose `load(path)` 
 arena into memory of its own (`read_checked`: pread in pieces, each piece checksummed while it is still in the
 CPU cache, so the bytes are read once), and DeepSpeed's own load logic runs unchanged. A file with a tensor
 whose checksum does not match is read from the disk copy instead (its sha256 checked), and the restore says so.
+
+The checksum is CRC-32 (zlib's, 6.8 GB/s on this project's 2-core CI machine, against sha256's 2.0 and a
+memory copy's 2.7), not the sha256 of the disk copy. It guards against accidents (a torn or stale arena, a bug that
+writes into one), not against an adversary: the tier is a directory only this user can write (`check_owner`),
+and a sha256 would cost a restore as much time as copying the state out, on the path meant to be fast. The disk
+copy keeps its sha256, which is also the lineage's content address. An index written with another checksum is
+not used (the restore reads the disk and says why).
 
 The indexes are pickles: like DeepSpeed's `torch.load(weights_only=False)` of the checkpoint files, they are
 only read from a directory this user created with mode 0700. torch is imported in the functions that need it:
@@ -177,7 +177,7 @@ def read_checked(fd: int, dest, offset: int, want: str) -> bool:
 
 
 def write_index(tier: Path, rank: int, step: int, files: dict[str, tuple[str, Any]],
-                ranges: list[tuple[str, int, int, list[str]]]) -> None:
+                ranges: list[tuple[str, int, int, dict[int, str]]]) -> None:
     """files: {path relative to the tag directory: (arena file name, skeleton)}; ranges: (arena file name, start,
     end, {tensor offset: CRC-32}) of every range staged for them."""
     path = index_path(tier, rank, step)
