@@ -228,6 +228,19 @@ def start_servers(wd: Path) -> int:
     return json.loads((wd / "work" / ".servers" / "servers.json").read_text())["runner"]["pid"]
 
 
+def wait_embedded_runner(wd: Path, timeout: float = 120) -> int:
+    """The pid of the warm runner the first (cold) run left beside the work dir's embedded server, once it answers
+    (untimed: a user's next run comes an hour later)."""
+    from lifecycle.flows.servers import EMBEDDED_RUNNER, embedded_runner_entry, ping_runner, runner_socket
+
+    deadline = time.time() + timeout
+    while not ping_runner(runner_socket(wd / "work", EMBEDDED_RUNNER)):
+        if time.time() > deadline:
+            raise RuntimeError(f"no embedded runner answered for {wd / 'work'} (LIFECYCLE_EMBEDDED_RUNNER=0?)")
+        time.sleep(0.5)
+    return embedded_runner_entry(wd / "work")["pid"]
+
+
 def stop_server(wd: Path) -> None:
     subprocess.run([str(ROOT / ".venv/bin/lifecycle"), "down", "--workdir", str(wd / "work")], cwd=wd, check=False,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
@@ -331,7 +344,9 @@ def med(xs: list) -> float | None:
 def mode_of(args) -> str:
     if args.up:
         return "lifecycle up: same work dir, servers and warm runner up (their memory: the runner's counted)"
-    return "recurring: same work dir, embedded server up" if args.recurring else "new work dir"
+    if args.recurring:
+        return "recurring: same work dir, embedded server and its warm runner up (the runner's memory counted)"
+    return "new work dir"
 
 
 def compare(args) -> None:
@@ -351,6 +366,8 @@ def compare(args) -> None:
             if args.up:
                 runner = (start_servers(home),)
             run_ours(src, home, args.workers, keep_server=True, sets=args.set, also=runner)
+            if args.recurring:  # the embedded server's warm runner, which that run started as it exited
+                runner = (wait_embedded_runner(home),)
         for rep in range(args.reps):
             for side, fn in order if rep % 2 == 0 else order[::-1]:
                 if side == "ours" and same_dir:
@@ -529,8 +546,9 @@ def main(argv: list[str] | None = None) -> None:
         "bench/real_corpus.py's mix: default crawl against datatrove, uniform with --scaling (the same mix at every "
         "size)"))
     ap.add_argument("--recurring", action="store_true", help=(
-        "ours as a recurring run: every repetition in one work dir whose embedded Prefect server a first, untimed "
-        "run started (its datasets removed before each, so every stage runs); default: a new work dir each"))
+        "ours as a recurring run: every repetition in one work dir whose embedded Prefect server and warm runner a "
+        "first, untimed run started (its datasets removed before each, so every stage runs; the runner's memory "
+        "counted); default: a new work dir each"))
     ap.add_argument("--up", action="store_true", help=(
         "ours against `lifecycle up` (Prefect and MLflow servers and the warm runner, started untimed): every "
         "repetition a `lifecycle run` in that work dir, after one untimed run; the runner's memory is counted"))

@@ -29,6 +29,7 @@ HOST = "127.0.0.1"
 SERVERS = ("prefect", "mlflow")  # a run uses `up`'s servers when both answer
 RUNNER = "runner"  # `up` also starts the warm runner (lifecycle/launch.py) unless --no-runner
 EMBEDDED = "embedded-prefect"  # started by `lifecycle run` when `up` started none (`embedded_server`)
+EMBEDDED_RUNNER = "embedded-runner"  # the warm runner a cold run leaves beside the embedded server
 
 
 def state_dir(workdir: str | Path) -> Path:
@@ -145,6 +146,8 @@ def down(workdir: str | Path, timeout: float = 30) -> list[str]:
         (sdir / f"{name}.pid").unlink(missing_ok=True)
     (sdir / "servers.json").unlink(missing_ok=True)
     runner_socket(workdir).unlink(missing_ok=True)
+    if stop_embedded_runner(workdir, timeout):
+        stopped.append(EMBEDDED_RUNNER)
     if stop_embedded(workdir, timeout):
         stopped.append(EMBEDDED)
     return stopped
@@ -153,34 +156,36 @@ def down(workdir: str | Path, timeout: float = 30) -> list[str]:
 def status(workdir: str | Path) -> dict:
     """`up`'s servers, and the embedded Prefect server (`EMBEDDED`) when runs started one."""
     state = _read(Path(workdir).resolve())
-    embedded = _read_embedded(Path(workdir).resolve())
-    if embedded:
-        state[EMBEDDED] = embedded
+    for name, entry in ((EMBEDDED, _read_embedded(Path(workdir).resolve())),
+                        (EMBEDDED_RUNNER, embedded_runner_entry(workdir))):
+        if entry:
+            state[name] = entry
     return {name: {"running": _alive(e), "healthy": _alive(e) and _healthy(e["health"]), "pid": e["pid"],
                    "url": e["url"], "log": e["log"]} for name, e in state.items()}
 
 
 def active(workdir: str | Path) -> dict[str, str] | None:
     """URLs of this work dir's servers when both are up and healthy, else None (use the embedded defaults)."""
-    st = status(workdir)
-    if all(st.get(n, {}).get("healthy") for n in SERVERS):
-        return {"prefect_api": st["prefect"]["url"] + "/api", "mlflow": st["mlflow"]["url"]}
+    state = _read(Path(workdir).resolve())  # `up`'s entries only: no health check of the embedded ones
+    if all(n in state and _alive(state[n]) and _healthy(state[n]["health"]) for n in SERVERS):
+        return {"prefect_api": state["prefect"]["url"] + "/api", "mlflow": state["mlflow"]["url"]}
     return None
 
 
 # --------------------------------------------------------------- the warm runner's socket (lifecycle/launch.py)
 
 
-def runner_socket(workdir: str | Path) -> Path:
-    """`<workdir>/.servers/runner.sock`; where that path is too long for a Unix socket (107 bytes), a socket named
-    by the work dir's hash in a directory only this user can enter (`$XDG_RUNTIME_DIR`, else /tmp)."""
-    path = state_dir(Path(workdir).resolve()) / "runner.sock"
+def runner_socket(workdir: str | Path, name: str = RUNNER) -> Path:
+    """`<workdir>/.servers/<name>.sock` (`runner`: `up`'s runner; `embedded-runner`: the embedded server's); where
+    that path is too long for a Unix socket (107 bytes), a socket named by its hash in a directory only this user
+    can enter (`$XDG_RUNTIME_DIR`, else /tmp)."""
+    path = state_dir(Path(workdir).resolve()) / f"{name}.sock"
     if len(os.fsencode(path)) <= 100:
         return path
     import hashlib
 
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"lifecycle-{os.getuid()}"
-    return base / f"runner-{hashlib.sha256(os.fsencode(path)).hexdigest()[:20]}.sock"
+    return base / f"{name}-{hashlib.sha256(os.fsencode(path)).hexdigest()[:20]}.sock"
 
 
 def send_msg(sock: socket.socket, obj: dict, fds: list[int] = ()) -> None:
@@ -229,10 +234,12 @@ def ping_runner(path: Path, timeout: float = 2) -> bool:
 _starting: _Starting | None = None
 
 
-def prepare_environment(workdir: str | Path, wait: bool = True) -> str:
+def prepare_environment(workdir: str | Path, wait: bool = True, hold: bool = True) -> str:
     """Use the work dir's servers when `lifecycle up` started them. Otherwise the embedded defaults: without
     a configured Prefect API, keep Prefect's home (its SQLite database and the ephemeral server it starts)
-    inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite."""
+    inside the work dir, give the ephemeral server time to start on 2 cores, and let MLflow write SQLite.
+    `hold`: count this process as a user of the embedded server until it exits (a run; the embedded runner,
+    which only waits for runs, does not hold it, so the server's idle timer still runs)."""
     live = active(workdir)
     if live:
         os.environ["PREFECT_API_URL"] = live["prefect_api"]
@@ -246,7 +253,7 @@ def prepare_environment(workdir: str | Path, wait: bool = True) -> str:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     if mode == "embedded":
         global _starting
-        _starting = start_embedded(workdir)
+        _starting = start_embedded(workdir, hold=hold)
         os.environ["PREFECT_API_URL"] = _starting.url + "/api"
         if wait:
             wait_ready()
@@ -334,21 +341,21 @@ class _Starting:
                 self.lock_fd = None
 
 
-def start_embedded(workdir: str | Path) -> _Starting:
+def start_embedded(workdir: str | Path, hold: bool = True) -> _Starting:
     """Find the work dir's embedded server, or launch one without waiting for it (the caller imports Prefect
     meanwhile, then calls `wait()`).
 
     Under an exclusive lock on `embedded.lock` (held until `wait()` returns), so two runs that start at once end
     with one server. A server whose process is gone, or that does not answer its health check, is replaced (a
     hung one is stopped first). The caller is counted as a user (`embedded.users`) until it exits, so the idle
-    timer never stops the server under a run."""
+    timer never stops the server under a run (`hold`)."""
     import fcntl
 
     global _users_fd
     workdir = Path(workdir).resolve()
     sdir = state_dir(workdir)
     sdir.mkdir(parents=True, exist_ok=True)
-    if _users_fd is None:
+    if _users_fd is None and hold:
         _users_fd = _lock(sdir / "embedded.users", fcntl.LOCK_SH)
     fd = _lock(sdir / "embedded.lock", fcntl.LOCK_EX)
     try:
@@ -416,13 +423,7 @@ def seed_from_template(template: Path, db: Path) -> None:
 
 
 def _read_embedded(workdir: Path) -> dict | None:
-    f = state_dir(workdir) / "embedded.json"
-    try:
-        return json.loads(f.read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError:  # a torn write (a full disk): start another
-        return None
+    return _read_json(state_dir(workdir) / "embedded.json")  # None too for a torn write (a full disk): start another
 
 
 def _launch_embedded(workdir: Path) -> tuple[subprocess.Popen, dict]:
@@ -459,6 +460,11 @@ def _serve_embedded(workdir: str, port: int, idle_s: float) -> None:
         last_used = time.time()
         while not server.should_exit:
             time.sleep(min(15.0, max(idle_s / 4, 0.2)))
+            entry = _read_embedded(Path(workdir))
+            if entry is not None and entry.get("pid") != os.getpid():  # replaced (the work dir was removed and made
+                print(f"embedded Prefect server: {workdir} names another server now; stopping", flush=True)
+                server.should_exit = True  # again, say): its runs hold the other one's `embedded.users`
+                return
             try:
                 fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:  # the work dir (or its .servers) was removed: no run can find this server again
@@ -484,9 +490,68 @@ def stop_embedded(workdir: str | Path, timeout: float = 30) -> bool:
     workdir = Path(workdir).resolve()
     entry = _read_embedded(workdir)
     running = bool(entry) and _alive(entry)
+    stop_embedded_runner(workdir, timeout)
     if running:
         stop_group(entry["pid"], term_timeout=timeout)
     (state_dir(workdir) / "embedded.json").unlink(missing_ok=True)
+    return running
+
+
+# ------------------------------------------------------------- the embedded server's warm runner (lifecycle/launch.py)
+#
+# `lifecycle up` starts a warm runner beside its servers. With the embedded default, a cold `lifecycle run` that
+# used the embedded server starts one as it exits (`start_embedded_runner`, with the command's own environment and
+# working directory), so the next run in the work dir skips the ~4 s of imports, as against `up`'s servers. It
+# lives as long as the embedded server: it exits when that server is gone (idle timeout, `lifecycle down`, replaced)
+# and `lifecycle down` stops it too. Its state is `<workdir>/.servers/embedded-runner.json`; a lock
+# (`embedded-runner.lock`, held for its life) keeps it to one per work dir. Off with LIFECYCLE_EMBEDDED_RUNNER=0 or
+# LIFECYCLE_WARM=0 (the tests' default is off: tests/conftest.py).
+EMBEDDED_RUNNER_ENV = "LIFECYCLE_EMBEDDED_RUNNER"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def embedded_runner_entry(workdir: str | Path) -> dict | None:
+    return _read_json(state_dir(Path(workdir).resolve()) / f"{EMBEDDED_RUNNER}.json")
+
+
+def start_embedded_runner(workdir: str | Path, env: dict[str, str], cwd: str) -> int | None:
+    """Start the work dir's embedded runner (detached) unless it is off or one is running: its pid, else None.
+    `env` and `cwd` are the command's as it started (before `prepare_environment`): a later run is taken warm only
+    if its own match them (lifecycle/launch.py `decline_reason`)."""
+    if env.get(EMBEDDED_RUNNER_ENV, "1") == "0" or env.get("LIFECYCLE_WARM", "1") == "0":
+        return None
+    workdir = Path(workdir).resolve()
+    entry = embedded_runner_entry(workdir)
+    if entry and _alive(entry):
+        return None
+    sdir = state_dir(workdir)
+    argv = [sys.executable, "-m", "lifecycle.launch", "--serve-embedded", str(workdir)]
+    with open(sdir / f"{EMBEDDED_RUNNER}.log", "ab") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=cwd)
+    sock = runner_socket(workdir, EMBEDDED_RUNNER)
+    entry = {"pid": proc.pid, "argv": argv, "url": str(sock), "health": f"unix:{sock}",
+             "log": str(sdir / f"{EMBEDDED_RUNNER}.log")}
+    tmp = sdir / f"{EMBEDDED_RUNNER}.json.tmp"
+    tmp.write_text(json.dumps(entry, indent=2))
+    tmp.replace(sdir / f"{EMBEDDED_RUNNER}.json")
+    return proc.pid
+
+
+def stop_embedded_runner(workdir: str | Path, timeout: float = 30) -> bool:
+    workdir = Path(workdir).resolve()
+    entry = embedded_runner_entry(workdir)
+    running = bool(entry) and _alive(entry)
+    if running:
+        stop_group(entry["pid"], term_timeout=timeout)
+    (state_dir(workdir) / f"{EMBEDDED_RUNNER}.json").unlink(missing_ok=True)
+    runner_socket(workdir, EMBEDDED_RUNNER).unlink(missing_ok=True)
     return running
 
 

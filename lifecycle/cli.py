@@ -22,6 +22,9 @@ LAUNCH = "cold"  # "warm" in a run the warm runner forked (lifecycle/launch.py; 
 import argparse
 import json
 import os
+
+START_ENV = dict(os.environ)  # the command's environment before `prepare_environment`: the embedded runner's
+EMBEDDED_USED: str | None = None  # the work dir whose embedded Prefect server this (cold) run used
 import re
 import signal
 import sys
@@ -32,6 +35,7 @@ from lifecycle.tasks.stages import NAMES as STAGES
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    global EMBEDDED_USED
     cfg = load_config(args.config, args.set or [])  # a ConfigError is one line and exit 2 (`main`)
     from lifecycle.core.locking import WorkdirBusy, check_workdir, workdir_lock
 
@@ -60,6 +64,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             # Prefect's environment, before anything imports Prefect; an embedded server that has to start does so
             # while the flow's modules are imported
             mode = prepare_environment(cfg.workdir, wait=False)
+            if mode == "embedded":
+                EMBEDDED_USED = cfg.workdir
             timing["prefect_launched"] = time.time()
             from lifecycle.flows.pipeline import lifecycle_flow
             from lifecycle.flows.runner import reporting
@@ -541,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     """The `lifecycle` command (`argv` None: the process's own arguments; a list: called in-process, e.g. tests)."""
     rc = _main(argv)
     if argv is None and getattr(_main, "ran", None) == "run":
+        if EMBEDDED_USED is not None and LAUNCH == "cold":  # the next run in this work dir goes warm
+            from lifecycle.flows.servers import start_embedded_runner
+
+            try:
+                start_embedded_runner(EMBEDDED_USED, START_ENV, os.getcwd())
+            except OSError as e:  # a full disk, a removed work dir: the next run is only cold
+                print(f"lifecycle: no warm runner started for {EMBEDDED_USED}: {e}", file=sys.stderr)
         _exit_now(rc)
     return rc
 

@@ -52,8 +52,8 @@ ACCEPT_TIMEOUT_S = 10.0  # a client that connects and sends nothing is dropped a
 
 def main() -> None:
     argv = sys.argv[1:]
-    if argv[:1] == ["--serve"] and len(argv) == 2:
-        serve(argv[1])
+    if argv[:1] in (["--serve"], ["--serve-embedded"]) and len(argv) == 2:
+        serve(argv[1], embedded=argv[0] == "--serve-embedded")
         return
     if argv[:1] == ["run"] and os.environ.get(WARM_ENV, "1") != "0":
         rc = handoff(argv)
@@ -135,10 +135,10 @@ def handoff(argv: list[str]) -> int | None:
     wd = peek_workdir(argv)
     if wd is None:
         return None
-    from lifecycle.flows.servers import runner_socket, send_msg
+    from lifecycle.flows.servers import EMBEDDED_RUNNER, runner_socket, send_msg
 
-    path = runner_socket(wd)
-    if not path.exists():
+    path = runner_socket(wd)  # `up`'s runner, else the one a cold run left beside the embedded server
+    if not path.exists() and not (path := runner_socket(wd, EMBEDDED_RUNNER)).exists():
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -214,23 +214,36 @@ def preload() -> None:
 
 
 class Runner:
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.started_env = dict(os.environ)  # as `lifecycle up` started it: before prepare_environment adds to it
+    """`up`'s runner, or (`embedded`) the one a cold run starts beside the work dir's embedded Prefect server
+    (flows/servers.py `start_embedded_runner`), which lives as long as that server."""
+
+    def __init__(self, workdir: Path, embedded: bool = False):
+        self.workdir, self.embedded = workdir, embedded
+        self.argv = [sys.executable, "-m", "lifecycle.launch", "--serve-embedded" if embedded else "--serve",
+                     str(workdir)]
+        self.started_env = dict(os.environ)  # as `up` (or the cold run) started it: before prepare_environment
         self.env = shaping_env(self.started_env)
         self.files = prefect_files(os.getcwd())
-        from lifecycle.flows.servers import active, prepare_environment, runner_socket
+        from lifecycle.flows import servers
 
-        deadline = time.time() + 180
-        while active(workdir) is None:  # `up` starts its servers and this runner at once
-            if time.time() > deadline:
-                sys.exit(f"runner: the work dir's servers did not come up within 180 s ({workdir})")
-            time.sleep(0.3)
-        prepare_environment(workdir)  # what `lifecycle run` sets before it imports Prefect
+        self.server: dict | None = None  # embedded: the server this runner's imports were set up for
+        if embedded:
+            self.server = self.embedded_setup()
+        else:
+            deadline = time.time() + 180
+            while servers.active(workdir) is None:  # `up` starts its servers and this runner at once
+                if time.time() > deadline:
+                    sys.exit(f"runner: the work dir's servers did not come up within 180 s ({workdir})")
+                time.sleep(0.3)
+            servers.prepare_environment(workdir)  # what `lifecycle run` sets before it imports Prefect
         preload()
+        if embedded and not os.environ.get("MLFLOW_TRACKING_URI"):
+            from lifecycle.lineage.tracking import preload_sqlite_store
+
+            preload_sqlite_store()  # the work dir's SQLite store, as a cold embedded run preloads it
         self.stamp = code_stamp()
         self.stale = False
-        self.path = runner_socket(workdir)
+        self.path = servers.runner_socket(workdir, servers.EMBEDDED_RUNNER if embedded else servers.RUNNER)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -241,6 +254,39 @@ class Runner:
             os.umask(old)
         self.sock.listen(16)
         print(f"runner {os.getpid()}: ready on {self.path} ({len(sys.modules)} modules imported)", flush=True)
+
+    def embedded_setup(self) -> dict:
+        """One embedded runner per work dir (its lock, held for life), then the server's environment, set as a
+        run sets it but without counting as a user of the server (whose idle timer must still run)."""
+        import fcntl
+
+        from lifecycle.flows import servers
+
+        self.lock_fd = os.open(servers.state_dir(self.workdir) / f"{servers.EMBEDDED_RUNNER}.lock",
+                               os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"runner: another embedded runner serves {self.workdir}")
+        entry = servers._read_embedded(self.workdir)
+        if not entry or not servers._alive(entry):
+            sys.exit(f"runner: no embedded Prefect server is running for {self.workdir}")
+        if servers.prepare_environment(self.workdir, hold=False) != "embedded":
+            sys.exit(f"runner: `lifecycle up`'s servers run for {self.workdir}; they have their own runner")
+        return servers._read_embedded(self.workdir) or entry
+
+    def server_changed(self) -> str | None:
+        """Embedded: why the server this runner was set up for is no longer the work dir's (None: it still is)."""
+        from lifecycle.flows import servers
+
+        if not self.embedded:
+            return None
+        now = servers._read_embedded(self.workdir)
+        if not now or not servers._alive(now) or (now["pid"], now["url"]) != (self.server["pid"], self.server["url"]):
+            return "the work dir's embedded Prefect server stopped or was replaced"
+        if servers.active(self.workdir) is not None:
+            return "`lifecycle up`'s servers now run for the work dir"
+        return None
 
     def decline_reason(self, msg: dict) -> str | None:
         import threading
@@ -255,6 +301,8 @@ class Runner:
             return f"{msg['cwd']} holds Prefect settings files ({', '.join(PREFECT_FILES)}) the runner's did not"
         if code_stamp() != self.stamp:
             return "the project's code changed since the runner started (it restarts now)"
+        if (changed := self.server_changed()) is not None:
+            return f"{changed} (the runner exits now)"
         return None
 
     def serve_forever(self) -> None:
@@ -263,6 +311,8 @@ class Runner:
         while True:
             self.reap()
             if not select.select([self.sock], [], [], 1.0)[0]:
+                if self.embedded and (changed := self.server_changed()) is not None:
+                    self.exit(changed)
                 continue
             conn, _ = self.sock.accept()
             try:
@@ -301,11 +351,15 @@ class Runner:
                 conn.sendall(json.dumps({"declined": reason}).encode() + b"\n")
                 print(f"runner: declined a run: {reason}", flush=True)
                 self.stale = reason.startswith("the project's code changed")
+                if reason.endswith("(the runner exits now)"):
+                    self.exit(reason)
                 return
             pid = os.fork()
             if pid == 0:
                 try:
                     self.sock.close()
+                    if self.embedded:
+                        os.close(self.lock_fd)  # a run outliving this runner must not keep the next one out
                     os._exit(child(self.workdir, conn, msg, fds))
                 finally:
                     os._exit(70)
@@ -318,8 +372,19 @@ class Runner:
         self.sock.close()
         self.path.unlink(missing_ok=True)
         sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "lifecycle.launch", "--serve", str(self.workdir)],
-                  self.started_env)
+        os.execve(sys.executable, self.argv, self.started_env)
+
+    def exit(self, why: str) -> None:
+        """The embedded runner's end: its server is gone. Runs it forked go on (they hold their own files)."""
+        from lifecycle.flows import servers
+
+        print(f"runner: {why}; exiting", flush=True)
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+        entry = servers.embedded_runner_entry(self.workdir)
+        if entry and entry.get("pid") == os.getpid():
+            (servers.state_dir(self.workdir) / f"{servers.EMBEDDED_RUNNER}.json").unlink(missing_ok=True)
+        sys.exit(0)
 
 
 def child(workdir: Path, conn: socket.socket, msg: dict, fds: list[int]) -> int:
@@ -381,9 +446,9 @@ def child(workdir: Path, conn: socket.socket, msg: dict, fds: list[int]) -> int:
     return rc
 
 
-def serve(workdir: str) -> None:
+def serve(workdir: str, embedded: bool = False) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    Runner(Path(workdir).resolve()).serve_forever()
+    Runner(Path(workdir).resolve(), embedded).serve_forever()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ CORPUS = sorted((ROOT / "corpus" / "python-docs").glob("*.jsonl.gz"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # each test's `lifecycle run` starts its work dir's embedded Prefect server (flows/servers.py): let it stop soon after
 os.environ.setdefault("LIFECYCLE_EMBEDDED_IDLE_S", "30")
+# and no warm runner beside it (~500 MB and ~3 s of imports each): tests/flows/test_embedded_runner.py turns it on
+os.environ.setdefault("LIFECYCLE_EMBEDDED_RUNNER", "0")
 
 
 def corpus_records(n: int, every_file: bool = False) -> list[dict]:

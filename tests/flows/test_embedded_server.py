@@ -139,6 +139,20 @@ def test_it_stops_when_its_work_dir_is_removed(wd):
     assert _wait_gone(pid, 60), "the server of a removed work dir did not stop"
 
 
+def test_it_stops_when_its_work_dir_is_made_again(wd):
+    """A work dir removed and made again (a rerun from scratch) gets a new server, whose runs hold
+    `embedded.users` at the same path: the old server must not take that for its own use and serve an hour for
+    nothing. It stops once the work dir's state names another server."""
+    import shutil
+
+    old = _result(_start(wd, {"LIFECYCLE_EMBEDDED_IDLE_S": "3600"}))["pid"]
+    shutil.rmtree(wd)
+    new = _result(_start(wd, {"LIFECYCLE_EMBEDDED_IDLE_S": "3600"}))["pid"]
+    assert new != old and _state(wd)["pid"] == new
+    assert _wait_gone(old, 60), "the replaced server did not stop"
+    assert _alive(new)
+
+
 def test_a_new_work_dir_starts_from_the_migrated_template(tmp_path):
     """Prefect's migrations take ~10 s of a new work dir's ~14 s server start (issue 25's cold start). The first
     new server on a machine keeps its just-migrated, empty database in the cache; later new work dirs start
