@@ -228,17 +228,14 @@ def start_servers(wd: Path) -> int:
     return json.loads((wd / "work" / ".servers" / "servers.json").read_text())["runner"]["pid"]
 
 
-def wait_embedded_runner(wd: Path, timeout: float = 120) -> int:
+def wait_embedded_runner(wd: Path) -> int:
     """The pid of the warm runner the first (cold) run left beside the work dir's embedded server, once it answers
     (untimed: a user's next run comes an hour later)."""
-    from lifecycle.flows.servers import EMBEDDED_RUNNER, embedded_runner_entry, ping_runner, runner_socket
+    from lifecycle.flows.servers import wait_embedded_runner as wait
 
-    deadline = time.time() + timeout
-    while not ping_runner(runner_socket(wd / "work", EMBEDDED_RUNNER)):
-        if time.time() > deadline:
-            raise RuntimeError(f"no embedded runner answered for {wd / 'work'} (LIFECYCLE_EMBEDDED_RUNNER=0?)")
-        time.sleep(0.5)
-    return embedded_runner_entry(wd / "work")["pid"]
+    if (entry := wait(wd / "work")) is None:
+        raise RuntimeError(f"no embedded runner answered for {wd / 'work'} (LIFECYCLE_EMBEDDED_RUNNER=0?)")
+    return entry["pid"]
 
 
 def stop_server(wd: Path) -> None:

@@ -544,6 +544,17 @@ def start_embedded_runner(workdir: str | Path, env: dict[str, str], cwd: str) ->
     return proc.pid
 
 
+def wait_embedded_runner(workdir: str | Path, timeout: float = 120) -> dict | None:
+    """The work dir's embedded runner entry once it answers on its socket (it imports for a few seconds after the
+    cold run that started it exits), or None after `timeout` (none was started, or it exited)."""
+    sock, deadline = runner_socket(workdir, EMBEDDED_RUNNER), time.time() + timeout
+    while not ping_runner(sock):
+        if time.time() > deadline:
+            return None
+        time.sleep(0.3)
+    return embedded_runner_entry(workdir)
+
+
 def stop_embedded_runner(workdir: str | Path, timeout: float = 30) -> bool:
     workdir = Path(workdir).resolve()
     entry = embedded_runner_entry(workdir)
