@@ -17,7 +17,10 @@ reads each tensor out of the tmpfs arenas into memory of its own with its CRC-32
 memory/disk of the medians are the result. Goal: <= 0.2.
 
 The disk here is a local file system whose pages the kill leaves cached (the checkpoint was written seconds
-before), so "disk" is mostly page-cache reads: the best case for disk. The harness is tests/faults.py.
+before), so "disk" is mostly page-cache reads: the best case for disk. `--evict` drops the checkpoint's files from
+the page cache before each relaunch (POSIX_FADV_DONTNEED, in both modes; the tier lives in tmpfs or memfd pages,
+which this does not touch), so the disk path reads the device, as it would on a replacement node or from storage
+this node never cached. The harness is tests/faults.py.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ MODELS = {
 
 
 def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32",
-         kill_after: int = 10, every: int = 10, seq_len: int | None = None, micro: int | None = None) -> dict:
+         kill_after: int = 10, every: int = 10, seq_len: int | None = None, micro: int | None = None,
+         evict: bool = False) -> dict:
     shape, batch = MODELS[model]
     shape = {**shape, **({"seq_len": seq_len} if seq_len else {})}
     batch = {**batch, **({"micro_batch_size": micro} if micro else {})}
@@ -54,7 +58,7 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
                         "model": shape, "batch": batch,
                         "checkpoint": {"every": every, "keep_last": 2, "memory_tier": mode == "memory"}}
                 got = kill_rank_and_relaunch(tokdir, str(Path(tmp) / f"{mode}{i}"), opts, after_step=kill_after,
-                                             rank=ranks - 1, finish=False)
+                                             rank=ranks - 1, finish=False, evict=evict)
                 r = got["restore"]
                 if r is None or got["relaunch_to_first_step"] is None:
                     raise RuntimeError(f"round {i} ({mode}): the relaunch recorded no restore and first step: {got}")
@@ -72,7 +76,8 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
     memtier.release_dead()  # the last relaunch was killed with its supervisor: its tier is a dead run's
     med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
     ratio = {k: med["memory"][k] / med["disk"][k] for k in ("restore", "relaunch", "resumed")}
-    print(f"{model} model, {accelerator}, {ranks} rank(s), {precision}, {rounds} rounds (medians): "
+    print(f"{model} model, {accelerator}, {ranks} rank(s), {precision}, {rounds} rounds"
+          f"{', checkpoint evicted from the page cache before each relaunch' if evict else ''} (medians): "
           f"restore memory {med['memory']['restore']:.3f}s vs disk {med['disk']['restore']:.3f}s "
           f"(ratio {ratio['restore']:.2f}); relaunch to first step memory {med['memory']['relaunch']:.2f}s vs disk "
           f"{med['disk']['relaunch']:.2f}s (ratio {ratio['relaunch']:.2f}); to the start of the first step "
@@ -94,5 +99,8 @@ if __name__ == "__main__":
     ap.add_argument("--every", type=int, default=10, help="train.checkpoint.every")
     ap.add_argument("--seq", type=int, help="model.seq_len instead of the model's (a short one keeps CPU steps short)")
     ap.add_argument("--micro", type=int, help="batch.micro_batch_size instead of the model's")
+    ap.add_argument("--evict", action="store_true", help=(
+        "before each relaunch (both modes), drop the checkpoint's files from the page cache, so that a disk "
+        "restore reads the device: the disk copy as a replacement node or remote storage serves it"))
     a = ap.parse_args()
-    main(a.rounds, a.model, a.accelerator, a.ranks, a.precision, a.kill_after, a.every, a.seq, a.micro)
+    main(a.rounds, a.model, a.accelerator, a.ranks, a.precision, a.kill_after, a.every, a.seq, a.micro, a.evict)

@@ -103,12 +103,29 @@ def records(workdir: str, kind: str) -> list[dict]:
     return [r for r in (json.loads(line) for line in lines if line.endswith("}")) if r["kind"] == kind]
 
 
+def evict_from_page_cache(root: Path) -> int:
+    """Drop the cached pages of every file under `root` (POSIX_FADV_DONTNEED; written and fsynced, so clean):
+    the next read comes from the device, as after a node replacement or from storage this node never cached.
+    Returns the bytes whose pages were dropped."""
+    total = 0
+    for f in (p for p in root.rglob("*") if p.is_file()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
 def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: int, rank: int = 1,
-                           finish: bool = True, timeout: float = 900) -> dict:
+                           finish: bool = True, timeout: float = 900, evict: bool = False) -> dict:
     """A rank failure and its retry: run until a commit at or after `after_step` (and, with the memory tier,
     its tier commit), SIGKILL rank `rank` alone, let run_train fail as it does when a rank dies, then call it
     again (what Prefect's retry does) and time the relaunch: Popen to the first training step recorded.
-    `finish`: let the relaunched run finish (else it is killed after its first step).
+    `finish`: let the relaunched run finish (else it is killed after its first step). `evict`: before the
+    relaunch, drop the run's checkpoint files from the page cache (`evict_from_page_cache`).
     Returns {"killed_after", "failed_rc", "relaunch_to_first_step", "first_step_time" (that step's own
     step_time), "restore" (the restore record), "rc"}."""
     from lifecycle.tasks.train import checkpoint as ckpt
@@ -132,6 +149,7 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
     os.kill(pids[rank], signal.SIGKILL)
     proc.communicate(timeout=timeout)  # run_train fails: the launcher saw a rank die
     killed_after = done[-1]
+    evicted = evict_from_page_cache(log.parent / "checkpoints") if evict else 0
     t0 = time.monotonic()
     again = launch(tokdir, workdir, opts)
     first = first_step_time = None
@@ -147,7 +165,8 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
         kill_all(again)
     restored = records(workdir, "restore")
     return {"killed_after": killed_after, "failed_rc": proc.returncode, "relaunch_to_first_step": first,
-            "first_step_time": first_step_time, "restore": restored[-1] if restored else None, "rc": again.returncode}
+            "first_step_time": first_step_time, "restore": restored[-1] if restored else None, "rc": again.returncode,
+            "evicted_bytes": evicted}
 
 
 def kill_all(proc: subprocess.Popen) -> None:
