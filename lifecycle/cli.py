@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 start_embedded_runner(EMBEDDED_USED, START_ENV, os.getcwd())
             except OSError as e:  # a full disk, a removed work dir: the next run is only cold
-                print(f"lifecycle: no warm runner started for {EMBEDDED_USED}: {e}", file=sys.stderr)
+                print(f"lifecycle: warning: no warm runner started for {EMBEDDED_USED}: {e}", file=sys.stderr)
         _exit_now(rc)
     return rc
 
