@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) -m bench
 
 clean-demo:
+	-$(VENV)/bin/lifecycle down deploy/configs/demo.yaml
 	rm -rf runs/demo
 
 # Re-pin the whole environment after changing dependencies in pyproject.toml.
