@@ -21,6 +21,10 @@ identical outputs. After a byte flip the work dir is rerun and `lifecycle verify
 since the flip may have hit a file the run had already read. No process of the round may outlive it (checked
 10 s after its end, and after `lifecycle down` has stopped the work dir's embedded Prefect server, which outlives
 runs by design: any process whose working directory is inside the round's directory).
+
+`--warm`: each round first runs a short collect (one other document) in its work dir and waits for the warm runner
+that run leaves beside the embedded server; the faulted run is then forked by that runner, as every run after the
+first in a work dir is by default, and the round fails if it was not. Reruns follow `lifecycle down` and are cold.
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ def lifecycle_bin() -> str:
 class Run:
     """One `lifecycle run --json` in `workdir`, started with its cwd in the round directory."""
 
-    def __init__(self, round_dir: Path, workdir: Path, extra: list[str]):
+    def __init__(self, round_dir: Path, workdir: Path, extra: list[str], until: str | None = None):
         self.round_dir, self.workdir = round_dir, workdir
-        argv = [lifecycle_bin(), "run", str(CONFIG), "--json", "--set", f"workdir={workdir}"]
+        argv = [lifecycle_bin(), "run", str(CONFIG), "--json", "--set", f"workdir={workdir}",
+                *(["--until", until] if until else [])]
         for kv in OVERRIDES + extra:
             argv += ["--set", kv]
         self.out = open(round_dir / f"run-{time.monotonic_ns()}.out", "w+")
@@ -286,8 +291,25 @@ def inject(fault: str, run: Run, rng: random.Random, t_ref: float, train_window:
     raise ValueError(fault)
 
 
+def warm_up(round_dir: Path, workdir: Path, extra: list[str], bound: float) -> str:
+    """`--warm`: a first run in the round's work dir (collect of one other document, so the faulted run still
+    computes everything), then its embedded runner given time to answer: the faulted run is then a warm one, forked
+    by the runner (lifecycle/launch.py), as every run after the first in a work dir is by default."""
+    from lifecycle.flows.servers import wait_embedded_runner
+
+    doc = round_dir / "warm-up.jsonl"
+    doc.write_text(json.dumps({"id": "warm-up", "text": "A warm-up document for the runner. " * 20}) + "\n")
+    run = Run(round_dir, workdir, extra + [f'collect.inputs=["{doc}"]'], until="collect")
+    rc, _ = run.wait(bound)
+    if rc != 0:
+        raise RuntimeError(f"the warm-up run failed ({rc}): {run.last_error_line()} (see {run.err.name})")
+    if wait_embedded_runner(workdir, timeout=120) is None:
+        raise RuntimeError(f"no embedded runner answered after the warm-up run in {workdir}")
+    return str(workdir / ".servers" / "embedded-runner.log")
+
+
 def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_ref: float,
-              train_window: tuple[float, float], bound: float) -> dict:
+              train_window: tuple[float, float], bound: float, warm: bool = False) -> dict:
     round_dir = base / f"round{i:03d}"
     round_dir.mkdir()
     mounted = False
@@ -305,10 +327,16 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
         extra = [f"tracking.tracking_uri={server.uri}"]
     rec = {"round": i, "fault": fault, "outcome": "FAIL", "problems": []}
     try:
+        runner_log = warm_up(round_dir, workdir, extra, bound) if warm else None
         run = Run(round_dir, workdir, extra)
         rec["injected"] = inject(fault, run, rng, t_ref, train_window, server)
         rc, secs = run.wait(bound)
         rec.update(rc=rc, seconds=round(secs, 1))
+        if runner_log:  # the runner logs each run it forks: the faulted run must be one
+            forked = [l for l in Path(runner_log).read_text().splitlines() if l.startswith("runner: run ")]
+            rec["warm"] = len(forked) == 1
+            if not rec["warm"]:
+                rec["problems"].append(f"--warm: the faulted run was not forked by the runner ({runner_log})")
         if rc is None:
             rec["problems"].append(f"run still going after {bound:.0f}s (hang)")
             signal_all([run.proc.pid] + procs_under(round_dir), signal.SIGKILL)
@@ -408,7 +436,8 @@ def reference(base: Path) -> tuple[dict, float, tuple[float, float], list[str]]:
     return ref, max(t1, t2), w1, unstable
 
 
-def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep: str | None = None) -> dict:
+def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep: str | None = None,
+         warm: bool = False) -> dict:
     rng = random.Random(seed)
     if "disk_full" in faults and os.geteuid() != 0:
         print("disk_full needs root (a tmpfs per round); left out")
@@ -432,14 +461,15 @@ def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep
     while len(records) < rounds and missed <= rounds:
         i += 1
         fault = mix[len(records)]
-        rec = one_round(i, fault, base, rng, ref, t_ref, window, bound)
+        rec = one_round(i, fault, base, rng, ref, t_ref, window, bound, warm)
         if not rec.get("injected") and not rec["problems"]:  # the run ended before the fault's moment: the
             missed += 1  # machine is faster than during the reference runs; draw again from this run's time
             t_ref = min(t_ref, rec["seconds"])
             print(f"round {i:2d} {fault:<13} missed: the run ended after {rec['seconds']}s, before the fault; redrawn")
             continue
         records.append(rec)
-        print(f"round {i:2d} {fault:<13} {rec['outcome']:<4} {rec.get('injected') or 'run ended before the fault'}; "
+        print(f"round {i:2d} {fault:<13} {rec['outcome']:<4} {'(warm) ' if rec.get('warm') else ''}"
+              f"{rec.get('injected') or 'run ended before the fault'}; "
               f"{rec.get('ended', 'hung')} in {rec.get('seconds')}s"
               + (f", rerun {rec.get('rerun_rc')} in {rec.get('rerun_seconds')}s" if "rerun_rc" in rec else "")
               + (f"; message: {rec['message']}" if rec.get("message") else "")
@@ -464,8 +494,11 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {','.join(FAULTS)}")
     ap.add_argument("--keep", help="keep every round's work dir and logs here")
+    ap.add_argument("--warm", action="store_true", help=(
+        "fault warm runs: each round first runs a short collect in its work dir and waits for the embedded "
+        "server's warm runner, so the faulted run is forked by it (the default path of every run after the first)"))
     a = ap.parse_args()
     bad = set(a.faults.split(",")) - set(FAULTS)
     if bad:
         ap.error(f"unknown fault(s) {sorted(bad)}; choose from {','.join(FAULTS)}")
-    sys.exit(0 if main(a.rounds, a.seed, tuple(a.faults.split(",")), a.keep)["passed"] == a.rounds else 1)
+    sys.exit(0 if main(a.rounds, a.seed, tuple(a.faults.split(",")), a.keep, a.warm)["passed"] == a.rounds else 1)
