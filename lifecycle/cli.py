@@ -437,13 +437,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 _SQL_DETAIL = re.compile(r"\s*\[SQL: .*?(\(Background on this error at: [^)]*\)|$)", re.S)
+_AUTOFLUSH = re.compile(r"\(raised as a result of Query-invoked autoflush[^)]*\);?\s*")  # SQLAlchemy's aside
 FULL_BELOW = 64 << 20  # a file system with less free space than this counts as full
 
 
 def without_sql(text: str) -> str:
-    """SQLAlchemy's message without the statement, its parameters and its help link (a disk-full INSERT into the
-    MLflow store printed the whole row)."""
-    return _SQL_DETAIL.sub("", text).rstrip("; ")
+    """SQLAlchemy's message without the statement, its parameters, its help link (a disk-full INSERT into the
+    MLflow store printed the whole row) and its autoflush aside."""
+    return _AUTOFLUSH.sub("", _SQL_DETAIL.sub("", text)).rstrip("; ")
 
 
 def disk_full_hint(e: BaseException, workdir: str) -> str:

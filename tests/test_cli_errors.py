@@ -237,7 +237,10 @@ def test_a_full_disk_is_named_whatever_error_it_surfaces_as(tmp_path, monkeypatc
            "[SQL: INSERT INTO runs (run_uuid, name) VALUES (?, ?)]\n[parameters: ('4dba', 'train')]\n"
            "(Background on this error at: https://sqlalche.me/e/20/e3q8)")
     line = cli.without_sql(cli.one_line(msg))
-    assert line == "(raised as a result of Query-invoked autoflush); (sqlite3.OperationalError) database or disk is full"
+    assert line == "(sqlite3.OperationalError) database or disk is full"
+    chaos = ("MlflowException: (raised as a result of Query-invoked autoflush; consider using a session.no_autoflush "
+             "block if this flush is occurring prematurely); (sqlite3.OperationalError) database or disk is full")
+    assert cli.without_sql(chaos) == "MlflowException: (sqlite3.OperationalError) database or disk is full"
     assert cli.without_sql("no SQL here; fine") == "no SQL here; fine"
     full = f"; the file system of {tmp_path} is full ("
     assert full in cli.disk_full_hint(RuntimeError(msg), str(tmp_path))  # the message says so
