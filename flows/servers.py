@@ -530,18 +530,23 @@ def start_embedded_runner(workdir: str | Path, env: dict[str, str], cwd: str) ->
     entry = embedded_runner_entry(workdir)
     if entry and _alive(entry):
         return None
-    sdir = state_dir(workdir)
     argv = [sys.executable, "-m", "lifecycle.launch", "--serve-embedded", str(workdir)]
-    with open(sdir / f"{EMBEDDED_RUNNER}.log", "ab") as log:
+    with open(state_dir(workdir) / f"{EMBEDDED_RUNNER}.log", "ab") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, cwd=cwd)
-    sock = runner_socket(workdir, EMBEDDED_RUNNER)
-    entry = {"pid": proc.pid, "argv": argv, "url": str(sock), "health": f"unix:{sock}",
+    write_embedded_runner_entry(workdir, proc.pid, argv)  # now, so that `down` stops it while it imports
+    return proc.pid
+
+
+def write_embedded_runner_entry(workdir: Path, pid: int, argv: list[str]) -> None:
+    """Its state file. The runner that holds the lock writes it again (two cold runs ending at once each start
+    one, the second exits at once, and its starter's entry may be the last written)."""
+    sdir, sock = state_dir(workdir), runner_socket(workdir, EMBEDDED_RUNNER)
+    entry = {"pid": pid, "argv": argv, "url": str(sock), "health": f"unix:{sock}",
              "log": str(sdir / f"{EMBEDDED_RUNNER}.log")}
-    tmp = sdir / f"{EMBEDDED_RUNNER}.json.tmp"
+    tmp = sdir / f"{EMBEDDED_RUNNER}.json.tmp.{os.getpid()}"
     tmp.write_text(json.dumps(entry, indent=2))
     tmp.replace(sdir / f"{EMBEDDED_RUNNER}.json")
-    return proc.pid
 
 
 def wait_embedded_runner(workdir: str | Path, timeout: float = 120) -> dict | None:

@@ -22,9 +22,6 @@ LAUNCH = "cold"  # "warm" in a run the warm runner forked (lifecycle/launch.py; 
 import argparse
 import json
 import os
-
-START_ENV = dict(os.environ)  # the command's environment before `prepare_environment`: the embedded runner's
-EMBEDDED_USED: str | None = None  # the work dir whose embedded Prefect server this (cold) run used
 import re
 import signal
 import sys
@@ -32,6 +29,9 @@ import sys
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
 from lifecycle.core.procs import Terminated
 from lifecycle.tasks.stages import NAMES as STAGES
+
+START_ENV = dict(os.environ)  # the command's environment before `prepare_environment`: the embedded runner's
+EMBEDDED_USED: str | None = None  # the work dir whose embedded Prefect server this (cold) run used
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -268,12 +268,21 @@ class Runner:
             fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             sys.exit(f"runner: another embedded runner serves {self.workdir}")
+        self.claim_entry()
         entry = servers._read_embedded(self.workdir)
         if not entry or not servers._alive(entry):
             sys.exit(f"runner: no embedded Prefect server is running for {self.workdir}")
         if servers.prepare_environment(self.workdir, hold=False) != "embedded":
             sys.exit(f"runner: `lifecycle up`'s servers run for {self.workdir}; they have their own runner")
         return servers._read_embedded(self.workdir) or entry
+
+    def claim_entry(self) -> None:
+        """Embedded: `embedded-runner.json` names this process (the lock holder), whoever wrote it last."""
+        from lifecycle.flows import servers
+
+        entry = servers.embedded_runner_entry(self.workdir)
+        if not entry or entry.get("pid") != os.getpid():
+            servers.write_embedded_runner_entry(self.workdir, os.getpid(), self.argv)
 
     def server_changed(self) -> str | None:
         """Embedded: why the server this runner was set up for is no longer the work dir's (None: it still is)."""
@@ -311,8 +320,10 @@ class Runner:
         while True:
             self.reap()
             if not select.select([self.sock], [], [], 1.0)[0]:
-                if self.embedded and (changed := self.server_changed()) is not None:
-                    self.exit(changed)
+                if self.embedded:
+                    if (changed := self.server_changed()) is not None:
+                        self.exit(changed)
+                    self.claim_entry()
                 continue
             conn, _ = self.sock.accept()
             try:

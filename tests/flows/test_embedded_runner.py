@@ -5,6 +5,7 @@ server from its idle stop, exits with it, and `lifecycle down` stops it. Real se
     .venv/bin/python -m pytest -q tests/flows/test_embedded_runner.py
 """
 
+import fcntl
 import json
 import os
 import time
@@ -27,14 +28,21 @@ def _runner(wd) -> dict | None:
 
 
 def _wait_ready(wd, timeout=120) -> dict:
-    """The runner's entry once it answers on its socket (it imports Prefect, MLflow and the stages first)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = last_json(lifecycle("status", "--set", f"workdir={wd}", "--json").stdout)
-        if st.get("embedded-runner", {}).get("healthy"):
-            return st["embedded-runner"]
-        assert time.monotonic() < deadline, (wd / ".servers" / "embedded-runner.log").read_text()
-        time.sleep(0.5)
+    """The runner's entry once it answers on its socket (it imports Prefect, MLflow and the stages first). The
+    server is held meanwhile, as a run holds it: on a loaded machine the imports can outlast a short idle timeout,
+    and a runner that finds its server gone exits at once."""
+    users = os.open(wd / ".servers" / "embedded.users", os.O_RDWR)
+    fcntl.flock(users, fcntl.LOCK_SH)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = last_json(lifecycle("status", "--set", f"workdir={wd}", "--json").stdout)
+            if st.get("embedded-runner", {}).get("healthy"):
+                return st["embedded-runner"]
+            assert time.monotonic() < deadline, (wd / ".servers" / "embedded-runner.log").read_text()
+            time.sleep(0.5)
+    finally:
+        os.close(users)
 
 
 @pytest.fixture
