@@ -1,7 +1,7 @@
 """SIGKILL a 2-rank DeepSpeed ZeRO-2 training run at random moments, resume it, and count the resumes whose loss
 curve and final weights are bitwise-identical to an uninterrupted run.
 
-`python -m bench.kill_resume [KILLS] [--accelerator cpu|cuda] [--ranks N] [--precision fp32|bf16]` (default 10
+`python -m bench.kill_resume [KILLS] [--accelerator cpu|cuda] [--ranks N] [--precision fp32|bf16] [--compile ...]` (default 10
 kills, 2 CPU ranks, fp32; each trial is two launches, about a minute on 2 cores). On a GPU host,
 `--accelerator cuda --ranks 1` runs the same trials on one GPU with NCCL.
 Every third trial waits for a checkpoint being written (a tag directory without its commit marker) and
@@ -23,8 +23,9 @@ sys.path.insert(0, str(ROOT))
 from tests.faults import config, kill_and_resume, tokens  # noqa: E402,F401  (config, tokens: for bench.gpu_mfu)
 
 
-def main(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32") -> dict:
-    return kill_and_resume(kills, seed, accelerator, ranks, precision)
+def main(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32",
+         compile: bool | str = "auto") -> dict:
+    return kill_and_resume(kills, seed, accelerator, ranks, precision, compile=compile)
 
 
 if __name__ == "__main__":
@@ -36,5 +37,7 @@ if __name__ == "__main__":
     ap.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+                    help="train.engine.compile of every run (auto: on for cuda, off on the CPU)")
     a = ap.parse_args()
-    main(a.kills, a.seed, a.accelerator, a.ranks, a.precision)
+    main(a.kills, a.seed, a.accelerator, a.ranks, a.precision, {"true": True, "false": False}.get(a.compile, "auto"))

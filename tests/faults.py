@@ -33,7 +33,7 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", checkpoint: dict | None = None,
            model: dict | None = None, batch: dict | None = None, max_steps: int = 40, init_from: str = "scratch",
-           parallel: dict | None = None, zero_stage: int = 2, moe: dict | None = None):
+           parallel: dict | None = None, zero_stage: int = 2, moe: dict | None = None, compile: bool | str = "auto"):
     """The faults' training run; `checkpoint`, `model`, `batch` and `parallel` override fields of those sections;
     `init_from: hf:<dir>` continues that checkpoint (its config.json gives the architecture); `moe`: the
     `train.moe` section (mixture of experts)."""
@@ -44,7 +44,8 @@ def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", ch
     return TrainConfig(model=arch, init_from=init_from, max_steps=max_steps,
                        optimizer={"decay_steps": max(60, max_steps), "warmup_steps": 5, "lr": 3e-3, "min_lr": 3e-4},
                        batch={"micro_batch_size": 8, "num_ranks": ranks, **(batch or {})},
-                       engine={"zero_stage": zero_stage, "precision": precision, "accelerator": accelerator},
+                       engine={"zero_stage": zero_stage, "precision": precision, "accelerator": accelerator,
+                               "compile": compile},
                        checkpoint={"every": 5, "keep_last": 2, **(checkpoint or {})}, logging={"every": 1},
                        parallel=parallel or {},
                        launch={"threads_per_rank": 1, "timeout_s": 600}, moe=moe or {})
@@ -231,13 +232,15 @@ def trial(tokdir: str, workdir: str, inside_save: bool, rng: random.Random, trai
 
 def kill_and_resume(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ranks: int = 2,
                     precision: str = "fp32", init_from: str = "scratch", parallel: dict | None = None,
-                    moe: dict | None = None) -> dict:
+                    moe: dict | None = None, compile: bool | str = "auto") -> dict:
     """`kills` trials against one uninterrupted reference run; prints one line per trial and the totals.
+    `compile`: train.engine.compile of every run (auto: on for cuda).
     Returns {"kills", "identical" (bitwise-identical resumes), "identical_mid_run" (those killed before the final
     commit, i.e. really resumed)}."""
     rng = random.Random(seed)
     opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision, "init_from": init_from,
-            **({"parallel": parallel} if parallel else {}), **({"moe": moe} if moe else {})}
+            **({"parallel": parallel} if parallel else {}), **({"moe": moe} if moe else {}),
+            **({"compile": compile} if compile != "auto" else {})}
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = str(Path(tmp) / "tokens")
         ref_proc = launch(tokdir, str(Path(tmp) / "ref"), opts)
@@ -259,7 +262,9 @@ def kill_and_resume(kills: int = 10, seed: int = 0, accelerator: str = "cpu", ra
             mid += t["mid_run"] and same
             print(f"kill {i + 1:2d}: {t['where']:<38} resumed from step {t['resumed_from']}, "
                   f"loss curve and final weights {'bitwise-identical' if same else 'DIFFERENT'}", flush=True)
-    print(f"{accelerator}, {ranks} rank(s), {precision}{f', {parallel}' if parallel else ''}: "
+    compiled = compile is True or (compile == "auto" and accelerator == "cuda")
+    print(f"{accelerator}, {ranks} rank(s), {precision}{f', {parallel}' if parallel else ''}, "
+          f"{'compiled' if compiled else 'eager'}: "
           f"{identical}/{kills} killed-and-resumed runs bitwise-identical to the uninterrupted run "
           f"({mid} of them killed before the final commit, i.e. really resumed)")
     return {"kills": kills, "identical": identical, "identical_mid_run": mid}

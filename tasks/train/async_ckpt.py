@@ -43,6 +43,7 @@ rank indexes its files once they are durable, and rank 0 commits the tier after 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import itertools
 import mmap
 import os
@@ -52,6 +53,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +62,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
@@ -459,22 +460,31 @@ class PersistProcess:
                 arena.close()  # tier files stay: they are the committed checkpoint a relaunch restores
 
 
-class SnapshotCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine whose `save` stages the state and returns; the persist process writes it."""
+@functools.cache
+def snapshot_engine_class() -> type:
+    """`SnapshotCheckpointEngine`, a subclass of DeepSpeed's `TorchCheckpointEngine`, made on first use: this module
+    is also the persist process's, which must not import DeepSpeed (seconds of start-up before its first write:
+    the first commit waited 3 s for it on the CPU, 6-9 s on a GPU host)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    def __init__(self, base: TorchCheckpointEngine, writer: PersistProcess):
-        self.name = "SnapshotCheckpointEngine"
-        self.zipfile_serialization = getattr(base, "zipfile_serialization", False)
-        self.writer, self.jobs = writer, []
+    class SnapshotCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed checkpoint engine whose `save` stages the state and returns; the persist process writes it."""
 
-    def create(self, info) -> None:
-        pass
+        def __init__(self, base, writer: PersistProcess):
+            self.name = "SnapshotCheckpointEngine"
+            self.zipfile_serialization = getattr(base, "zipfile_serialization", False)
+            self.writer, self.jobs = writer, []
 
-    def save(self, state_dict, path: str) -> None:
-        self.jobs.append(self.writer.submit("states", str(path), state_dict, self.zipfile_serialization))
+        def create(self, info) -> None:
+            pass
 
-    def commit(self, info) -> bool:
-        return True
+        def save(self, state_dict, path: str) -> None:
+            self.jobs.append(self.writer.submit("states", str(path), state_dict, self.zipfile_serialization))
+
+        def commit(self, info) -> bool:
+            return True
+
+    return SnapshotCheckpointEngine
 
 
 def merge_digests(ranks: list[dict[str, ckpt.Digest]]) -> dict[str, ckpt.Digest]:
@@ -505,9 +515,10 @@ class AsyncSaver:
             memtier.rank_dir(self.tier, self.rank).mkdir(mode=0o700, exist_ok=True)
         self.writer = PersistProcess(memtier.rank_dir(self.tier, self.rank) if self.tier is not None else None)
         self.tier_error_logged = False
-        self.ds_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, self.writer)
+        self.ds_engine = snapshot_engine_class()(engine.checkpoint_engine, self.writer)
         engine.checkpoint_engine = self.ds_engine
         self.pending: tuple[int, Path, dict | None] | None = None
+        self.started: dict[int, float] = {}  # step -> perf_counter() when its save began (for the commit's log line)
         self.commit_job: cf.Future | None = None
         self.committed: Path | None = None
 
@@ -517,7 +528,9 @@ class AsyncSaver:
 
         from lifecycle.tasks.train.parallel.moe import consolidated_state
 
+        t0 = time.perf_counter()
         self.finish()  # one save in flight at a time
+        t1 = time.perf_counter()
         tag_dir = self.root / ckpt.tag_name(step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -528,7 +541,9 @@ class AsyncSaver:
         self.writer.new_checkpoint()  # the last one is written: its arena space is free again
         if self.tier is not None:
             self._prune_tier()
+        t2 = time.perf_counter()
         self.engine.save_checkpoint(str(self.root), tag=tag_dir.name, client_state=client_state, save_latest=False)
+        t3 = time.perf_counter()
         module = self.engine.module
         if getattr(module, "collective_export", False):  # a pipeline stage or tp shard: all gather, rank 0 writes
             state = module.export_state(copy=False)
@@ -541,6 +556,11 @@ class AsyncSaver:
                     self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), state, model_config))
         self.writer.seal()  # the snapshot is complete: training goes on and may change every tensor
         self.pending = (step, tag_dir, marker_extra)
+        t4 = time.perf_counter()
+        # where the training thread's time went (train.log; bench.gpu_mfu reads it)
+        self.started[step] = t0
+        self.log(f"save {step} blocked {t4 - t0:.3f}s: previous save {t1 - t0:.3f}s, barrier and arena {t2 - t1:.3f}s, "
+                 f"DeepSpeed states staged {t3 - t2:.3f}s, model export staged {t4 - t3:.3f}s")
         return tag_dir
 
     def poll(self, block: bool = False) -> Path | None:
@@ -615,7 +635,9 @@ class AsyncSaver:
             memtier.commit(self.tier, step, self.world)
         for gone in self.writer.prune(self.root, self.keep_last, keep=(tag_dir,)).result():
             self.log(f"pruned {gone}")
-        self.log(f"committed {tag_dir}")
+        began = self.started.pop(step, None)
+        self.log(f"committed {tag_dir}" + (f", {time.perf_counter() - began:.3f}s after its save began"
+                                           if began is not None else ""))
         self.committed = tag_dir
         return tag_dir
 

@@ -219,6 +219,18 @@ class EngineConfig(Section):
     to one (B, T, n_embd) tensor per block, for about one extra forward of compute. Gradients are the same
     up to rounding; it stays in the run fingerprint, so switching it starts a new run rather than mixing
     two numerics in one trajectory."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile the model with `torch.compile` (inductor) under DeepSpeed (`engine.compile()`: the module's
+    forward and backward become fused kernels; parameter names and checkpoints are unchanged). `auto`: on for
+    `accelerator: cuda` without pipeline parallelism, off on the CPU, where the demo's model is too small for the
+    compile time (about 40 s a rank on 2 cores) to pay back within a run (docs/benchmarks.md, "Compile").
+    `true` compiles on the CPU too. Refused with pipeline parallelism (DeepSpeed's pipeline engine runs its
+    stages itself). In the fingerprint: compiled kernels round differently from eager ones."""
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the ranks compile the model (`compile`, with `auto` resolved)."""
+        return self.accelerator == "cuda" if self.compile == "auto" else bool(self.compile)
 
 
 class ParallelConfig(Section):
@@ -552,6 +564,9 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train.parallel.pp={par.pp} with train.engine.zero_stage={self.engine.zero_stage}: "
                              "DeepSpeed's pipeline engine runs ZeRO-0 and ZeRO-1 only (ZeRO-2/3 partition the "
                              "gradients it reduces per stage); set train.engine.zero_stage to 0 or 1")
+        if par.pp > 1 and self.engine.compile is True:
+            raise ValueError(f"train.engine.compile=true with train.parallel.pp={par.pp}: DeepSpeed's pipeline engine "
+                             "runs its stages itself; set train.engine.compile to auto or false")
         if par.pp > self.model.n_layer:
             raise ValueError(f"train.parallel.pp={par.pp} > train.model.n_layer={self.model.n_layer}: every "
                              "pipeline stage needs at least one block")

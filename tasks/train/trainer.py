@@ -38,6 +38,7 @@ import torch.distributed as dist
 from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train.checkpoint import read_marker
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
+from lifecycle.tasks.train.hardware import datasheet_peak, mfu_basis
 from lifecycle.tasks.train.layout import describe, layout_of
 from lifecycle.tasks.train.loader import Prefetcher
 from lifecycle.tasks.train.sampler import data_step, first_sequence, windows
@@ -123,6 +124,10 @@ def select_device(cfg: TrainConfig) -> tuple[torch.device, str]:
                            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use accelerator: cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
+    # fp32 matmuls and convolutions on the Tensor Cores (TF32), as nanoGPT and torchtitan train; the MFU of an
+    # fp32 run is then counted against the TF32 peak (lifecycle.tasks.train.hardware)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     return device, "nccl"
 
 
@@ -151,7 +156,25 @@ def injected_faults() -> set[int]:
     return {int(x) for x in raw.split(",") if x.strip()}
 
 
-def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, micro: int):
+def profile_step() -> int | None:
+    """The step to profile with torch.profiler (benchmarks only): LIFECYCLE_PROFILE_STEP=25 writes
+    <run_dir>/profile-step25.json (rank 0: its top kernels, the step's wall time and the time outside kernels)."""
+    raw = os.environ.get("LIFECYCLE_PROFILE_STEP", "")
+    return int(raw) if raw.strip() else None
+
+
+def kernel_summary(prof, wall_s: float, top: int = 15) -> dict:
+    """Top device kernels of a profiled step by total time, and the share of the step no kernel ran in."""
+    events = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+              and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+    total_us = sum(e.self_device_time_total for e in events)
+    rows = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    return {"wall_s": wall_s, "kernel_s": total_us / 1e6, "outside_kernels_frac": max(0.0, 1 - total_us / 1e6 / wall_s),
+            "top": [{"name": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3,
+                     "share": e.self_device_time_total / max(total_us, 1)} for e in rows]}
+
+
+def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, micro: int, pin: bool = False):
     """(x, y) int64 tensors (B, T) of random windows: the micro-batch `micro` of data-parallel rank `dp_rank`
     (lifecycle.tasks.train.sampler: sequence j of a step's global batch is a pure function of (seed, step, j), so
     every layout with the same global batch trains on the same sequences)."""
@@ -163,6 +186,8 @@ def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, mi
     wins = windows([len(d) for d in data], T, cfg.seed, step, first, B)
     x = np.stack([data[k][i : i + T] for k, i in wins]).astype(np.int64)
     y = np.stack([data[k][i + 1 : i + 1 + T] for k, i in wins]).astype(np.int64)
+    if pin:  # page-locked, so the step's copy to the GPU is asynchronous (the prefetch thread pays for the pinning)
+        return torch.from_numpy(x).pin_memory(), torch.from_numpy(y).pin_memory()
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -206,6 +231,34 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+class DeviceValue:
+    """A scalar the device is still computing, read without stalling the device: on a GPU the value is copied
+    to page-locked host memory behind the work that produces it, and `get()` waits for that copy only, not
+    for the kernels queued after it (a plain `.item()` waits for everything queued on the stream). So the
+    training thread can queue step s+1 before it looks at step s's loss."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.event = t, None
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def get(self) -> float:
+        if self.event is None:
+            return self.t.item()
+        self.event.synchronize()
+        return self.host.item()
+
+
+def mean_over_ranks_async(t: torch.Tensor) -> DeviceValue:
+    """The mean of a float64 scalar tensor over every rank, queued (no host synchronisation)."""
+    t = t.reshape(1)
+    dist.all_reduce(t)
+    return DeviceValue(t / dist.get_world_size())
 
 
 def _record(line: str) -> dict | None:
@@ -268,7 +321,10 @@ class Trainer:
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
         # probed at every launch, under the load the run itself meets: a value cached from a busier moment made MFU > 1
-        self.peak = cfg.logging.peak_flops_per_rank or measure_peak_flops(self.device, dtype=dtype)
+        self.measured_peak = measure_peak_flops(self.device, dtype=dtype)
+        self.peak, source = self.mfu_peak()
+        self.say(mfu_basis(self.flops_per_token, self.n_matmul, cfg.model.n_layer, cfg.model.n_embd,
+                           cfg.model.seq_len, self.peak, source))
         phase("peak FLOPS probe")
         self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say,
                                               tier=launch.get("memory_tier"))
@@ -287,6 +343,7 @@ class Trainer:
                 self.metrics.write(self.layout_change)
         self.schedule = SaveSchedule(cfg.checkpoint, self.step)
         self.faults = injected_faults()
+        self.profile_at = profile_step()
         self.engine.train()
         self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.first = self.step  # the first step of this launch is always logged
@@ -294,9 +351,21 @@ class Trainer:
         phase("checkpointer and restore")
         self.loader = self.batches()
         self.recent: list[float] = []  # healthy losses for the spike test
+        self.unchecked: tuple[int, int, DeviceValue] | None = None  # (step, data step, loss) not yet checked
         self.rollbacks = 0
         self.beat()
         phase("data loader start")
+
+    def mfu_peak(self) -> tuple[float, str]:
+        """(peak FLOP/s per rank, where it comes from): `logging.peak_flops_per_rank`, else the GPU's datasheet
+        peak for the precision (lifecycle.tasks.train.hardware), else the matmul this rank measured."""
+        if self.cfg.logging.peak_flops_per_rank:
+            return self.cfg.logging.peak_flops_per_rank, "peak set in train.logging.peak_flops_per_rank"
+        if self.device.type == "cuda" and (found := datasheet_peak(torch.cuda.get_device_name(self.device),
+                                                                   self.cfg.engine.precision)):
+            return found
+        return self.measured_peak, (f"peak of a {self.cfg.engine.precision} matmul measured on this rank at start-up "
+                                    f"(no datasheet peak for {self.device.type} devices of this name)")
 
     def beat(self, step_time: float | None = None) -> None:
         """This rank's heartbeat for the supervisor's stall watchdog (lifecycle.tasks.train.supervise.Heartbeats)."""
@@ -377,13 +446,21 @@ class Trainer:
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = cfg.optimizer
         groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # on a GPU, the fused AdamW kernel (one launch for every tensor) as DeepSpeed's client optimizer
+        fused = {"fused": True} if self.device.type == "cuda" else {}
         optimizer = torch.optim.AdamW(moe.param_groups(groups) if cfg.moe.num_experts else groups, lr=opt.lr,
-                                      betas=opt.betas)
+                                      betas=opt.betas, **fused)
         schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
         engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                        config=ds_config(cfg), mpu=self.mesh)
         if self.rank == 0:
             atomic_write_json(self.run_dir / "ds_config.json", ds_config(cfg))
+        if cfg.engine.compiled and cfg.parallel.pp == 1:  # compiled lazily, at the first forward
+            from deepspeed.accelerator import get_accelerator
+
+            backend = get_accelerator().get_compile_backend()
+            engine.compile(backend=backend)
+            self.say(f"model compiled with torch.compile (backend {backend}; kernels built at the first step)")
         self.say(f"{n_params:,} parameters, ranks ready after {time.time() - T_START:.1f}s")
         return engine, scheduler
 
@@ -392,26 +469,34 @@ class Trainer:
         cfg = self.cfg
         keys = ((s, data_step(s, self.skipped), m) for s in range(self.step, cfg.max_steps)
                 for m in range(cfg.batch.grad_accum))
-        return Prefetcher(lambda k: get_batch(self.shards, cfg, k[1], self.dp_rank, k[2]), keys, cfg.launch.prefetch)
+        pin = self.device.type == "cuda"
+        return Prefetcher(lambda k: get_batch(self.shards, cfg, k[1], self.dp_rank, k[2], pin), keys,
+                          cfg.launch.prefetch)
 
     # ----------------------------------------------------------------------------------------------
     # the step
 
     def train_step(self) -> None:
         """One optimizer step, then what is due after it: a train record, an eval, a checkpoint. A non-finite or
-        spiking loss rolls back to the last commit instead."""
+        spiking loss rolls back to the last commit instead.
+
+        The loss is checked one step late, except on a step that logs, evaluates or saves: step s+1 is queued on
+        the device before the host waits for step s's loss, so the device never idles while the host prepares a
+        step (no host synchronisation per step). A bad loss found late rolls back the same way: to the last
+        commit, which is never later than the bad step (a save checks its own step's loss first), with the bad
+        step's data skipped; the step queued after it is thrown away with everything else past the commit."""
+        if self.step + 1 == self.profile_at and self.device.type == "cuda":
+            return self.profiled_step()
         t0 = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
         dstep = data_step(self.step, self.skipped)
         self.aux_sum = 0.0
         if self.cfg.moe.num_experts:  # the route counts of this step only
             moe.take_counts(self.engine.module)
-        loss = self.forward_backward(dstep)
-        if self.is_bad(loss):
-            self.rollback(loss, dstep)
-            self.beat()
+        pending = self.forward_backward(dstep)
+        earlier, self.unchecked = self.unchecked, (self.step + 1, dstep, pending)
+        if earlier is not None and self.check(*earlier) is None:
             return
-        self.recent = (self.recent + [loss])[-self.cfg.guard.spike_window:]
         self.step += 1
         if self.step == self.first + 1:
             phase("first step")
@@ -426,25 +511,63 @@ class Trainer:
         self.checkpointer.poll()
         last = self.step == self.cfg.max_steps
         commit = self.schedule.due(self.step) or last
-        if self.step % self.cfg.logging.every == 0 or self.step == self.first + 1 or commit:  # same on every rank
-            self.log(loss, lr)
-        if self.cfg.logging.eval_every and (self.step % self.cfg.logging.eval_every == 0 or last):
-            self.eval()
-        if commit:
-            self.save(loss, last)
+        logs = self.step % self.cfg.logging.every == 0 or self.step == self.first + 1 or commit  # same on every rank
+        evals = self.cfg.logging.eval_every and (self.step % self.cfg.logging.eval_every == 0 or last)
+        if logs or evals:
+            if (loss := self.check(*self.unchecked)) is None:
+                return
+            if logs:
+                self.log(loss, lr)
+            if evals:
+                self.eval()
+            if commit:
+                self.save(loss, last)
         self.beat(time.perf_counter() - t0)
 
-    def forward_backward(self, dstep: int) -> float:
+    def profiled_step(self) -> None:
+        """`train_step` under torch.profiler, between two device synchronisations (LIFECYCLE_PROFILE_STEP)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profile_at = None
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            self.train_step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        if self.rank == 0:
+            try:
+                summary = kernel_summary(prof, wall)
+            except Exception as e:  # noqa: BLE001 - a benchmark's extra: never the run's failure
+                summary = {"wall_s": wall, "error": f"{type(e).__name__}: {e}"}
+            atomic_write_json(self.run_dir / f"profile-step{self.step}.json", summary)
+        self.window_start, self.window_steps = time.perf_counter(), 0  # the profiler's cost stays out of the records
+
+    def check(self, step: int, dstep: int, pending: DeviceValue) -> float | None:
+        """Wait for step `step`'s loss; a healthy one joins the spike window and is returned. A bad one rolls
+        back (None)."""
+        loss = pending.get()
+        self.unchecked = None if self.unchecked is not None and self.unchecked[0] == step else self.unchecked
+        if self.is_bad(loss):
+            self.unchecked = None
+            self.rollback(loss, dstep, step)
+            self.beat()
+            return None
+        self.recent = (self.recent + [loss])[-self.cfg.guard.spike_window:]
+        return loss
+
+    def forward_backward(self, dstep: int) -> DeviceValue:
         """grad_accum micro-batches through the engine (it steps the optimizer on the last); returns the
-        rank-averaged loss, every step: the spike test needs it on all ranks."""
+        rank-averaged loss, every step (the spike test needs it on all ranks), still on its way from the device."""
         if self.cfg.parallel.pp > 1:  # the pipeline schedule takes the step's micro-batches at once
             from lifecycle.tasks.train.parallel import pp
 
             batches = [self.loader.get((self.step, dstep, m)) for m in range(self.cfg.batch.grad_accum)]
             if self.step == self.first:
                 phase("first batch")
-            return pp.forward_backward(self.engine, batches, poison=dstep in self.faults)
-        loss_sum = 0.0
+            loss = pp.forward_backward(self.engine, batches, poison=dstep in self.faults)
+            return DeviceValue(torch.tensor(loss, dtype=torch.float64))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro in range(self.cfg.batch.grad_accum):
             x, y = self.loader.get((self.step, dstep, micro))
             if self.sp is not None:  # this rank's slice of every sequence
@@ -463,8 +586,8 @@ class Trainer:
             else:
                 self.engine.backward(loss)
             self.engine.step()
-            loss_sum += loss.item()
-        return mean_over_ranks(loss_sum / self.cfg.batch.grad_accum, self.device)
+            loss_sum += loss.detach().double()  # the float64 sum of the fp32 losses, in order, as .item() gave it
+        return mean_over_ranks_async(loss_sum / self.cfg.batch.grad_accum)
 
     def is_bad(self, loss: float) -> bool:
         """Non-finite, or more than spike_factor times the mean of the last spike_window healthy losses."""
@@ -482,13 +605,14 @@ class Trainer:
         window = now - self.window_start
         wait = mean_over_ranks(self.loader.take_wait(), self.device)
         step_time = window / self.window_steps
+        achieved = self.flops_per_token * self.tokens_per_step / step_time / self.world  # FLOP/s per rank
         extra = moe.step_record(self.engine.module, self.aux_sum, self.cfg.batch.grad_accum, self.device) \
             if self.cfg.moe.num_experts else {}  # collective
         self.metrics.write({"kind": "train", "step": self.step, "loss": loss, "lr": lr,
                             "tokens": self.step * self.tokens_per_step, "elapsed": round(self.elapsed, 3),
                             "step_time": step_time, "data_wait": wait / self.window_steps, "stall_frac": wait / window,
                             "tokens_per_s": self.tokens_per_step / step_time,
-                            "mfu": self.flops_per_token * self.tokens_per_step / step_time / (self.peak * self.world),
+                            "mfu": achieved / self.peak, "mfu_measured": achieved / self.measured_peak,
                             "params": self.n_matmul, "flops_per_token": self.flops_per_token, **extra})
         self.window_start, self.window_steps = now, 0
 
@@ -577,7 +701,7 @@ class Trainer:
         self.step, self.elapsed, self.skipped = state["step"], state["elapsed"], skipped
         return tag_dir
 
-    def rollback(self, loss: float, dstep: int) -> None:
+    def rollback(self, loss: float, dstep: int, bad_step: int) -> None:
         """Back to the last commit, with the bad step's data (and spike_skip - 1 data steps before it) skipped
         from now on; the metrics past that commit are dropped and a rollback record says why."""
         g = self.cfg.guard
@@ -585,7 +709,7 @@ class Trainer:
         if self.rollbacks > g.max_rollbacks:
             raise RuntimeError(f"loss {loss} at step {self.step + 1}: more than max_rollbacks={g.max_rollbacks}")
         self.loader.close()
-        bad_step, skipped_before = self.step + 1, self.skipped
+        skipped_before = self.skipped
         throw = list(range(max(0, dstep - g.spike_skip + 1), dstep + 1))
         found = self.restore()
         if found is None:

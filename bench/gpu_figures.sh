@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 17's GPU figures in one go, on a GPU machine prepared by bench/gpu_setup.sh:
+#   bash bench/gpu_figures.sh [--python PY] [--out DIR] [--budget SECONDS] [--only STEP[,STEP...]]
+# Steps, in this order (each bounded by what is left of the budget, default 540 s; a step that would start with
+# under its minimum left is skipped and says so):
+#   mfu124   python -m bench.gpu_mfu --model 124m --json      (ours, sync saves, peer, one profiled step)
+#   resume   python -m bench.kill_resume 3 --accelerator cuda --ranks 1 --precision bf16   (compile on)
+#   mfu350   python -m bench.gpu_mfu --model 350m --json
+# Logs go to DIR (default ./gpu-figures), one per step, and a summary of the JSON lines to DIR/summary.jsonl.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=python3
+OUT_DIR=gpu-figures
+BUDGET=540
+ONLY=mfu124,resume,mfu350
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --python) PY=$2; shift 2 ;;
+        --out) OUT_DIR=$2; shift 2 ;;
+        --budget) BUDGET=$2; shift 2 ;;
+        --only) ONLY=$2; shift 2 ;;
+        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+        *) echo "gpu_figures.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$OUT_DIR"
+export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+step() {  # step NAME MIN_SECONDS MAX_SECONDS COMMAND...
+    local name=$1 min=$2 max=$3; shift 3
+    case ",$ONLY," in *",$name,"*) ;; *) return 0 ;; esac
+    local have; have=$(left)
+    if [ "$have" -lt "$min" ]; then
+        echo "== $name skipped: ${have}s of the budget left, it needs ${min}s" | tee -a "$OUT_DIR/summary.txt"
+        return 0
+    fi
+    local limit=$(( have < max ? have : max ))
+    echo "== $name (limit ${limit}s): $*" | tee -a "$OUT_DIR/summary.txt"
+    local t0; t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    echo "== $name exit $rc after $(( $(date +%s) - t0 ))s" | tee -a "$OUT_DIR/summary.txt"
+    grep -E '^\{' "$OUT_DIR/$name.log" | tail -1 >> "$OUT_DIR/summary.jsonl" || true
+    tail -25 "$OUT_DIR/$name.log"
+    # a killed run leaves no ranks behind: they die with their supervisor (PR_SET_PDEATHSIG)
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+"$PY" -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
+    | tee -a "$OUT_DIR/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT_DIR/gpu.txt"
+
+step mfu124 150 300 "$PY" -m bench.gpu_mfu --model 124m --json
+step resume 90 200 "$PY" -m bench.kill_resume 3 --accelerator cuda --ranks 1 --precision bf16
+step mfu350 150 300 "$PY" -m bench.gpu_mfu --model 350m --json
+echo "== done in $(( $(date +%s) - START ))s" | tee -a "$OUT_DIR/summary.txt"
