@@ -3,9 +3,9 @@
 #   bash bench/gpu_figures.sh [--python PY] [--out DIR] [--budget SECONDS] [--only STEP[,STEP...]]
 # Steps, in this order (each bounded by what is left of the budget, default 540 s; a step that would start with
 # under its minimum left is skipped and says so):
-#   mfu124   python -m bench.gpu_mfu --model 124m --json      (ours, sync saves, peer, one profiled step)
+#   mfu124   python -m bench.gpu_mfu --model 124m --steps 50 ... --json  (ours, sync saves, peer, a profiled step)
 #   resume   python -m bench.kill_resume 3 --accelerator cuda --ranks 1 --precision bf16   (compile on)
-#   mfu350   python -m bench.gpu_mfu --model 350m --json
+#   mfu350   python -m bench.gpu_mfu --model 350m (the same arguments)
 # Logs go to DIR (default ./gpu-figures), one per step, and a summary of the JSON lines to DIR/summary.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +52,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
     | tee -a "$OUT_DIR/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT_DIR/gpu.txt"
 
-step mfu124 150 300 "$PY" -m bench.gpu_mfu --model 124m --json
+MFU_ARGS=(--steps 50 --every 20 --sync-steps 9 --sync-every 3 --peer-steps 20 --warmup 6 --json)
+step mfu124 150 300 "$PY" -m bench.gpu_mfu --model 124m "${MFU_ARGS[@]}"
 step resume 90 200 "$PY" -m bench.kill_resume 3 --accelerator cuda --ranks 1 --precision bf16
-step mfu350 150 300 "$PY" -m bench.gpu_mfu --model 350m --json
+step mfu350 150 300 "$PY" -m bench.gpu_mfu --model 350m "${MFU_ARGS[@]}"
 echo "== done in $(( $(date +%s) - START ))s" | tee -a "$OUT_DIR/summary.txt"
