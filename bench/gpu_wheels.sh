@@ -102,10 +102,13 @@ EOF
 if [[ $LIST == 1 ]]; then echo "$PINS"; exit 0; fi
 
 mkdir -p "$DEST"
+# glibc 2.28 and older (pip does not widen --platform itself): the nvidia-* wheels are tagged 2_27, 2_25, 2_18, ...
+PLATFORMS=()
+for minor in $(seq 28 -1 5); do PLATFORMS+=(--platform "manylinux_2_${minor}_x86_64"); done
+PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64
+            --platform linux_x86_64 --platform any)
 DOWNLOAD=(--only-binary=:all: --no-deps --python-version "$TARGET_PY" --implementation cp
-          --abi "$TAG" --abi abi3 --abi none
-          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-          --platform linux_x86_64 --platform any -d "$DEST")
+          --abi "$TAG" --abi abi3 --abi none "${PLATFORMS[@]}" -d "$DEST")
 BINARY=() SOURCE=()
 while read -r pin; do
     case ${pin%%==*} in deepspeed) SOURCE+=("$pin") ;; *) BINARY+=("$pin") ;; esac
