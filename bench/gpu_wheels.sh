@@ -28,7 +28,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # The train set, from what the training path imports (tests/test_install.py checks that this list covers
 # every non-stdlib module that importing the trainer, the launcher, bench.gpu_mfu and bench.kill_resume loads,
 # less OMITTED): deepspeed and its Requires-Dist, pydantic's closure, the optional imports that run when present
-# (pyarrow's cloudpickle, deepspeed's tabulate and its wcwidth; not deepspeed's mlflow), tokenizers (the test
+# (pyarrow's cloudpickle, deepspeed's tabulate and its wcwidth; not deepspeed's mlflow nor pyarrow's pandas), tokenizers (the test
 # corpus of bench.gpu_mfu/kill_resume is tokenized; its huggingface-hub requirement is never imported there),
 # pytest's closure (that corpus comes from tests/train/test_train.py), and cheap ones (pyyaml, safetensors,
 # filelock). A 3.12 folder is about 14 MB.

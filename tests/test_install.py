@@ -1,0 +1,149 @@
+"""The install paths of issue 17, without the network: the two lock files agree, `make install` picks the lock of
+the torch build it installs, the GPU machine scripts (bench/gpu_wheels.sh, bench/gpu_setup.sh) parse and answer
+--help, and gpu_wheels.sh's train set covers what the training path imports."""
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPTS = [ROOT / "bench" / "gpu_wheels.sh", ROOT / "bench" / "gpu_setup.sh"]
+# a `make` run by `make test` exports its jobserver and level: the dry runs below are top-level makes
+MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "CUDA")}
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"{path.name}: {line!r} is not name==version"
+            out[norm(name)] = version.strip()
+    return out
+
+
+def test_cuda_lock_keeps_every_shared_pin():
+    cpu, cuda = pins(ROOT / "constraints.txt"), pins(ROOT / "constraints-cuda.txt")
+    differ = {n: (cpu[n], cuda[n]) for n in cpu.keys() & cuda.keys() if cpu[n] != cuda[n]}
+    assert not differ, f"constraints-cuda.txt pins other versions than constraints.txt (make lock-cuda): {differ}"
+    assert not cpu.keys() - cuda.keys(), f"missing from constraints-cuda.txt: {sorted(cpu.keys() - cuda.keys())}"
+    # the CUDA build's own requirements are what the CUDA lock adds
+    assert cuda["torch"] == cpu["torch"] and "triton" in cuda and any(n.startswith("nvidia-nccl") for n in cuda)
+
+
+def make_n(*args: str, path: str | None = None) -> str:
+    env = {**MAKE_ENV, **({"PATH": path} if path else {})}
+    r = subprocess.run(["make", "-Bn", "install", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_make_install_uses_the_lock_of_its_build():
+    cuda, cpu = make_n("CUDA=1"), make_n("CUDA=0")
+    assert "-c constraints-cuda.txt" in cuda and "-c constraints.txt" not in cuda
+    assert "-c constraints.txt" in cpu and "constraints-cuda.txt" not in cpu
+    assert "touch .venv/.installed-cuda" in cuda and "touch .venv/.installed\n" in cpu
+    # the check asserts the build each meant to install
+    assert "'CUDA' == 'CUDA'" in cuda and "'CPU' == 'CUDA'" in cpu
+
+
+def test_make_install_detects_an_nvidia_driver(tmp_path):
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    path = f"{tmp_path}:{os.environ['PATH']}"
+    assert "-c constraints-cuda.txt" in make_n(path=path)
+    assert "-c constraints.txt" in make_n("CUDA=0", path=path)
+    if shutil.which("nvidia-smi") is None and not Path("/proc/driver/nvidia/version").exists():
+        assert "-c constraints.txt" in make_n()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_gpu_scripts_parse_and_answer_help(script):
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    r = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and f"bash bench/{script.name}" in r.stdout, r.stderr
+    bad = subprocess.run(["bash", str(script), "--no-such-option"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "unknown argument" in bad.stderr
+
+
+def wheels(*args: str) -> list[str]:
+    r = subprocess.run(["bash", str(SCRIPTS[0]), *args], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYBIN": sys.executable})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_wheel_sets_are_pinned():
+    cpu, cuda = pins(ROOT / "constraints.txt"), pins(ROOT / "constraints-cuda.txt")
+    train = dict(p.split("==") for p in wheels("--list"))
+    assert "torch" not in train and not any(n.startswith("nvidia") for n in train)
+    assert {norm(n): v for n, v in train.items() if norm(n) in cpu} == {n: cpu[n] for n in map(norm, train) if n in cpu}
+    assert set(map(norm, train)) - set(cpu) == {"setuptools"}  # the one not in constraints.txt (pip freeze drops it)
+    full = dict(p.split("==") for p in wheels("--list", "--set", "full"))
+    assert {norm(n): v for n, v in full.items()} == cuda
+
+
+# What the training path loads, in a fresh interpreter: the launcher and the rank's module, DeepSpeed, the two GPU
+# benches, and the tiny corpus they tokenize. Two imports are optional (inside try/except) and blocked here as the
+# GPU venv lacks them: deepspeed.autotuning's mlflow and pyarrow's pandas (its DataFrame checks); a 1-rank
+# DeepSpeed run in a venv without them completes.
+IMPORTS = r"""
+import json, os, sys, sysconfig, tempfile
+root = sys.argv[1]
+sys.path[:0] = [root, os.path.join(root, "tests", "train")]
+class Absent:  # a finder that makes them not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("mlflow", "pandas"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+import importlib.metadata as md
+import deepspeed, lifecycle.tasks.train.trainer, lifecycle.tasks.train.launch, bench.gpu_mfu, bench.kill_resume
+from tests.faults import tokens
+tokens(tempfile.mkdtemp())
+dists = md.packages_distributions()
+stdlib = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
+out = {}
+for name in {m.split(".")[0] for m, mod in list(sys.modules.items()) if mod is not None}:
+    if name in sys.stdlib_module_names or name.startswith("__editable__"):
+        continue
+    file = getattr(sys.modules.get(name), "__file__", None) or ""
+    if file.startswith(root + os.sep) and not file.startswith(sys.prefix + os.sep):
+        continue  # lifecycle, bench, tests: this checkout (its .venv aside)
+    if name in dists:
+        out[name] = dists[name]
+    elif file and not file.startswith(stdlib):
+        out[name] = None  # a module of no known distribution
+print(json.dumps(out))
+"""
+
+
+def test_train_wheel_set_covers_what_training_imports():
+    r = subprocess.run([sys.executable, "-c", IMPORTS, str(ROOT)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "deepspeed" in loaded and "torch" in loaded
+    train = {norm(p.split("==")[0]) for p in wheels("--list")}
+    omitted = [norm(n) for n in wheels("--list-omitted")]
+    uncovered = {}
+    for module, dist_names in loaded.items():
+        assert dist_names, f"{module} was imported and belongs to no installed distribution"
+        names = {norm(d) for d in dist_names}
+        if names & train or any(fnmatch.fnmatch(n, pat) for n in names for pat in omitted):
+            continue
+        uncovered[module] = sorted(names)
+    assert not uncovered, (f"the training path imports these, which bench/gpu_wheels.sh's train set neither "
+                           f"ships nor lists as left to the GPU machine (OMITTED): {uncovered}")
