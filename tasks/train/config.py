@@ -480,6 +480,12 @@ class TrainConfig(BaseModel):
     tokenize stage uses its tokenizer (lifecycle.tasks.train.hf_import). Only the weights carry over:
     optimizer state and LR schedule start fresh. Operational: the weights' sha256 is what enters the
     run fingerprint."""
+    vocab_multiple: int = Field(1, ge=1)
+    """Round the vocabulary that the train stage fills in from the tokenizer up to a multiple of this: 64 or 128 on
+    a GPU, so the output head's matmul runs on whole Tensor Core tiles (nanoGPT pads GPT-2's 50,257 to 50,304). The
+    extra rows are never targets, their logits learn to be low, and decoding skips their ids. 1 (the default) keeps
+    the tokenizer's size: `tokenize.vocab_size`'s defaults are multiples of 64 already. No effect where
+    `model.vocab_size` is set, as an imported checkpoint's is."""
     seed: int = 1337
     """Seeds the initial weights (same on every rank) and the batch sampler (seed, step, sequence index in the global batch)."""
     max_steps: Annotated[int, Field(ge=1), OPERATIONAL] = 200

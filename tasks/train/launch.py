@@ -99,7 +99,8 @@ def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple
     from lifecycle.tasks.train import sizing as plan
 
     if cfg.model.vocab_size is None:
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
+        padded = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": padded})})
     if cfg.model_size == "auto":
         target = plan.compute_optimal(tokens=train_tokens).n_params
         sized = plan.model_for_params(target, cfg.model)

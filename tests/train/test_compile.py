@@ -1,6 +1,7 @@
-"""`train.engine.compile`: the model compiled with torch.compile under DeepSpeed, on real CPU ranks, and the MFU
-basis (datasheet peaks). The CUDA path (on by default there) is measured by bench/gpu_mfu.py and bench/kill_resume.py
-on a GPU host."""
+"""The GPU speed levers that a CPU can check: `train.engine.compile` (the model compiled with torch.compile under
+DeepSpeed, on real CPU ranks), the MFU basis (datasheet peaks), `train.vocab_multiple`, and the loss read without
+a host synchronisation. The CUDA path (compile on by default there) is measured by bench/gpu_mfu.py and
+bench/kill_resume.py on a GPU host."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.hardware import datasheet_peak, mfu_basis
-from lifecycle.tasks.train.launch import run_train
+from lifecycle.tasks.train.launch import resolve_model, run_train
 from lifecycle.tasks.train.model import GPT
-from lifecycle.tasks.train.trainer import get_batch
+from lifecycle.tasks.train.trainer import DeviceValue, get_batch
 from tests.train.test_train import CFG, make_tokens, with_
 
 
@@ -65,3 +66,18 @@ def test_compiled_ranks_train_like_eager_ones_and_save_plain_checkpoints(tmp_pat
 
     loaded = ckpt.load_model(r.checkpoint_dir)  # model.safetensors: parameter names without `_orig_mod.`
     assert set(loaded.state_dict()) == set(model.state_dict())
+
+
+def test_vocab_multiple_pads_the_filled_vocabulary_only():
+    padded, _ = resolve_model(TrainConfig(vocab_multiple=64), 50257, 10**6)
+    assert padded.model.vocab_size == 50304  # nanoGPT's padding of GPT-2's vocabulary
+    same, _ = resolve_model(TrainConfig(vocab_multiple=64), 4096, 10**6)
+    assert same.model.vocab_size == 4096
+    assert resolve_model(TrainConfig(), 50257, 10**6)[0].model.vocab_size == 50257  # default: the tokenizer's
+    given = TrainConfig(model={"vocab_size": 32001}, vocab_multiple=64)  # an imported checkpoint's: kept
+    assert resolve_model(given, 32001, 10**6)[0].model.vocab_size == 32001
+
+
+def test_a_device_value_reads_the_tensor_it_was_given():
+    t = torch.tensor(2.5, dtype=torch.float64) * 2
+    assert DeviceValue(t).get() == 5.0
