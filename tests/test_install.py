@@ -147,3 +147,35 @@ def test_train_wheel_set_covers_what_training_imports():
         uncovered[module] = sorted(names)
     assert not uncovered, (f"the training path imports these, which bench/gpu_wheels.sh's train set neither "
                            f"ships nor lists as left to the GPU machine (OMITTED): {uncovered}")
+
+
+SBATCH = ROOT / "deploy" / "slurm" / "train.sbatch"
+
+
+def test_slurm_batch_script_writes_the_hostfile_and_sets_valid_fields(tmp_path):
+    """deploy/slurm/train.sbatch under a fake SLURM job: its hostfile has one line per node with the job's GPUs
+    per node, and `lifecycle config show` accepts the --set options it passes to `lifecycle run`."""
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True, timeout=30)
+    bin_dir, venv_bin = tmp_path / "bin", tmp_path / "venv" / "bin"
+    bin_dir.mkdir()
+    venv_bin.mkdir(parents=True)
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[01-03]" ] && printf "gpu01\\ngpu02\\ngpu03\\n"\n')
+    (venv_bin / "lifecycle").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    for f in (bin_dir / "scontrol", venv_bin / "lifecycle"):
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_GPUS_PER_NODE": "h100:4",
+           "SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(tmp_path), "VENV": str(tmp_path / "venv"),
+           "ARGS_OUT": str(tmp_path / "args")}
+    r = subprocess.run(["bash", str(SBATCH), "deploy/configs/demo.yaml", "--set", "train.max_steps=500"], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "hostfile-77").read_text() == "gpu01 slots=4\ngpu02 slots=4\ngpu03 slots=4\n"
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:2] == ["run", "deploy/configs/demo.yaml"] and args[-2:] == ["--set", "train.max_steps=500"]
+    sets = dict(a.split("=", 1) for a in args[3::2])
+    assert sets["train.launch.hostfile"] == str(tmp_path / "hostfile-77")
+    assert sets["train.batch.num_ranks"] == "12" and sets["train.launch.master_addr"] == "gpu01"
+    show = subprocess.run([str(Path(sys.executable).parent / "lifecycle"), "config", "show", *args[1:]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert show.returncode == 0, show.stdout + show.stderr
+    assert "* train.batch.num_ranks: 12" in show.stdout and '* train.launch.master_addr: "gpu01"' in show.stdout
