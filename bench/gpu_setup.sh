@@ -53,7 +53,8 @@ for mod in ("torch", "deepspeed", "lifecycle.tasks.train.trainer", "lifecycle.ta
     except Exception as e:  # an ImportError, or a broken install raising something else
         missing.append(f"{mod} ({type(e).__name__}: {e})")
 if missing:
-    sys.exit("gpu_setup.sh: cannot import " + "; ".join(missing))
+    sys.exit("gpu_setup.sh: cannot import " + "; ".join(missing) + " (with --wheels, a package the machine had at "
+             "another version is kept: --exact installs the pinned ones over them)")
 import deepspeed, torch
 if torch.version.cuda is None and not allow_cpu:
     sys.exit(f"gpu_setup.sh: torch {torch.__version__} is a CPU build (from {torch.__file__})")
