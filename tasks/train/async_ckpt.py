@@ -351,6 +351,24 @@ class PersistProcess:
                 old.seal()
         return self.slots[self.slot][-1]
 
+    def prewarm(self, nbytes: int) -> None:
+        """Before training: the arena the first checkpoint stages into, created at `nbytes` and every page
+        written once, so the first save copies into memory that is already there instead of faulting in a
+        checkpoint's worth of fresh pages inside the save (1.70 s of the first save's stall against 0.33 s for
+        later ones, one H100, 1.6 GB). The first save goes to the next slot (`new_checkpoint`), so that is the one
+        warmed; with the memory tier the other slot is made at the second save (both now would hold a third
+        checkpoint's worth of tmpfs beside a restored commit)."""
+        if nbytes <= 0:
+            return
+        first = (self.slot + 1) % len(self.slots)
+        current, self.slot = self.slot, first
+        try:
+            _, arena = self.reserve(nbytes)
+            arena.bytes[:: mmap.PAGESIZE] = 0  # one write a page: the kernel backs them all now
+            self.last_total = max(self.last_total, arena.size)  # kept by new_checkpoint for the first save
+        finally:
+            self.slot = current
+
     def submit(self, kind: str, target: str, state: Any, arg: Any) -> cf.Future:
         """Stage `state` (blocking copy) and queue its write; kind 'states' (torch.save to the file `target`) or
         'model' (`checkpoint.write_model` into the directory `target`). The future's result is {path: (sha256,
@@ -487,6 +505,30 @@ def snapshot_engine_class() -> type:
     return SnapshotCheckpointEngine
 
 
+@functools.cache
+def counting_engine_class() -> type:
+    """A DeepSpeed checkpoint engine that writes nothing and adds up the arena bytes of what it is handed: the exact
+    size of a rank's checkpoint, from DeepSpeed's own state dicts (`AsyncSaver.prewarm`)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class CountingCheckpointEngine(TorchCheckpointEngine):
+        def __init__(self, base):
+            self.name = "CountingCheckpointEngine"
+            self.zipfile_serialization = getattr(base, "zipfile_serialization", False)
+            self.nbytes = 0
+
+        def create(self, info) -> None:
+            pass
+
+        def save(self, state_dict, path: str) -> None:
+            self.nbytes += staged_bytes(state_dict)
+
+        def commit(self, info) -> bool:
+            return True
+
+    return CountingCheckpointEngine
+
+
 def merge_digests(ranks: list[dict[str, ckpt.Digest]]) -> dict[str, ckpt.Digest]:
     """One {path: digest} of every rank's; a path two ranks report differently is left out (so `commit`
     hashes what is on disk)."""
@@ -521,6 +563,30 @@ class AsyncSaver:
         self.started: dict[int, float] = {}  # step -> perf_counter() when its save began (for the commit's log line)
         self.commit_job: cf.Future | None = None
         self.committed: Path | None = None
+
+    def prewarm(self) -> tuple[int, float]:
+        """Collective, before training: size this rank's checkpoint (DeepSpeed builds its state dicts into a
+        counting engine: nothing is copied or written; rank 0 adds its fp32 model export) and have the persist
+        process's arena for the first save made and faulted in. Returns (bytes, seconds)."""
+        import shutil
+
+        t0 = time.perf_counter()
+        counter = counting_engine_class()(self.ds_engine)
+        self.engine.checkpoint_engine = counter
+        sizing = self.root.parent / ".checkpoint-sizing"
+        try:  # DeepSpeed's rank 0 copies its recovery script into the tag directory: the only file it writes
+            self.engine.save_checkpoint(str(sizing), tag="sizing", client_state={}, save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = self.ds_engine
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(sizing, ignore_errors=True)
+        nbytes = counter.nbytes
+        if self.rank == 0:  # the consolidated fp32 weights (model.safetensors): 4 bytes a parameter, each aligned
+            seen = {id(p): p for p in self.engine.module.parameters()}.values()
+            nbytes += sum(-(-(4 * getattr(p, "ds_numel", p.numel())) // ALIGN) * ALIGN for p in seen)
+        self.writer.prewarm(nbytes)
+        return nbytes, time.perf_counter() - t0
 
     def start(self, step: int, client_state: dict, model_config, marker_extra: dict | None = None) -> Path:
         """Snapshot checkpoint `step` and queue its files; returns the (not yet committed) tag directory."""

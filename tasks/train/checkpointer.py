@@ -72,6 +72,10 @@ class Checkpointer:
         self.last_restore = {"tier": "disk", "seconds": time.perf_counter() - t0, "reason": reason}
         return tag_dir, client_state
 
+    def prewarm(self) -> str | None:
+        """Collective, before training: get the first save's memory ready; a line for the log, or None."""
+        return None
+
     def close(self) -> None:
         self.wait()
 
@@ -141,6 +145,10 @@ class AsyncCheckpointer(Checkpointer):
 
     def poll(self) -> None:
         self.saver.poll()
+
+    def prewarm(self) -> str | None:
+        nbytes, seconds = self.saver.prewarm()
+        return f"checkpoint arena of {nbytes / 2**20:,.1f} MiB made and faulted in before training ({seconds:.3f}s)"
 
     def wait(self) -> None:
         self.saver.finish()

@@ -341,6 +341,8 @@ class Trainer:
             self.metrics.write({"kind": "restore", "step": self.step, **info})
             if self.layout_change:
                 self.metrics.write(self.layout_change)
+        if self.step < cfg.max_steps and (line := self.checkpointer.prewarm()):
+            self.say(line)
         self.schedule = SaveSchedule(cfg.checkpoint, self.step)
         self.faults = injected_faults()
         self.profile_at = profile_step()

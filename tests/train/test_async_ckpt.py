@@ -104,6 +104,29 @@ def test_tier_arenas_on_tmpfs_are_sized_to_the_checkpoint_not_doubled(tmp_path):
     assert sizes == [total, 2 * total, 2 * total], (sizes, total)  # doubling: 2.3 x total on the first
 
 
+@pytest.mark.parametrize("tier", [False, True])
+def test_a_prewarmed_arena_takes_the_whole_first_checkpoint(tmp_path, tier):
+    """`prewarm(n)` before training makes the arena the first save stages into (the next slot, with the tier) and
+    writes its pages: that save then makes no arena of its own."""
+    tier_dir = tmp_path / "rank0" if tier else None
+    if tier:
+        tier_dir.mkdir()
+    files = {"a.pt": {"x": torch.randn(1 << 16)}, "b.pt": {"y": torch.randn(3 << 16)}}
+    total = sum(4 * t.numel() for f in files.values() for t in f.values())
+    writer = PersistProcess(tier_dir)
+    try:
+        writer.prewarm(total)
+        warmed = [(aid, arena.size) for slot in writer.slots for aid, arena in slot]
+        assert [size for _, size in warmed] == [total]
+        writer.new_checkpoint()  # what AsyncSaver.start does first
+        for name, state in files.items():
+            writer.submit("states", str(tmp_path / name), state, True).result(timeout=TIMEOUT)
+        assert [(aid, arena.size) for aid, arena in writer.slots[writer.slot]] == warmed  # no new arena
+        assert torch.load(tmp_path / "b.pt")["y"].equal(files["b.pt"]["y"])
+    finally:
+        writer.close()
+
+
 STATE = {"module": collections.OrderedDict(w=torch.randn(300, 700), b=torch.ones(3, dtype=torch.bfloat16),
                                            empty=torch.zeros(0), view=torch.arange(10.0)[2:5]),
          "opt": {"state": {0: {"exp_avg": torch.randn(3 << 18), "step": torch.tensor(7)}}, "lr": 0.1},

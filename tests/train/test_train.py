@@ -300,6 +300,9 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
     assert "2 local ranks, MASTER_ADDR=127.0.0.1 MASTER_PORT=" in launched and "deepspeed.launcher" not in launched
     assert launched.count("[supervisor] rank 0 (pid ") == launched.count("[supervisor] rank 1 (pid ") == 1
     assert launched.count("exited with code 0") == 2
+    # the first save's arena, sized from DeepSpeed's own state dicts, was made before training; nothing left behind
+    assert re.search(r"checkpoint arena of [\d.,]+ MiB made and faulted in before training", launched)
+    assert not (Path(r1.run_dir) / ".checkpoint-sizing").exists()
     state = torch.load(Path(r1.checkpoint_dir) / "mp_rank_00_model_states.pt", weights_only=False)
     assert state["sampler"]["skipped"] == [13] and state["sampler"]["next_step"] == 30
 
