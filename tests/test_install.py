@@ -179,3 +179,34 @@ def test_slurm_batch_script_writes_the_hostfile_and_sets_valid_fields(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert show.returncode == 0, show.stdout + show.stderr
     assert "* train.batch.num_ranks: 12" in show.stdout and '* train.launch.master_addr: "gpu01"' in show.stdout
+
+
+def _gpu_figures_cpu_check(tmp_path, only: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "bench" / "gpu_figures.sh"), "--cpu-check", "--python", sys.executable,
+                           "--out", str(tmp_path), "--budget", "900", "--only", only], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "LIFECYCLE_COMMIT": "test"})
+
+
+def test_gpu_figures_drives_bench_gpu_mfu_on_the_cpu(tmp_path):
+    """The lease script and `bench.gpu_mfu` end to end on tiny shapes: ours (DeepSpeed rank, async saves), the
+    synchronous-save run and the peer loop, one JSON line with every field the issue asks for."""
+    r = _gpu_figures_cpu_check(tmp_path, "mfu124")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (line,) = (tmp_path / "summary.jsonl").read_text().splitlines()
+    got = json.loads(line)
+    assert got["commit"] == "test" and got["model"] == "tiny"
+    for side in ("ours", "peer"):
+        assert got[side]["tokens_per_s"] > 0 and got[side]["step_ms"] > 0
+    assert got["ratio"] == pytest.approx(got["ours"]["tokens_per_s"] / got["peer"]["tokens_per_s"])
+    assert 0 <= got["stall_frac"] < 1 and got["save_stall_ratio"] > 0 and got["save"]["sync_s"] > 0
+    assert got["save"]["first_async_s"] is not None and got["save"]["commit_after_s"]
+    assert "6·N + 12·L·H·Q·T" in got["mfu_basis"]
+
+
+@pytest.mark.slow
+def test_gpu_figures_runs_every_step_on_the_cpu(tmp_path):
+    """All three steps (the two MFU runs and a kill-and-resume) on the CPU, as a lease would run them on a GPU."""
+    r = _gpu_figures_cpu_check(tmp_path, "mfu124,resume,mfu350")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len((tmp_path / "summary.jsonl").read_text().splitlines()) == 2
+    assert "1/1 killed-and-resumed runs bitwise-identical" in (tmp_path / "resume.log").read_text()

@@ -549,9 +549,10 @@ class Trainer:
         """Wait for step `step`'s loss; a healthy one joins the spike window and is returned. A bad one rolls
         back (None)."""
         loss = pending.get()
-        self.unchecked = None if self.unchecked is not None and self.unchecked[0] == step else self.unchecked
+        if self.unchecked is not None and self.unchecked[0] == step:
+            self.unchecked = None  # checked now
         if self.is_bad(loss):
-            self.unchecked = None
+            self.unchecked = None  # a step queued after the bad one goes with everything past the commit
             self.rollback(loss, dstep, step)
             self.beat()
             return None
