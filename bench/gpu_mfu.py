@@ -88,7 +88,7 @@ def train_config(a, async_save: bool = True, steps: int | None = None, every: in
     steps = steps or a.steps
     return TrainConfig(
         model=ModelConfig(**SHAPES[a.model], **RECIPE), max_steps=steps, seed=1337,
-        optimizer={"decay_steps": steps, "warmup_steps": 5, "lr": 6e-4, "min_lr": 6e-5},
+        optimizer={"decay_steps": max(steps, a.steps, 10), "warmup_steps": 5, "lr": 6e-4, "min_lr": 6e-5},
         batch={"micro_batch_size": micro, "grad_accum": accum, "num_ranks": 1},
         engine={"zero_stage": a.zero, "precision": a.precision, "accelerator": a.device,
                 "compile": "auto" if a.compile is None else a.compile},
@@ -234,10 +234,10 @@ def main(a) -> dict:
             timings["sync_s"] = time.time() - t
             sync_saves = [s for n, s in sync["stalls"]]
             out["save"]["sync_s"] = statistics.median(sync_saves) if sync_saves else None
-            later = out["save"]["later_async_s"] or out["save"]["first_async_s"]
-            out["save_stall_ratio"] = later / out["save"]["sync_s"] if later and out["save"]["sync_s"] else None
-            out["save"]["first_save_ratio"] = (out["save"]["first_async_s"] / out["save"]["sync_s"]
-                                               if out["save"]["first_async_s"] and out["save"]["sync_s"] else None)
+            sync_s, first = out["save"]["sync_s"], out["save"]["first_async_s"]
+            later = out["save"]["later_async_s"] if out["save"]["later_async_s"] is not None else first
+            out["save_stall_ratio"] = later / sync_s if later is not None and sync_s else None
+            out["save"]["first_save_ratio"] = first / sync_s if first is not None and sync_s else None
         if a.peer_steps:
             t = time.time()
             tokdir = str(Path(tokens.manifest_path).parent)

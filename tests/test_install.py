@@ -195,10 +195,11 @@ def test_gpu_figures_drives_bench_gpu_mfu_on_the_cpu(tmp_path):
     (line,) = (tmp_path / "summary.jsonl").read_text().splitlines()
     got = json.loads(line)
     assert got["commit"] == "test" and got["model"] == "tiny"
+    assert not {"sync_error", "peer_error", "ours_compile_error"} & set(got), got
     for side in ("ours", "peer"):
         assert got[side]["tokens_per_s"] > 0 and got[side]["step_ms"] > 0
     assert got["ratio"] == pytest.approx(got["ours"]["tokens_per_s"] / got["peer"]["tokens_per_s"])
-    assert 0 <= got["stall_frac"] < 1 and got["save_stall_ratio"] > 0 and got["save"]["sync_s"] > 0
+    assert 0 <= got["stall_frac"] < 1 and got["save_stall_ratio"] >= 0 and got["save"]["sync_s"] > 0
     assert got["save"]["first_async_s"] is not None and got["save"]["commit_after_s"]
     assert "6·N + 12·L·H·Q·T" in got["mfu_basis"]
 
