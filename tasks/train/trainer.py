@@ -320,8 +320,9 @@ class Trainer:
         self.engine, self.scheduler = self._build_engine()
         phase("engine build")
         dtype = torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32
-        # probed at every launch, under the load the run itself meets: a value cached from a busier moment made MFU > 1
-        self.measured_peak = measure_peak_flops(self.device, dtype=dtype)
+        # probed at every launch, under the load the run itself meets: a value cached from a busier moment made MFU > 1;
+        # not at all when the peak is configured (the probe is 0.3 s of every launch)
+        self.measured_peak = None if cfg.logging.peak_flops_per_rank else measure_peak_flops(self.device, dtype=dtype)
         self.peak, source = self.mfu_peak()
         self.say(mfu_basis(self.flops_per_token, self.n_matmul, cfg.model.n_layer, cfg.model.n_embd,
                            cfg.model.seq_len, self.peak, source))
@@ -615,7 +616,8 @@ class Trainer:
                             "tokens": self.step * self.tokens_per_step, "elapsed": round(self.elapsed, 3),
                             "step_time": step_time, "data_wait": wait / self.window_steps, "stall_frac": wait / window,
                             "tokens_per_s": self.tokens_per_step / step_time,
-                            "mfu": achieved / self.peak, "mfu_measured": achieved / self.measured_peak,
+                            "mfu": achieved / self.peak,
+                            **({"mfu_measured": achieved / self.measured_peak} if self.measured_peak else {}),
                             "params": self.n_matmul, "flops_per_token": self.flops_per_token, **extra})
         self.window_start, self.window_steps = now, 0
 
