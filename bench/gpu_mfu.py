@@ -179,6 +179,30 @@ def peer(a, tokens) -> dict:
             "flops_per_token": fpt, "losses": losses}
 
 
+def loader_capacity(a) -> dict:
+    """Tokens/s that one prefetch thread's `get_batch` prepares for this shape (no GPU needed; pinned on CUDA):
+    the rate the loader can feed, to set against the step's tokens/s."""
+    import torch
+
+    from lifecycle.tasks.data.tokenize.stage import token_shards
+    from lifecycle.tasks.train.trainer import get_batch
+
+    cfg = train_config(a)
+    pin = a.device == "cuda" and torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
+        shards = token_shards(synthetic_tokens(str(Path(tmp) / "tok"), cfg.model.vocab_size, 50 * 10**6))
+        get_batch(shards, cfg, 0, 0, 0, pin)  # warm: the maps, the allocator
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 3.0:
+            get_batch(shards, cfg, n, 0, n % cfg.batch.grad_accum, pin)
+            n += 1
+        wall = time.perf_counter() - t0
+    tps = n * cfg.batch.micro_batch_size * cfg.model.seq_len / wall
+    print(f"loader: {n} micro-batches of {cfg.batch.micro_batch_size} x {cfg.model.seq_len} tokens in {wall:.2f} s, "
+          f"{tps:,.0f} tokens/s from one thread{' (pinned)' if pin else ''}")
+    return {"loader_tokens_per_s": tps, "pinned": pin}
+
+
 def main(a) -> dict:
     import torch  # noqa: F401  (the device check below)
 
@@ -313,6 +337,8 @@ def parse(argv=None):
                     help="true/false: train.engine.compile for ours and the peer (default auto: on for cuda)")
     ap.add_argument("--tmp", default=None, help="where the work dirs go (default: the system's temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    ap.add_argument("--loader", action="store_true",
+                    help="only measure the tokens/s one prefetch thread prepares for this shape (runs on a CPU)")
     ap.add_argument("--role", choices=["bench", "peer"], default="bench", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -325,7 +351,9 @@ def parse(argv=None):
 if __name__ == "__main__":
     args = parse()
     os.environ.setdefault("DS_ACCELERATOR", args.device)
-    if args.role == "peer":
+    if args.loader:
+        print(json.dumps(loader_capacity(args)))
+    elif args.role == "peer":
         from lifecycle.core import dataset as ds
 
         print(json.dumps(peer(args, ds.DatasetRef.from_dir(args.tokens))))
