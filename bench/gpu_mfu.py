@@ -52,6 +52,23 @@ SHAPES = {
 }
 RECIPE = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "tie_embeddings": True, "init": "gpt2_scaled"}
 BATCH = {"124m": (16, 4), "350m": (16, 4), "tiny": (4, 1)}  # (micro batch, grad accumulation): 64 k tokens a step
+DATA_VOCAB = {"124m": 50257, "350m": 50257, "tiny": 500}  # the token ids the data uses: GPT-2's 50,257, unpadded
+LEVERS = ("compile", "fused_adamw", "no_host_sync", "pinned", "vocab_pad", "micro_batch")
+
+
+def lever_off(name: str, model: str) -> tuple[str, list[str]]:
+    """(what turning lever `name` off means, the peer's flags for it): each is measured alone against all on."""
+    micro, accum = BATCH[model]
+    return {
+        "compile": ("eager: no torch.compile", ["--compile", "false"]),
+        "fused_adamw": ("AdamW's foreach kernels, not the fused one", ["--no-fused"]),
+        "no_host_sync": ("loss.item() after every micro-batch (a host synchronisation per step)", ["--item-every-step"]),
+        "pinned": ("batches not page-locked (a blocking copy to the GPU)", ["--no-pin"]),
+        "vocab_pad": (f"vocabulary {DATA_VOCAB[model]:,}, the data's, not padded to a multiple of 64",
+                      ["--vocab", str(DATA_VOCAB[model])]),
+        "micro_batch": (f"micro-batch {max(1, micro // 2)} x accumulation {accum * 2} (the same tokens a step)",
+                        ["--micro", str(max(1, micro // 2)), "--accum", str(accum * 2)]),
+    }[name]
 
 
 def synthetic_tokens(workdir: str, vocab: int, n_tokens: int):
@@ -86,8 +103,9 @@ def train_config(a, async_save: bool = True, steps: int | None = None, every: in
 
     micro, accum = a.micro or BATCH[a.model][0], a.accum or BATCH[a.model][1]
     steps = steps or a.steps
+    shape = {**SHAPES[a.model], **({"vocab_size": a.vocab} if a.vocab else {})}
     return TrainConfig(
-        model=ModelConfig(**SHAPES[a.model], **RECIPE), max_steps=steps, seed=1337,
+        model=ModelConfig(**shape, **RECIPE), max_steps=steps, seed=1337,
         optimizer={"decay_steps": max(steps, a.steps, 10), "warmup_steps": 5, "lr": 6e-4, "min_lr": 6e-5},
         batch={"micro_batch_size": micro, "grad_accum": accum, "num_ranks": 1},
         engine={"zero_stage": a.zero, "precision": a.precision, "accelerator": a.device,
@@ -144,13 +162,14 @@ def peer(a, tokens) -> dict:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optimizer.lr,
-                            betas=cfg.optimizer.betas, **({"fused": True} if cuda else {}))
+                            betas=cfg.optimizer.betas, **({"fused": True} if cuda and not a.no_fused else {}))
     fpt = model.flops_per_token()
     step_model = torch.compile(model) if cfg.engine.compiled else model
     dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     accum, total = cfg.batch.grad_accum, a.warmup + a.peer_steps
     keys = ((s, s, m) for s in range(total) for m in range(accum))
-    loader = Prefetcher(lambda k: get_batch(shards, cfg, k[1], 0, k[2], cuda), keys, cfg.launch.prefetch)
+    pin = cuda and not a.no_pin
+    loader = Prefetcher(lambda k: get_batch(shards, cfg, k[1], 0, k[2], pin), keys, cfg.launch.prefetch)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     losses, t0 = [], None
     for s in range(total):
@@ -163,6 +182,8 @@ def peer(a, tokens) -> dict:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 _, loss = step_model(x, y)
             (loss / accum).backward()
+            if a.item_every_step:  # what the train loop did before issue 17: the host waits for the device
+                loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -177,6 +198,41 @@ def peer(a, tokens) -> dict:
     peak = a.peak or (found[0] if found else None)
     return {"tokens_per_s": tps, "step_ms": step_s * 1e3, "mfu": fpt * tps / peak if peak else None,
             "flops_per_token": fpt, "losses": losses}
+
+
+def levers(a) -> dict:
+    """The peer with every lever on, then with each one of `a.levers` turned off alone: tokens/s and the ratio to
+    all on, so each lever's worth is measured apart (issue 17: "measured one at a time")."""
+    names = list(LEVERS) if a.levers == "all" else a.levers.split(",")
+    if unknown := [n for n in names if n not in LEVERS]:
+        raise SystemExit(f"--levers: unknown {unknown}; choose from {', '.join(LEVERS)} or all")
+    cfg = train_config(a)
+    out = {"model": a.model, "device": a.device, "precision": a.precision, "commit": git_head(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "levers": {}}
+    base_args = [x for x in a.passthrough if not x.startswith("--levers=")]
+    if "--levers" in base_args:  # and its value
+        i = base_args.index("--levers")
+        base_args = base_args[:i] + base_args[i + 2:]
+    if a.compile is None:  # every lever on: compiled, also where `auto` would not compile (the CPU)
+        base_args += ["--compile", "true"]
+    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
+        need = (a.warmup + a.peer_steps + 2) * cfg.global_batch * cfg.model.seq_len // 4 + 10**6
+        tokens = synthetic_tokens(str(Path(tmp) / "tok"), DATA_VOCAB[a.model], need)
+        tokdir = str(Path(tokens.manifest_path).parent)
+        for name, (what, flags) in [("all on", ("every lever on", []))] + [(n, lever_off(n, a.model)) for n in names]:
+            args = [sys.executable, "-m", "bench.gpu_mfu", "--role", "peer", "--tokens", tokdir, *base_args, *flags]
+            proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode:
+                out["levers"][name] = {"what": what, "error": proc.stderr[-2000:]}
+                print(f"  {name:14} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else '?'}")
+                continue
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            out["levers"][name] = {"what": what, **got}
+            base = out["levers"]["all on"].get("tokens_per_s") if "all on" in out["levers"] else None
+            rel = f"{got['tokens_per_s'] / base:.3f}x all on" if base else ""
+            print(f"  {name:14} {got['tokens_per_s']:12,.0f} tokens/s {got['step_ms']:8.1f} ms  {rel:>16}  {what}",
+                  flush=True)
+    return out
 
 
 def loader_capacity(a) -> dict:
@@ -219,7 +275,7 @@ def main(a) -> dict:
     with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
         cfg = train_config(a)
         need = (max(a.steps, a.warmup + a.peer_steps) + 2) * cfg.global_batch * cfg.model.seq_len // 4 + 10**6
-        tokens = synthetic_tokens(str(Path(tmp) / "tok"), cfg.model.vocab_size, need)
+        tokens = synthetic_tokens(str(Path(tmp) / "tok"), DATA_VOCAB[a.model], need)
         timings = {}
         t = time.time()
         try:
@@ -337,6 +393,12 @@ def parse(argv=None):
                     help="true/false: train.engine.compile for ours and the peer (default auto: on for cuda)")
     ap.add_argument("--tmp", default=None, help="where the work dirs go (default: the system's temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    ap.add_argument("--vocab", type=int, default=None, help="model vocabulary (default: the shape's, 50,304 or 512)")
+    ap.add_argument("--levers", default=None, metavar="NAMES|all",
+                    help=f"only the peer, with each lever off in turn: {', '.join(LEVERS)} (comma-separated) or all")
+    ap.add_argument("--no-fused", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-pin", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--item-every-step", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--loader", action="store_true",
                     help="only measure the tokens/s one prefetch thread prepares for this shape (runs on a CPU)")
     ap.add_argument("--role", choices=["bench", "peer"], default="bench", help=argparse.SUPPRESS)
@@ -353,6 +415,10 @@ if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", args.device)
     if args.loader:
         print(json.dumps(loader_capacity(args)))
+    elif args.levers and args.role == "bench":
+        result = levers(args)
+        if args.json:
+            print(json.dumps(result))
     elif args.role == "peer":
         from lifecycle.core import dataset as ds
 

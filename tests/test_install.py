@@ -206,8 +206,13 @@ def test_gpu_figures_drives_bench_gpu_mfu_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_figures_runs_every_step_on_the_cpu(tmp_path):
-    """All three steps (the two MFU runs and a kill-and-resume) on the CPU, as a lease would run them on a GPU."""
-    r = _gpu_figures_cpu_check(tmp_path, "mfu124,resume,mfu350")
+    """Every step (the two MFU runs, a kill-and-resume, the levers one at a time) on the CPU, as a lease would run
+    them on a GPU."""
+    r = _gpu_figures_cpu_check(tmp_path, "mfu124,resume,mfu350,levers")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert len((tmp_path / "summary.jsonl").read_text().splitlines()) == 2
+    *mfu, lev = (json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines())
+    assert len(mfu) == 2 and all("ratio" in m for m in mfu)
+    assert set(lev["levers"]) == {"all on", "compile", "fused_adamw", "no_host_sync", "pinned", "vocab_pad",
+                                  "micro_batch"}
+    assert all(v["tokens_per_s"] > 0 for v in lev["levers"].values())
     assert "1/1 killed-and-resumed runs bitwise-identical" in (tmp_path / "resume.log").read_text()
