@@ -13,7 +13,10 @@ The stall fraction is the time the training step waited for its batch over the s
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -33,10 +36,6 @@ def demo_config(max_steps: int, **engine):
 
 def compile_compare(max_steps: int = 200) -> dict:
     """Wall time of the demo's train stage, eager against compiled (cold and warm inductor cache)."""
-    import os
-    import statistics
-    import time
-
     from tests.train.test_train import make_tokens
 
     from lifecycle.tasks.train.launch import run_train

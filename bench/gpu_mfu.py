@@ -200,6 +200,21 @@ def peer(a, tokens) -> dict:
             "flops_per_token": fpt, "losses": losses}
 
 
+def header(a) -> dict:
+    """What every result line starts with: the run's settings, when and at which commit."""
+    return {"model": a.model, "device": a.device, "precision": a.precision,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_head()}
+
+
+def run_peer(tokdir: str, args: list[str]) -> tuple[dict | None, str]:
+    """The peer loop in a process of its own (`--role peer`): (its result, None) or (None, its stderr's tail)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_mfu", "--role", "peer", "--tokens", tokdir, *args],
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        return None, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+
+
 def levers(a) -> dict:
     """The peer with every lever on, then with each one of `a.levers` turned off alone: tokens/s and the ratio to
     all on, so each lever's worth is measured apart (issue 17: "measured one at a time")."""
@@ -207,8 +222,7 @@ def levers(a) -> dict:
     if unknown := [n for n in names if n not in LEVERS]:
         raise SystemExit(f"--levers: unknown {unknown}; choose from {', '.join(LEVERS)} or all")
     cfg = train_config(a)
-    out = {"model": a.model, "device": a.device, "precision": a.precision, "commit": git_head(),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "levers": {}}
+    out = {**header(a), "levers": {}}
     base_args = [x for x in a.passthrough if not x.startswith("--levers=")]
     if "--levers" in base_args:  # and its value
         i = base_args.index("--levers")
@@ -220,13 +234,11 @@ def levers(a) -> dict:
         tokens = synthetic_tokens(str(Path(tmp) / "tok"), DATA_VOCAB[a.model], need)
         tokdir = str(Path(tokens.manifest_path).parent)
         for name, (what, flags) in [("all on", ("every lever on", []))] + [(n, lever_off(n, a.model)) for n in names]:
-            args = [sys.executable, "-m", "bench.gpu_mfu", "--role", "peer", "--tokens", tokdir, *base_args, *flags]
-            proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-            if proc.returncode:
-                out["levers"][name] = {"what": what, "error": proc.stderr[-2000:]}
-                print(f"  {name:14} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else '?'}")
+            got, error = run_peer(tokdir, [*base_args, *flags])
+            if got is None:
+                out["levers"][name] = {"what": what, "error": error}
+                print(f"  {name:14} failed: {error.strip().splitlines()[-1] if error.strip() else '?'}")
                 continue
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
             out["levers"][name] = {"what": what, **got}
             base = out["levers"]["all on"].get("tokens_per_s") if "all on" in out["levers"] else None
             rel = f"{got['tokens_per_s'] / base:.3f}x all on" if base else ""
@@ -260,12 +272,9 @@ def loader_capacity(a) -> dict:
 
 
 def main(a) -> dict:
-    import torch  # noqa: F401  (the device check below)
-
     from lifecycle.tasks.train.hardware import datasheet_peak
 
-    out: dict = {"model": a.model, "device": a.device, "precision": a.precision, "zero_stage": a.zero,
-                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_head()}
+    out: dict = {**header(a), "zero_stage": a.zero}
     if a.device == "cuda":
         import torch
 
@@ -320,16 +329,14 @@ def main(a) -> dict:
             out["save"]["first_save_ratio"] = first / sync_s if first is not None and sync_s else None
         if a.peer_steps:
             t = time.time()
-            tokdir = str(Path(tokens.manifest_path).parent)
-            args = [sys.executable, "-m", "bench.gpu_mfu", "--role", "peer", "--tokens", tokdir] + a.passthrough
-            proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+            got, error = run_peer(str(Path(tokens.manifest_path).parent), a.passthrough)
             timings["peer_s"] = time.time() - t
-            if proc.returncode:  # ours' figures still stand: say why there is no ratio
-                out["peer_error"] = proc.stderr[-4000:]
-                print(f"the peer loop failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", flush=True)
+            if got is None:  # ours' figures still stand: say why there is no ratio
+                out["peer_error"] = error
+                print(f"the peer loop failed:\n{error}", flush=True)
             else:
-                out["peer"] = json.loads(proc.stdout.strip().splitlines()[-1])
-                out["ratio"] = out["ours"]["tokens_per_s"] / out["peer"]["tokens_per_s"]
+                out["peer"] = got
+                out["ratio"] = out["ours"]["tokens_per_s"] / got["tokens_per_s"]
         out["timings"] = timings
     return out
 

@@ -48,6 +48,7 @@ import itertools
 import mmap
 import os
 import pickle
+import shutil
 import socket
 import struct
 import subprocess
@@ -479,28 +480,37 @@ class PersistProcess:
 
 
 @functools.cache
-def snapshot_engine_class() -> type:
-    """`SnapshotCheckpointEngine`, a subclass of DeepSpeed's `TorchCheckpointEngine`, made on first use: this module
-    is also the persist process's, which must not import DeepSpeed (seconds of start-up before its first write:
-    the first commit waited 3 s for it on the CPU, 6-9 s on a GPU host)."""
+def _engine_base() -> type:
+    """A DeepSpeed `TorchCheckpointEngine` whose `create` and `commit` do nothing (this module commits), made on first
+    use: this module is also the persist process's, which must not import DeepSpeed (seconds of start-up before its
+    first write: the first commit waited 3 s for it on the CPU, 6-9 s on a GPU host)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    class SnapshotCheckpointEngine(TorchCheckpointEngine):
-        """DeepSpeed checkpoint engine whose `save` stages the state and returns; the persist process writes it."""
-
-        def __init__(self, base, writer: PersistProcess):
-            self.name = "SnapshotCheckpointEngine"
+    class StagingEngine(TorchCheckpointEngine):
+        def __init__(self, base):
+            self.name = type(self).__name__
             self.zipfile_serialization = getattr(base, "zipfile_serialization", False)
-            self.writer, self.jobs = writer, []
 
         def create(self, info) -> None:
             pass
 
-        def save(self, state_dict, path: str) -> None:
-            self.jobs.append(self.writer.submit("states", str(path), state_dict, self.zipfile_serialization))
-
         def commit(self, info) -> bool:
             return True
+
+    return StagingEngine
+
+
+@functools.cache
+def snapshot_engine_class() -> type:
+    """DeepSpeed checkpoint engine whose `save` stages the state and returns; the persist process writes it."""
+
+    class SnapshotCheckpointEngine(_engine_base()):
+        def __init__(self, base, writer: PersistProcess):
+            super().__init__(base)
+            self.writer, self.jobs = writer, []
+
+        def save(self, state_dict, path: str) -> None:
+            self.jobs.append(self.writer.submit("states", str(path), state_dict, self.zipfile_serialization))
 
     return SnapshotCheckpointEngine
 
@@ -509,22 +519,14 @@ def snapshot_engine_class() -> type:
 def counting_engine_class() -> type:
     """A DeepSpeed checkpoint engine that writes nothing and adds up the arena bytes of what it is handed: the exact
     size of a rank's checkpoint, from DeepSpeed's own state dicts (`AsyncSaver.prewarm`)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    class CountingCheckpointEngine(TorchCheckpointEngine):
+    class CountingCheckpointEngine(_engine_base()):
         def __init__(self, base):
-            self.name = "CountingCheckpointEngine"
-            self.zipfile_serialization = getattr(base, "zipfile_serialization", False)
+            super().__init__(base)
             self.nbytes = 0
-
-        def create(self, info) -> None:
-            pass
 
         def save(self, state_dict, path: str) -> None:
             self.nbytes += staged_bytes(state_dict)
-
-        def commit(self, info) -> bool:
-            return True
 
     return CountingCheckpointEngine
 
@@ -559,8 +561,7 @@ class AsyncSaver:
         self.tier_error_logged = False
         self.ds_engine = snapshot_engine_class()(engine.checkpoint_engine, self.writer)
         engine.checkpoint_engine = self.ds_engine
-        self.pending: tuple[int, Path, dict | None] | None = None
-        self.started: dict[int, float] = {}  # step -> perf_counter() when its save began (for the commit's log line)
+        self.pending: tuple[int, Path, dict | None, float] | None = None  # step, tag dir, marker extra, start time
         self.commit_job: cf.Future | None = None
         self.committed: Path | None = None
 
@@ -568,8 +569,6 @@ class AsyncSaver:
         """Collective, before training: size this rank's checkpoint (DeepSpeed builds its state dicts into a
         counting engine: nothing is copied or written; rank 0 adds its fp32 model export) and have the persist
         process's arena for the first save made and faulted in. Returns (bytes, seconds)."""
-        import shutil
-
         t0 = time.perf_counter()
         counter = counting_engine_class()(self.ds_engine)
         self.engine.checkpoint_engine = counter
@@ -621,10 +620,9 @@ class AsyncSaver:
                 if self.rank == 0:  # staged (copied) while ZeRO-3's gathered parameters are still there
                     self.ds_engine.jobs.append(self.writer.submit("model", str(tag_dir), state, model_config))
         self.writer.seal()  # the snapshot is complete: training goes on and may change every tensor
-        self.pending = (step, tag_dir, marker_extra)
+        self.pending = (step, tag_dir, marker_extra, t0)
         t4 = time.perf_counter()
         # where the training thread's time went (train.log; bench.gpu_mfu reads it)
-        self.started[step] = t0
         self.log(f"save {step} blocked {t4 - t0:.3f}s: previous save {t1 - t0:.3f}s, barrier and arena {t2 - t1:.3f}s, "
                  f"DeepSpeed states staged {t3 - t2:.3f}s, model export staged {t4 - t3:.3f}s")
         return tag_dir
@@ -642,7 +640,7 @@ class AsyncSaver:
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if not done.item():
             return None
-        step, tag_dir, extra = self.pending
+        step, tag_dir, extra, began = self.pending
         self.pending = None
         try:
             mine: dict[str, ckpt.Digest] | str = {Path(path).relative_to(tag_dir).as_posix(): d
@@ -656,7 +654,7 @@ class AsyncSaver:
             raise RuntimeError(f"checkpoint {tag_dir} not committed:\n" + "\n".join(failed))
         if self.rank == 0:
             self.commit_job = self.pool.submit(self._commit, tag_dir, step, extra, merge_digests([r for r, _ in ranks]),
-                                               all(ok for _, ok in ranks))
+                                               all(ok for _, ok in ranks), began)
         return tag_dir
 
     def _index(self, step: int, tag_dir: Path, jobs: list[cf.Future]) -> bool:
@@ -693,7 +691,7 @@ class AsyncSaver:
         memtier.prune_rank(self.tier, self.rank, keep)
 
     def _commit(self, tag_dir: Path, step: int, extra: dict | None, known: dict[str, ckpt.Digest],
-                indexed: bool = False) -> Path:
+                indexed: bool, began: float) -> Path:
         if self.tier is not None and not indexed:
             memtier.uncommit(self.tier)
         ckpt.commit(tag_dir, step, extra, known=known)
@@ -701,9 +699,7 @@ class AsyncSaver:
             memtier.commit(self.tier, step, self.world)
         for gone in self.writer.prune(self.root, self.keep_last, keep=(tag_dir,)).result():
             self.log(f"pruned {gone}")
-        began = self.started.pop(step, None)
-        self.log(f"committed {tag_dir}" + (f", {time.perf_counter() - began:.3f}s after its save began"
-                                           if began is not None else ""))
+        self.log(f"committed {tag_dir}, {time.perf_counter() - began:.3f}s after its save began")
         self.committed = tag_dir
         return tag_dir
 
