@@ -299,8 +299,8 @@ def main(a) -> dict:
             ours = run_ours(a, tokens, str(Path(tmp) / "ours-eager"), True, a.steps, a.every, a.profile_step)
         timings["ours_s"] = time.time() - t
         records = [r for r in ours["train"] if r["step"] > ours["train"][0]["step"]]  # the first holds the compile
-        med = {k: statistics.median(r[k] for r in records) for k in ("step_time", "tokens_per_s", "mfu", "mfu_measured",
-                                                                     "stall_frac")}
+        med = {k: statistics.median(r[k] for r in records) if all(k in r for r in records) else None
+               for k in ("step_time", "tokens_per_s", "mfu", "mfu_measured", "stall_frac")}  # no mfu_measured: --peak
         out["params"], out["flops_per_token"] = records[-1]["params"], records[-1]["flops_per_token"]
         out["ours"] = {"tokens_per_s": med["tokens_per_s"], "step_ms": med["step_time"] * 1e3, "mfu": med["mfu"],
                        "mfu_vs_measured_matmul": med["mfu_measured"], "compiled": ours["compiled"],
