@@ -201,7 +201,9 @@ class _Logger:
                                      "lifecycle.resumed_from": str(result.resumed_from),
                                      "lifecycle.layout": str(result.layout),
                                      **({"lifecycle.layout_change": result.layout_change}
-                                        if result.layout_change else {})})
+                                        if result.layout_change else {}),
+                                     **({"lifecycle.promotions": str(result.promotions)}  # hot spares used
+                                        if result.promotions else {})})
         series = ("loss", "lr", "val_loss", "moe_aux_loss", "moe_dropped", "moe_drop_frac", *_per_expert(rows))
         self.tracker.log_series("train", rows, [k for k in series if any(k in r for r in rows)])
         self.summary.checkpoint = result.checkpoint_dir

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,10 +34,11 @@ print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "r
 
 def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", checkpoint: dict | None = None,
            model: dict | None = None, batch: dict | None = None, max_steps: int = 40, init_from: str = "scratch",
-           parallel: dict | None = None, zero_stage: int = 2, moe: dict | None = None, compile: bool | str = "auto"):
+           parallel: dict | None = None, zero_stage: int = 2, moe: dict | None = None, compile: bool | str = "auto",
+           launch: dict | None = None):
     """The faults' training run; `checkpoint`, `model`, `batch` and `parallel` override fields of those sections;
     `init_from: hf:<dir>` continues that checkpoint (its config.json gives the architecture); `moe`: the
-    `train.moe` section (mixture of experts)."""
+    `train.moe` section (mixture of experts); `launch`: fields of `train.launch`."""
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 
     shape = {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 64, "dropout": 0.1, **(model or {})}
@@ -48,7 +50,7 @@ def config(accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32", ch
                                "compile": compile},
                        checkpoint={"every": 5, "keep_last": 2, **(checkpoint or {})}, logging={"every": 1},
                        parallel=parallel or {},
-                       launch={"threads_per_rank": 1, "timeout_s": 600}, moe=moe or {})
+                       launch={"threads_per_rank": 1, "timeout_s": 600, **(launch or {})}, moe=moe or {})
 
 
 def tokens(tokdir: str):
@@ -78,9 +80,10 @@ def descendants_of_supervisor(pid: int) -> list[int]:
     return out
 
 
-def rank_pids(supervisor: int) -> dict[int, int]:
+def rank_pids(supervisor: int, world: str = "") -> dict[int, int]:
     """{rank: pid} of the training ranks under run_train in process `supervisor` (not the launcher, not the
-    ranks' persist processes: the process that runs the trainer module)."""
+    ranks' persist processes: the process that runs the trainer module) of world `world` ("": the launch's
+    first; "spare<k>": a standby world of `train.launch.spares`)."""
     out = {}
     for pid in descendants_of_supervisor(supervisor):
         try:
@@ -88,7 +91,8 @@ def rank_pids(supervisor: int) -> dict[int, int]:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"-m" in cmd and b"lifecycle.tasks.train.trainer" in cmd:
+        in_world = next((e[16:].decode() for e in env if e.startswith(b"LIFECYCLE_WORLD=")), "")
+        if b"-m" in cmd and b"lifecycle.tasks.train.trainer" in cmd and in_world == world:
             rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
             if rank is not None:
                 out[rank] = pid
@@ -133,41 +137,100 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
     from lifecycle.tasks.train import memtier
 
     proc = launch(tokdir, workdir, opts)
+    run_dir = ready_run_dir(proc, workdir)
+    killed_after = wait_commit(proc, run_dir, opts, after_step, timeout)
+    os.kill(rank_pids(proc.pid)[rank], signal.SIGKILL)
+    proc.communicate(timeout=timeout)  # run_train fails: the launcher saw a rank die
+    evicted = evict_from_page_cache(run_dir / "checkpoints") if evict else 0
+    t0 = time.time()
+    again = launch(tokdir, workdir, opts)
+    t_first, first_step_time = first_step_after_restore(again, workdir, timeout)
+    end(again, finish, timeout)
+    restored = records(workdir, "restore")
+    return {"killed_after": killed_after, "failed_rc": proc.returncode,
+            "relaunch_to_first_step": t_first - t0 if t_first else None, "first_step_time": first_step_time,
+            "restore": restored[-1] if restored else None, "rc": again.returncode, "evicted_bytes": evicted}
+
+
+def ready_run_dir(proc: subprocess.Popen, workdir: str) -> Path:
     log = wait_ready(proc, workdir)
     if log is None:
         raise RuntimeError(f"the run in {workdir} ended before its ranks were ready")
+    return log.parent
+
+
+def wait_commit(proc: subprocess.Popen, run_dir: Path, opts: dict, after_step: int, timeout: float,
+                also: Callable[[], bool] = lambda: True, what: str = "") -> int:
+    """The step of the first commit at or after `after_step` (with the memory tier, once the tier holds it too)
+    seen while `also()` holds."""
+    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import memtier
+
     deadline = time.monotonic() + timeout
     tier_on = opts.get("checkpoint", {}).get("memory_tier", True)
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the run in {workdir} ended (or timed out) before a commit at step {after_step}")
-        done = [s for s, _ in ckpt.list_committed(log.parent / "checkpoints")]
-        tier_step = memtier.committed_step(memtier.path_for(log.parent))
-        if done and done[-1] >= after_step and (not tier_on or tier_step == done[-1]):
-            break
+            raise RuntimeError(f"the run in {run_dir} ended (or timed out) before a commit at step {after_step}{what}")
+        done = [s for s, _ in ckpt.list_committed(run_dir / "checkpoints")]
+        tier_step = memtier.committed_step(memtier.path_for(run_dir))
+        if done and done[-1] >= after_step and (not tier_on or tier_step == done[-1]) and also():
+            return done[-1]
         time.sleep(0.01)
-    pids = rank_pids(proc.pid)
-    os.kill(pids[rank], signal.SIGKILL)
-    proc.communicate(timeout=timeout)  # run_train fails: the launcher saw a rank die
-    killed_after = done[-1]
-    evicted = evict_from_page_cache(log.parent / "checkpoints") if evict else 0
-    t0 = time.monotonic()
-    again = launch(tokdir, workdir, opts)
-    first = first_step_time = None
-    while again.poll() is None and time.monotonic() < t0 + timeout:
+
+
+def first_step_after_restore(proc: subprocess.Popen, workdir: str, timeout: float,
+                             restores_before: int = 0) -> tuple[float | None, float | None]:
+    """(wall time it was seen, its step_time) of the first training step recorded after a restore record newer
+    than the first `restores_before`; (None, None) if the process ends or `timeout` passes first."""
+    start = time.time()
+    while proc.poll() is None and time.time() < start + timeout:
         restored = records(workdir, "restore")
-        if restored and (steps := [r for r in records(workdir, "train") if r["step"] > restored[-1]["step"]]):
-            first, first_step_time = time.monotonic() - t0, steps[0].get("step_time")
-            break
+        if len(restored) > restores_before and (
+                steps := [r for r in records(workdir, "train") if r["step"] > restored[-1]["step"]]):
+            return time.time(), steps[0].get("step_time")
         time.sleep(0.01)
+    return None, None
+
+
+def end(proc: subprocess.Popen, finish: bool, timeout: float) -> None:
+    """Let the run finish, or kill it with everything it started."""
     if finish:
-        again.communicate(timeout=timeout)
+        proc.communicate(timeout=timeout)
     else:
-        kill_all(again)
+        kill_all(proc)
+
+
+def kill_rank_with_spare(tokdir: str, workdir: str, opts: dict, after_step: int, rank: int = 1,
+                         finish: bool = True, timeout: float = 900, evict: bool = False) -> dict:
+    """A rank failure under `train.launch.spares`: run until a commit at or after `after_step` (and its tier
+    commit, with the memory tier) with the standby world built and waiting, SIGKILL rank `rank` of the training
+    world alone, and time the takeover inside the same run_train: from the kill (and from the supervisor's
+    promotion) to the first training step the promoted world records. `evict`: drop the checkpoint's files from
+    the page cache just before the kill. Returns {"killed_after", "kill_to_first_step",
+    "promotion_to_first_step", "first_step_time", "restore", "promotions" (promotions.jsonl), "rc"}."""
+    from lifecycle.tasks.train.supervise import heartbeat_dir
+
+    proc = launch(tokdir, workdir, opts)
+    run_dir, ranks = ready_run_dir(proc, workdir), opts.get("ranks", 2)
+    ready = lambda: all((heartbeat_dir(run_dir, "spare1") / f"rank{r}.ready").exists()  # noqa: E731
+                        for r in range(ranks))
+    killed_after = wait_commit(proc, run_dir, opts, after_step, timeout, also=ready, what=" with its standby ready")
+    evicted = evict_from_page_cache(run_dir / "checkpoints") if evict else 0
+    restores_before = len(records(workdir, "restore"))
+    pids = rank_pids(proc.pid)
+    t_kill = time.time()
+    os.kill(pids[rank], signal.SIGKILL)
+    t_first, first_step_time = first_step_after_restore(proc, workdir, timeout, restores_before)
+    end(proc, finish, timeout)
+    promotions = [json.loads(line) for line in open(run_dir / "promotions.jsonl")] \
+        if (run_dir / "promotions.jsonl").exists() else []
     restored = records(workdir, "restore")
-    return {"killed_after": killed_after, "failed_rc": proc.returncode, "relaunch_to_first_step": first,
-            "first_step_time": first_step_time, "restore": restored[-1] if restored else None, "rc": again.returncode,
-            "evicted_bytes": evicted}
+    return {"killed_after": killed_after, "kill_to_first_step": t_first - t_kill if t_first else None,
+            "first_step_time": first_step_time,
+            "promotion_to_first_step": t_first - promotions[0]["time"] if promotions and t_first else None,
+            "kill_to_failure_seen": promotions[0]["failed_at"] - t_kill if promotions else None,
+            "restore": restored[-1] if len(restored) > restores_before else None, "promotions": promotions,
+            "rc": proc.returncode, "evicted_bytes": evicted}
 
 
 def kill_all(proc: subprocess.Popen) -> None:
@@ -182,7 +245,8 @@ def kill_all(proc: subprocess.Popen) -> None:
 def result(workdir: str) -> dict:
     run = next((Path(workdir) / "train").iterdir())
     losses = [(r["step"], r["loss"]) for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
-    final = run / "checkpoints" / "step_00000040" / "model.safetensors"
+    committed = sorted(run.glob("checkpoints/step_*/COMMITTED.json"))  # the last commit is the run's final one
+    final = committed[-1].parent / "model.safetensors" if committed else run / "none"
     return {"losses": losses, "weights": final.read_bytes() if final.exists() else None}
 
 

@@ -65,12 +65,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def mem_available() -> int | None:
+    """This host's MemAvailable in bytes (/proc/meminfo), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. Zombies do not count: a rank's persist process, orphaned when
+    the rank died, waits for init to reap it, which took over a second in a container here."""
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return not Path("/proc/self/stat").exists()  # no /proc to tell: alive, as killpg says
 
 
 def _reap(pgid: int) -> None:

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.core.fs import sha256_file
+from lifecycle.core.procs import mem_available
 from lifecycle.tasks.train import checkpoint as ckpt
 from lifecycle.tasks.train import memtier
 
@@ -565,14 +566,17 @@ class AsyncSaver:
         self.commit_job: cf.Future | None = None
         self.committed: Path | None = None
 
-    def prewarm(self) -> tuple[int, float]:
+    def prewarm(self, scratch: Path | None = None, memory_share: float | None = None) -> tuple[int, float, bool]:
         """Collective, before training: size this rank's checkpoint (DeepSpeed builds its state dicts into a
         counting engine: nothing is copied or written; rank 0 adds its fp32 model export) and have the persist
-        process's arena for the first save made and faulted in. Returns (bytes, seconds)."""
+        process's arena for the first save made and faulted in. Returns (bytes, seconds, made). `scratch`: where
+        DeepSpeed may write (default `<run dir>/.checkpoint-sizing`; a standby world uses its own), removed after.
+        `memory_share`: make the arena only if, on every rank, it takes at most this share of the host's
+        MemAvailable (a standby world beside a training one; else `made` is False and nothing is allocated)."""
         t0 = time.perf_counter()
         counter = counting_engine_class()(self.ds_engine)
         self.engine.checkpoint_engine = counter
-        sizing = self.root.parent / ".checkpoint-sizing"
+        sizing = Path(scratch) if scratch is not None else self.root.parent / ".checkpoint-sizing"
         try:  # DeepSpeed's rank 0 copies its recovery script into the tag directory: the only file it writes
             self.engine.save_checkpoint(str(sizing), tag="sizing", client_state={}, save_latest=False)
         finally:
@@ -584,8 +588,13 @@ class AsyncSaver:
         if self.rank == 0:  # the consolidated fp32 weights (model.safetensors): 4 bytes a parameter, each aligned
             seen = {id(p): p for p in self.engine.module.parameters()}.values()
             nbytes += sum(-(-(4 * getattr(p, "ds_numel", p.numel())) // ALIGN) * ALIGN for p in seen)
+        if memory_share is not None:
+            fits: list[Any] = [None] * self.world
+            dist.all_gather_object(fits, nbytes <= memory_share * (mem_available() or float("inf")))
+            if not all(fits):
+                return nbytes, time.perf_counter() - t0, False
         self.writer.prewarm(nbytes)
-        return nbytes, time.perf_counter() - t0
+        return nbytes, time.perf_counter() - t0, True
 
     def start(self, step: int, client_state: dict, model_config, marker_extra: dict | None = None) -> Path:
         """Snapshot checkpoint `step` and queue its files; returns the (not yet committed) tag directory."""
@@ -681,7 +690,7 @@ class AsyncSaver:
     def _prune_tier(self) -> None:
         """Keep, of this rank's tier files, the live arenas and the committed checkpoint's index and arenas (a
         dead process's, until this process commits one)."""
-        keep = self.writer.arena_names()
+        keep = self.writer.arena_names() | memtier.live_arenas(self.tier, self.rank, os.getpid())
         if (step := memtier.committed_step(self.tier)) is not None:
             keep.add(memtier.index_path(self.tier, self.rank, step).name)
             try:

@@ -40,6 +40,7 @@ class Checkpointer:
 
     def __init__(self, engine, root: str | Path, keep_last: int, log: Callable[[str], None] = print):
         self.engine, self.root, self.keep_last, self.log = engine, Path(root), keep_last, log
+        self.prewarmed = False  # whether `prewarm` made the first save's memory
         self.last_restore: dict = {}
         """{"tier": "memory" | "disk" | "memory+disk", "seconds": restore time, "reason": why not (all) from
         memory; "memory+disk": a file whose tensors failed their checksums in memory was read from disk}"""
@@ -72,8 +73,10 @@ class Checkpointer:
         self.last_restore = {"tier": "disk", "seconds": time.perf_counter() - t0, "reason": reason}
         return tag_dir, client_state
 
-    def prewarm(self) -> str | None:
-        """Collective, before training: get the first save's memory ready; a line for the log, or None."""
+    def prewarm(self, scratch: Path | None = None, memory_share: float | None = None) -> str | None:
+        """Collective, before training: get the first save's memory ready (`prewarmed` says whether it was); a
+        line for the log, or None. `scratch`: a directory it may use and remove (one per world of ranks).
+        `memory_share`: only if that takes at most this share of the host's available memory."""
         return None
 
     def close(self) -> None:
@@ -146,8 +149,11 @@ class AsyncCheckpointer(Checkpointer):
     def poll(self) -> None:
         self.saver.poll()
 
-    def prewarm(self) -> str | None:
-        nbytes, seconds = self.saver.prewarm()
+    def prewarm(self, scratch: Path | None = None, memory_share: float | None = None) -> str | None:
+        nbytes, seconds, self.prewarmed = self.saver.prewarm(scratch, memory_share)
+        if not self.prewarmed:
+            return (f"checkpoint arena of {nbytes / 2**20:,.1f} MiB not made before training: it would take more "
+                    f"than {memory_share:.0%} of this host's available memory on some rank (the first save makes it)")
         return f"checkpoint arena of {nbytes / 2**20:,.1f} MiB made and faulted in before training ({seconds:.3f}s)"
 
     def wait(self) -> None:

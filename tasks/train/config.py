@@ -378,9 +378,21 @@ class LaunchConfig(Section):
     CPU comm op by a rank, the restore of a checkpoint. Much longer than a step, so it has its own bound. Within
     it, a rank whose liveness beat (every 2 s, from its first lines) goes quiet for `stall_s` (a stopped, dead or
     wedged rank) stalls the launch at once."""
+    spares: int = Field(0, ge=0)
+    """Hot spares: how many rank failures (an exit, or a stall the watchdog above names) one launch recovers from
+    without a relaunch. Once the ranks train, a standby world of `num_ranks` ranks starts beside them on this
+    host: imports done, process group and DeepSpeed engine built, first checkpoint arena made, waiting. A failure
+    promotes it: the failed world is stopped, and the standby restores the newest commit (from host memory with
+    `checkpoint.memory_tier`) and trains on. A new standby is started once the promoted world steps, while
+    failures remain. 0 = off: a failure fails the attempt and the stage's retry relaunches. Costs a second copy of
+    every rank's model, optimizer and first checkpoint arena in this host's memory (device memory on a GPU), and
+    CPU while a standby starts. Local ranks only (no `hostfile`)."""
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchConfig":
+        if self.spares and self.hostfile is not None:
+            raise ValueError("train.launch.spares keeps standby ranks on this host; it cannot be combined with "
+                             "train.launch.hostfile")
         if self.hostfile is None and (self.num_nodes or self.include or self.exclude):
             raise ValueError("train.launch.num_nodes/include/exclude select hosts of a hostfile: "
                              "set train.launch.hostfile too")

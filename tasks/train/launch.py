@@ -43,7 +43,8 @@ from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
 from lifecycle.tasks.train.layout import (Sibling, batch_for_siblings, describe, layout_of, siblings,
                                          trajectory_key)
 from lifecycle.tasks.train.layout import convert as convert_layout
-from lifecycle.tasks.train.supervise import Heartbeats, Launch, Ownership, RankFailed, local_rank_envs, prebuild_shm_op
+from lifecycle.tasks.train.supervise import (Heartbeats, Launch, Ownership, RankFailed, World, local_rank_envs,
+                                             prebuild_shm_op)
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
@@ -77,9 +78,12 @@ class TrainResult(BaseModel):
     layout_change: str | None = None
     """`dp=2,zero=2,micro=8,accum=1 -> dp=1,zero=3,micro=8,accum=2 at step 10`: the run resumed a checkpoint
     saved under another layout (None: it did not)."""
+    promotions: int = 0
+    """Rank failures this launch recovered from by promoting a standby world (`train.launch.spares`)."""
 
 
-def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool, sizing: dict) -> TrainResult:
+def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bool, sizing: dict,
+            promotions: int = 0) -> TrainResult:
     marker = ckpt.read_marker(tag_dir)
     launch = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     change = run_dir / LAYOUT_CHANGE
@@ -89,7 +93,7 @@ def _result(tag_dir: Path, run_dir: Path, resumed_from: int | None, launched: bo
                        metrics_path=str(run_dir / "metrics.jsonl"), resumed_from=resumed_from,
                        launched=launched, run_dir=str(run_dir), log_path=str(run_dir / "train.log"),
                        base_model=launch.get("base_model"), base_model_files=launch.get("base_model_files") or {},
-                       **sizing)
+                       promotions=promotions, **sizing)
 
 
 def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple[TrainConfig, dict]:
@@ -241,27 +245,17 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             # one process group of ours: a ^C or a SIGTERM reaches only us, and we stop the group (below);
             # SIGKILL when we die, however we die
             timing["launcher_popen"] = time.time()
-            launch = (Launch.start_local(cmd, envs, run_dir, log) if cfg.launch.hostfile is None
-                      else Launch.start_launcher(cmd, env, run_dir, log))
+            try:
+                launch = (Launch.start_local(cmd, envs, run_dir, log) if cfg.launch.hostfile is None
+                          else Launch.start_launcher(cmd, env, run_dir, log))
+            except BaseException:
+                owner.release()
+                raise
             if cfg.launch.hostfile is None:
                 timing["ranks_started"] = time.time()  # Popen returns once each rank's exec has succeeded
             fs.atomic_write_json(run_dir / "launch-timing.json", timing)
-            start = time.monotonic()
-            try:
-                while not launch.poll():  # a rank that exits non-zero stops the others and raises RankFailed
-                    tail.poll()
-                    if cfg.launch.timeout_s is not None and time.monotonic() - start > cfg.launch.timeout_s:
-                        raise TimeoutError(f"training exceeded train.launch.timeout_s={cfg.launch.timeout_s}; ranks killed")
-                    if (stall := beats.check()) is not None:
-                        raise TimeoutError(f"{stall}; ranks killed")
-                    time.sleep(0.5)
-            except BaseException as e:
-                launch.stop()
-                if isinstance(e, (TimeoutError, RankFailed)):
-                    raise RuntimeError(f"{e}. Last lines of {log_path}:\n{_tail(log_path)}") from e
-                raise
-            finally:
-                owner.release()
+            promotions = Supervision(World("", launch, owner, beats), cfg, cmd, env, run_dir, log, tail).run()
+        tail.poll()
         tail.poll()
         resumed_from = _restored_step(run_dir / "metrics.jsonl", resumed_from)
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
@@ -269,7 +263,96 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
         if tier is not None:
             memtier.remove(tier)  # the run is done: its memory goes back
-        return _result(final, run_dir, resumed_from, launched=True, sizing=sizing)
+        return _result(final, run_dir, resumed_from, launched=True, sizing=sizing, promotions=promotions)
+
+
+class Supervision:
+    """Watch a launch to its end. Its world of ranks fails the launch when a rank exits non-zero or stalls, or when
+    `launch.timeout_s` passes; every process is stopped first. With `launch.spares`, a rank failure or stall
+    instead promotes a standby world (lifecycle.tasks.train.supervise.World), which restores the newest commit
+    and trains on, `spares` times at most. The standby is started once the training world steps (so it does not
+    slow the ranks' own start-up), and again after each promotion while failures remain; a standby that fails
+    itself is stopped and not replaced. Each promotion is a `[supervisor]` line in train.log and a line of
+    `<run_dir>/promotions.jsonl`."""
+
+    def __init__(self, world: World, cfg: TrainConfig, cmd: list[str], env: dict, run_dir: Path, log, tail):
+        self.world, self.cfg, self.cmd, self.env, self.run_dir, self.log, self.tail = (
+            world, cfg, cmd, env, run_dir, log, tail)
+        self.spare: World | None = None
+        self.promotions = self.standbys = 0
+        self.log_path = run_dir / "train.log"
+
+    def run(self) -> int:
+        """Block until the ranks exit 0; returns how many standby worlds were promoted."""
+        limit, start = self.cfg.launch.timeout_s, time.monotonic()
+        try:
+            while True:
+                try:
+                    if self.world.launch.poll():  # a rank that exits non-zero stops its world, raises RankFailed
+                        break
+                    if (stall := self.world.beats.check()) is not None:
+                        raise TimeoutError(f"{stall}; ranks killed")
+                except (TimeoutError, RankFailed) as failure:
+                    if self.spare is None:
+                        raise
+                    self.promote(failure)
+                    continue
+                self.tail.poll()
+                if limit is not None and time.monotonic() - start > limit:
+                    raise TimeoutError(f"training exceeded train.launch.timeout_s={limit}; ranks killed")
+                self.tend_spare()
+                time.sleep(0.1 if self.cfg.launch.spares else 0.5)
+        except BaseException as e:
+            self.world.launch.stop()
+            if self.spare is not None:
+                self.spare.launch.stop()
+            if isinstance(e, (TimeoutError, RankFailed)):
+                raise RuntimeError(f"{e}. Last lines of {self.log_path}:\n{_tail(self.log_path)}") from e
+            raise
+        finally:
+            self.world.owner.release()
+            if self.spare is not None:
+                self.spare.stop()  # still waiting: its ranks have nothing to keep
+            for old in self.run_dir.glob("heartbeat-spare*"):
+                shutil.rmtree(old, ignore_errors=True)
+        return self.promotions
+
+    def promote(self, failure: BaseException) -> None:
+        failed, spare = self.world, self.spare
+        t0 = time.time()
+        failed.stop()  # after a rank exit its world is stopped already; after a stall it is stopped here
+        spare.promote(self.cfg.launch.startup_s)
+        self.world, self.spare = spare, None
+        self.promotions += 1
+        left = self.cfg.launch.spares - self.promotions
+        failed.launch._say(f"{failure}: promoted standby world {spare.name} (port {spare.port}, "
+                           f"{'ready' if spare.ready() else 'still starting'}) after {time.time() - t0:.2f}s; it "
+                           f"restores the newest commit and trains on ({left} more failure(s) recovered this way)")
+        with open(self.run_dir / "promotions.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "failed_at": t0, "world": spare.name, "port": spare.port,
+                                "failure": str(failure), "left": left}) + "\n")
+
+    def tend_spare(self) -> None:
+        """Start a standby once the training world steps, while failures remain; drop one that fails."""
+        if self.spare is None:
+            if self.standbys < self.cfg.launch.spares and self.promotions < self.cfg.launch.spares \
+                    and self.world.beats.stepping():
+                self.standbys += 1
+                name = f"spare{self.standbys}"
+                self.spare = World.start_standby(name, self.cmd, self.env, self.cfg.batch.num_ranks, self.run_dir,
+                                                 self.log, self.cfg.launch.stall_s)
+                self.spare.launch._say(f"standby world {name} started on port {self.spare.port}")
+            return
+        try:
+            self.spare.launch.poll()
+            problem = self.spare.beats.check()
+        except RankFailed as e:
+            problem = str(e)
+        if problem is not None:
+            self.spare.stop()
+            self.spare.launch._say(f"standby world {self.spare.name} failed ({problem}); the launch goes on "
+                                   "without a standby")
+            self.spare = None
 
 
 LAYOUT_CHANGE = "layout_change.json"

@@ -191,6 +191,20 @@ def read_index(tier: Path, rank: int, step: int) -> dict:
     return pickle.loads(index_path(tier, rank, step).read_bytes())
 
 
+def live_arenas(tier: Path, rank: int, own_pid: int) -> set[str]:
+    """Names of rank r's arenas made by another live process: a standby world's rank (`train.launch.spares`)
+    stages its first checkpoint's arena in the same rank directory while the training world still commits."""
+    live = set()
+    for p in rank_dir(tier, rank).glob("arena-*-*"):
+        try:
+            pid = int(p.name.split("-")[1])
+        except ValueError:
+            continue
+        if pid != own_pid and _alive(pid):
+            live.add(p.name)
+    return live
+
+
 def prune_rank(tier: Path, rank: int, keep: set[str]) -> None:
     """Delete the files of rank r's directory whose names are not in `keep` (older indexes, arenas of a
     process that died, arenas no index refers to any more)."""

@@ -679,8 +679,10 @@ def rank_memory(cfg) -> tuple[float, str]:
         if out.returncode or not out.stdout.strip():
             raise RuntimeError("train.layout=auto: nvidia-smi could not tell the GPU memory; set train.layout_memory")
         return float(out.stdout.split()[0]) * 2**20, "nvidia-smi memory.total"
-    with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    from lifecycle.core.procs import mem_available
+
+    if (avail := mem_available()) is None:
+        raise RuntimeError("train.layout=auto: /proc/meminfo gives no MemAvailable; set train.layout_memory")
     n = cfg.batch.num_ranks
     return avail / 2 / n, f"half of MemAvailable {avail / GiB:.1f} GiB over {n} ranks"
 

@@ -158,7 +158,7 @@ class Ownership:
 
     def __init__(self, port: int, directory: Path | None = None):
         self.port, self.dir = port, (directory or state_dir()) / "supervisors"
-        self.path = self.dir / f"{os.getpid()}.json"
+        self.path = self.dir / f"{os.getpid()}-{port}.json"  # a supervisor with a standby world owns two ports
 
     def claim(self) -> list[str]:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -196,14 +196,20 @@ class Ownership:
 # ------------------------------------------------------------------------------------------ heartbeats
 
 
-def heartbeat_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "heartbeat"
+WORLD_ENV = "LIFECYCLE_WORLD"  # a rank's world: "" for the launch's first, "spare<k>" for its k-th standby world
+STANDBY_ENV = "LIFECYCLE_STANDBY"  # a standby world's go file: its ranks wait for it before they restore and train
 
 
-def write_heartbeat(run_dir: Path, rank: int, step: int, step_time: float | None, pid: int | None = None) -> None:
+def heartbeat_dir(run_dir: Path, world: str = "") -> Path:
+    """`heartbeat/` of the launch's first world of ranks, `heartbeat-<world>/` of a standby world (`launch.spares`)."""
+    return Path(run_dir) / (f"heartbeat-{world}" if world else "heartbeat")
+
+
+def write_heartbeat(run_dir: Path, rank: int, step: int, step_time: float | None, pid: int | None = None,
+                    world: str = "") -> None:
     """A rank's `heartbeat/rank<N>`: its last completed step, when, its pid (this process's unless given), and how
     long that step took."""
-    _write_beat(heartbeat_dir(run_dir) / f"rank{rank}",
+    _write_beat(heartbeat_dir(run_dir, world) / f"rank{rank}",
                 {"step": step, "time": time.time(), "pid": pid or os.getpid(), "step_time": step_time})
 
 
@@ -217,18 +223,18 @@ def _write_beat(path: Path, beat: dict) -> None:
 ALIVE_EVERY_S = 2.0  # a rank's start-up liveness beat (`start_alive_beat`); silence is judged after 3 of them at least
 
 
-def alive_path(run_dir: Path, rank: int) -> Path:
-    return heartbeat_dir(run_dir) / f"rank{rank}.alive"
+def alive_path(run_dir: Path, rank: int, world: str = "") -> Path:
+    return heartbeat_dir(run_dir, world) / f"rank{rank}.alive"
 
 
-def start_alive_beat(run_dir: Path, rank: int, every: float = ALIVE_EVERY_S) -> None:
+def start_alive_beat(run_dir: Path, rank: int, every: float = ALIVE_EVERY_S, world: str = "") -> None:
     """In a rank, from its first lines (stdlib only, before the slow imports): a daemon thread that rewrites
     `heartbeat/rank<N>.alive` every `every` seconds. It goes quiet when the rank is stopped (SIGSTOP), dead, or
     stuck in native code that holds the GIL; a rank merely waiting (a JIT build in a subprocess, a collective, a
     restore) keeps it going."""
     import threading
 
-    path = alive_path(run_dir, rank)
+    path = alive_path(run_dir, rank, world)
 
     def beat() -> None:
         while True:
@@ -247,7 +253,7 @@ def rank_alive_beat(argv: list[str]) -> None:
     if config is None and "--config" in argv[:-1]:
         config = argv[argv.index("--config") + 1]
     if config is not None:
-        start_alive_beat(Path(config).parent, int(os.environ.get("RANK", "0")))
+        start_alive_beat(Path(config).parent, int(os.environ.get("RANK", "0")), world=os.environ.get(WORLD_ENV, ""))
 
 
 def _state(pid: int) -> str:
@@ -263,8 +269,8 @@ class Heartbeats:
     """The supervisor's view of the ranks' heartbeats. A rank that made no step for `stall_bound()` seconds (or that
     sent none `startup_s` after the launch) stalls the launch; `check()` then returns a message naming it."""
 
-    def __init__(self, run_dir: Path, ranks: int, stall_s: float, startup_s: float):
-        self.dir, self.ranks, self.stall_s, self.startup_s = heartbeat_dir(run_dir), ranks, stall_s, startup_s
+    def __init__(self, run_dir: Path, ranks: int, stall_s: float, startup_s: float, world: str = ""):
+        self.dir, self.ranks, self.stall_s, self.startup_s = heartbeat_dir(run_dir, world), ranks, stall_s, startup_s
         self.dir.mkdir(parents=True, exist_ok=True)
         for old in self.dir.iterdir():  # a previous launch's
             old.unlink(missing_ok=True)
@@ -288,7 +294,7 @@ class Heartbeats:
         silent, bound = [], max(self.stall_s, 3 * ALIVE_EVERY_S)
         for r in ranks:
             try:
-                alive = json.loads(alive_path(self.dir.parent, r).read_text())
+                alive = json.loads((self.dir / f"rank{r}.alive").read_text())
             except (OSError, ValueError):
                 alive = None
             since = alive["time"] if alive else self.started
@@ -300,6 +306,11 @@ class Heartbeats:
             return None
         return (f"training stalled in start-up, before the first step: {'; '.join(silent)} "
                 f"(train.launch.stall_s={self.stall_s:g})")
+
+    def stepping(self) -> bool:
+        """Every rank has made a step in this launch (a beat with its step time; the beat after start-up has none)."""
+        beats = self.read()
+        return len(beats) == self.ranks and all(b.get("step_time") is not None for b in beats.values())
 
     def stall_bound(self) -> float:
         """max(stall_s, 10 x the median step time seen so far)."""
@@ -425,3 +436,55 @@ class Launch:
     def _say(self, line: str) -> None:
         self.log.write(f"[supervisor] {line}\n".encode())
         self.log.flush()
+
+
+class World:
+    """One world of a launch's ranks: their processes (`Launch`), rendezvous port and shared-memory buffers
+    (`Ownership`), and heartbeats. A launch's first world trains from the start. A standby world
+    (`train.launch.spares`, `start_standby`) runs the same command with `LIFECYCLE_STANDBY` naming its go file:
+    its ranks build everything up to the restore, write `rank<r>.ready` and wait; `promote` writes the go file,
+    and they restore the newest commit and train on. Each world is its own process group on its own port, so
+    stopping one leaves the other running."""
+
+    def __init__(self, name: str, launch: Launch, owner: Ownership, beats: Heartbeats, go: Path | None = None):
+        self.name, self.launch, self.owner, self.beats, self.go = name, launch, owner, beats, go
+
+    @classmethod
+    def start_standby(cls, name: str, cmd: list[str], env: dict, ranks: int, run_dir: Path, log,
+                      stall_s: float) -> "World":
+        """`ranks` local ranks of standby world `name` on a free port. Until promoted, only their liveness is
+        watched (a standby may wait for hours): a silent rank for `stall_s` is named, no start-up bound applies."""
+        from lifecycle.core.procs import free_port
+
+        beats = Heartbeats(run_dir, ranks, stall_s, startup_s=float("inf"), world=name)  # clears old beats
+        go = beats.dir / "go"
+        port = free_port()
+        owner = Ownership(port)
+        owner.claim()
+        try:
+            launch = Launch.start_local(cmd, local_rank_envs({**env, WORLD_ENV: name, STANDBY_ENV: str(go)}, ranks,
+                                                             port), run_dir, log)
+        except BaseException:
+            owner.release()
+            raise
+        return cls(name, launch, owner, beats, go)
+
+    @property
+    def port(self) -> int:
+        return self.owner.port
+
+    def ready(self) -> bool:
+        """Every rank of a standby world is built and waiting."""
+        return all((self.beats.dir / f"rank{r}.ready").exists() for r in range(self.beats.ranks))
+
+    def promote(self, startup_s: float) -> None:
+        """Let a standby world train: from now on it is watched like a launch's first world (its start-up bound
+        counts from here: the restore is what is left of its start-up)."""
+        self.beats.started, self.beats.startup_s = time.time(), startup_s
+        fs.atomic_write_bytes(self.go, b"")
+        self.go = None
+
+    def stop(self, term_timeout: float = 15) -> None:
+        """Stop every process of the world and release its buffers."""
+        self.launch.stop(term_timeout=term_timeout)
+        self.owner.release()

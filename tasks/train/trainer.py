@@ -47,12 +47,19 @@ from lifecycle.tasks.train.parallel import moe
 from lifecycle.tasks.train.parallel.mesh import Grid, Mesh
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
-from lifecycle.tasks.train.supervise import write_heartbeat
+from lifecycle.tasks.train.supervise import STANDBY_ENV, WORLD_ENV, heartbeat_dir, write_heartbeat
 
 # This rank's launch timeline, (phase, time it ended), written after the first step to
 # <run_dir>/launch-timing-rank<r>.json (bench/launch_overhead.py reads it).
 LAUNCH = [("interpreter ready", T_START), ("imports", time.time())]
 OP_LOAD: list[float] = []  # start and end of loading DeepSpeed's CPU shm op (inside the process group init)
+
+
+# The first save's arena is made before training only when it takes at most this share of the host's available
+# memory (else the first save makes it, as it would without a prewarm): a 300M-parameter relaunch on a 23 GB host
+# was OOM-killed with its restored tier, its engine and a prewarmed 6.1 GB arena. A standby world
+# (train.launch.spares) asks for less: the training world's engine, arenas and tier are beside it.
+ARENA_SHARE, STANDBY_ARENA_SHARE = 0.5, 0.25
 
 
 def phase(name: str) -> None:
@@ -304,6 +311,9 @@ class Trainer:
         self.cfg = cfg = TrainConfig.model_validate(launch["train"])
         self.shards = TokenShards.model_validate(launch["tokens"])
         self.run_dir = Path(launch["run_dir"])
+        self.world_name = os.environ.get(WORLD_ENV, "")  # "" for a launch's first world, "spare<k>" for a standby
+        go = os.environ.get(STANDBY_ENV)  # a standby world's go file (train.launch.spares): wait for it to train
+        self.standby = Path(go) if go else None
         self.device, backend = self._init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != cfg.batch.num_ranks:
@@ -329,6 +339,10 @@ class Trainer:
         phase("peak FLOPS probe")
         self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say,
                                               tier=launch.get("memory_tier"))
+        sizing = self.run_dir / f".checkpoint-sizing{'-' + self.world_name if self.world_name else ''}"
+        if self.standby is not None:  # everything but the restore is done before the promotion
+            # the arena too, unless it would crowd the training world's host (then it is made after the restore)
+            self.wait_for_promotion(self.checkpointer.prewarm(sizing, memory_share=STANDBY_ARENA_SHARE) or "")
         torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
         self.step, self.elapsed, self.skipped = 0, 0.0, []
         self.layout_change: dict | None = None
@@ -342,7 +356,8 @@ class Trainer:
             self.metrics.write({"kind": "restore", "step": self.step, **info})
             if self.layout_change:
                 self.metrics.write(self.layout_change)
-        if self.step < cfg.max_steps and (line := self.checkpointer.prewarm()):
+        if not self.checkpointer.prewarmed and self.step < cfg.max_steps and \
+                (line := self.checkpointer.prewarm(sizing, memory_share=ARENA_SHARE)):
             self.say(line)
         self.schedule = SaveSchedule(cfg.checkpoint, self.step)
         self.faults = injected_faults()
@@ -372,12 +387,28 @@ class Trainer:
 
     def beat(self, step_time: float | None = None) -> None:
         """This rank's heartbeat for the supervisor's stall watchdog (lifecycle.tasks.train.supervise.Heartbeats)."""
-        write_heartbeat(self.run_dir, self.rank, self.step, step_time)
+        write_heartbeat(self.run_dir, self.rank, self.step, step_time, world=self.world_name)
 
     def say(self, message: str) -> None:
-        """A line in train.log, from rank 0 only."""
+        """A line in train.log, from rank 0 only (a standby world's marked with its name until it is promoted)."""
         if self.rank == 0:
-            print(message, flush=True)
+            print(f"[{self.world_name} standby] {message}" if self.standby else message, flush=True)
+
+    def wait_for_promotion(self, prewarmed: str, poll_s: float = 0.005) -> None:
+        """A standby world's rank (train.launch.spares), built and ready: say so in `rank<r>.ready` and wait for
+        the supervisor's go file. It is written when the training world fails; the ranks then restore its newest
+        commit and train on. Polled (a stat every 5 ms costs nothing next to a step); the liveness beat goes on
+        meanwhile, so the supervisor still sees a stopped or dead standby rank."""
+        if prewarmed:
+            self.say(prewarmed)
+        self.say(f"ready after {time.time() - T_START:.1f}s; waiting to take over ({self.standby})")
+        atomic_write_json(heartbeat_dir(self.run_dir, self.world_name) / f"rank{self.rank}.ready",
+                          {"time": time.time(), "pid": os.getpid()})
+        while not self.standby.exists():
+            time.sleep(poll_s)
+        self.standby = None
+        self.say(f"promoted: standby world {self.world_name} takes over, {time.time() - T_START:.1f}s after it started")
+        phase("promoted")
 
     # ----------------------------------------------------------------------------------------------
     # set-up
@@ -505,7 +536,8 @@ class Trainer:
             phase("first step")
             import psutil
 
-            atomic_write_json(self.run_dir / f"launch-timing-rank{self.rank}.json", {
+            suffix = f"-{self.world_name}" if self.world_name else ""
+            atomic_write_json(self.run_dir / f"launch-timing-rank{self.rank}{suffix}.json", {
                 "process_created": psutil.Process().create_time(), "phases": LAUNCH, "op_load": OP_LOAD})
         self.elapsed += time.perf_counter() - t0
         if self.step > self.first + 1:  # the launch's first step warms up

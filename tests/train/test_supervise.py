@@ -78,7 +78,7 @@ def test_ownership_releases_a_dead_supervisors_buffers_never_a_live_ones(tmp_pat
         released = owner.claim()
         assert sorted(released) == sorted(p.name for p in a) and not any(p.exists() for p in a)
         assert all(p.exists() for p in b + own)
-        assert sorted(p.name for p in sup.glob("*.json")) == sorted([f"{live.pid}.json", f"{os.getpid()}.json"])
+        assert sorted(p.name for p in sup.glob("*.json")) == sorted([f"{live.pid}.json", f"{os.getpid()}-61013.json"])
         # a recycled pid is not the supervisor that wrote the record: the start time differs
         (sup / f"{live.pid}.json").write_text(json.dumps({"pid": live.pid, "start": start_time(live.pid) - 1, "port": 61012}))
         assert sorted(sv.Ownership(61013, tmp_path).claim()) == sorted(p.name for p in b)

@@ -135,8 +135,9 @@ def test_run_key_ignores_operational_sections_and_follows_the_others():
                "launch.prefetch": 0, "launch.timeout_s": 5.0, "launch.stall_s": 9.0, "launch.startup_s": 99.0, "max_epochs": 1.0, "init_from": "champion",
                "resume_across_layouts": False}
     assert set(changed) >= {f"{s}.{n}" for s in ("checkpoint", "logging", "launch") for n in
-                            type(getattr(CFG, s)).model_fields if n not in ("include", "exclude")}
+                            type(getattr(CFG, s)).model_fields if n not in ("include", "exclude", "spares")}
     assert with_(CFG, **changed).run_key() == CFG.run_key()
+    assert with_(CFG, **{"launch.spares": 2}).run_key() == CFG.run_key()  # refused with a hostfile: apart
     # every field of every other section is in the key
     for name, f in fields.items():
         if isinstance(f.annotation, type) and issubclass(f.annotation, Section) and name not in operational:
