@@ -8,6 +8,8 @@
 #   mfu350   python -m bench.gpu_mfu --model 350m (the same, saves every 20 of 50 steps)
 #   levers   python -m bench.gpu_mfu --model 124m --levers all --json   (the peer with each speed lever off in turn;
 #            not in the default --only: a lease of 15 minutes has no room for it after the three above)
+#   recovery python -m bench.recovery 1 --model 350m --accelerator cuda --ranks 1 --precision bf16 --spare --json
+#            (issue 21: relaunch from memory, from disk, and a hot spare's takeover; not in the default --only)
 # Exit status 1 when a step failed (a skipped step is not a failure).
 # Logs go to DIR (default ./gpu-figures), one per step, and a summary of the JSON lines to DIR/summary.jsonl.
 # --cpu-check runs the same steps on this machine's CPU with the tiny shape and one kill (no GPU, no nvidia-smi):
@@ -26,7 +28,7 @@ while [ $# -gt 0 ]; do
         --budget) BUDGET=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
         --cpu-check) CPU_CHECK=1; shift ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "gpu_figures.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -61,6 +63,7 @@ if [ "$CPU_CHECK" = 1 ]; then
     MFU_ARGS=(--device cpu --steps 12 --every 4 --log-every 2 --sync-steps 4 --sync-every 2 --peer-steps 4 --warmup 1
               --json)
     MODEL_SMALL=tiny MODEL_LARGE=tiny RESUME=(1 --accelerator cpu --ranks 1 --precision fp32)
+    RECOVERY=(1 --spare --json)
     LARGE_ARGS=()
     LEVER_ARGS=(--device cpu --peer-steps 4 --warmup 1 --json)
     echo "cpu check: tiny shapes on the CPU" | tee "$OUT_DIR/gpu.txt"
@@ -68,6 +71,7 @@ else
     # saves every 15 steps at 124M (~2-4 s apart: the persist of ~2 GB fits), every 20 at 350M
     MFU_ARGS=(--steps 60 --every 15 --sync-steps 9 --sync-every 3 --peer-steps 20 --warmup 6 --json)
     MODEL_SMALL=124m MODEL_LARGE=350m RESUME=(3 --accelerator cuda --ranks 1 --precision bf16)
+    RECOVERY=(1 --model 350m --accelerator cuda --ranks 1 --precision bf16 --spare --json)
     LARGE_ARGS=(--steps 50 --every 20)
     LEVER_ARGS=(--peer-steps 20 --warmup 6 --json)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
@@ -80,5 +84,6 @@ step mfu124 150 300 "$PY" -m bench.gpu_mfu --model "$MODEL_SMALL" "${MFU_ARGS[@]
 step resume 90 200 "$PY" -m bench.kill_resume "${RESUME[@]}"
 step mfu350 150 300 "$PY" -m bench.gpu_mfu --model "$MODEL_LARGE" "${MFU_ARGS[@]}" ${LARGE_ARGS[@]+"${LARGE_ARGS[@]}"}
 step levers 120 400 "$PY" -m bench.gpu_mfu --model "$MODEL_SMALL" --levers all "${LEVER_ARGS[@]}"
+step recovery 120 400 "$PY" -m bench.recovery "${RECOVERY[@]}"
 echo "== done in $(( $(date +%s) - START ))s${FAILED:+; failed:$FAILED}" | tee -a "$OUT_DIR/summary.txt"
 [ -z "$FAILED" ]

@@ -50,7 +50,7 @@ MODELS = {
 
 def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32",
          kill_after: int = 10, every: int = 10, seq_len: int | None = None, micro: int | None = None,
-         evict: bool = False, spare: bool = False) -> dict:
+         evict: bool = False, spare: bool = False, as_json: bool = False) -> dict:
     shape, batch = MODELS[model]
     shape = {**shape, **({"seq_len": seq_len} if seq_len else {})}
     batch = {**batch, **({"micro_batch_size": micro} if micro else {})}
@@ -107,7 +107,13 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
               f"{med['disk']['relaunch']:.2f}s (ratio {ratio['spare']['relaunch']:.3f}; goal <= 0.2); to the start "
               f"of the first step {med['spare']['resumed']:.2f}s (ratio {ratio['spare']['resumed']:.3f}); promotion "
               f"to first step {med['spare']['promotion']:.2f}s; restore {med['spare']['restore']:.3f}s from memory")
-    return {"medians": med, "ratio": ratio, "times": times}
+    out = {"model": model, "accelerator": accelerator, "ranks": ranks, "precision": precision, "rounds": rounds,
+           "evict": evict, "medians": med, "ratio": ratio, "times": times}
+    if as_json:
+        import json
+
+        print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
@@ -129,6 +135,7 @@ if __name__ == "__main__":
         "restore reads the device: the disk copy as a replacement node or remote storage serves it"))
     ap.add_argument("--spare", action="store_true", help=(
         "a third mode: a hot spare (train.launch.spares: 1) takes over inside the same run; timed from the kill"))
+    ap.add_argument("--json", action="store_true", help="end with the result as one JSON line")
     a = ap.parse_args()
     main(a.rounds, a.model, a.accelerator, a.ranks, a.precision, a.kill_after, a.every, a.seq, a.micro, a.evict,
-         a.spare)
+         a.spare, a.json)

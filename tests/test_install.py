@@ -206,11 +206,12 @@ def test_gpu_figures_drives_bench_gpu_mfu_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_figures_runs_every_step_on_the_cpu(tmp_path):
-    """Every step (the two MFU runs, a kill-and-resume, the levers one at a time) on the CPU, as a lease would run
-    them on a GPU."""
-    r = _gpu_figures_cpu_check(tmp_path, "mfu124,resume,mfu350,levers")
+    """Every step (the two MFU runs, a kill-and-resume, the levers one at a time, the recovery modes) on the CPU,
+    as a lease would run them on a GPU."""
+    r = _gpu_figures_cpu_check(tmp_path, "mfu124,resume,mfu350,levers,recovery")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    *mfu, lev = (json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines())
+    *mfu, lev, rec = (json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines())
+    assert set(rec["medians"]) == {"memory", "disk", "spare"} and rec["ratio"]["spare"]["relaunch"] > 0
     assert len(mfu) == 2 and all("ratio" in m for m in mfu)
     assert set(lev["levers"]) == {"all on", "compile", "fused_adamw", "no_host_sync", "pinned", "vocab_pad",
                                   "micro_batch"}
