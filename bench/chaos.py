@@ -25,6 +25,10 @@ runs by design: any process whose working directory is inside the round's direct
 `--warm`: each round first runs a short collect (one other document) in its work dir and waits for the warm runner
 that run leaves beside the embedded server; the faulted run is then forked by that runner, as every run after the
 first in a work dir is by default, and the round fails if it was not. Reruns follow `lifecycle down` and are cold.
+
+`--spares N`: every run (the references too) trains with `train.launch.spares=N` and 120 steps instead of 30, so
+that the standby world is up for most of training; each round records how many standby worlds its run promoted
+(`promotions`), and a rank fault taken over in place completes in the same attempt.
 """
 
 from __future__ import annotations
@@ -308,6 +312,11 @@ def warm_up(round_dir: Path, workdir: Path, extra: list[str], bound: float) -> s
     return str(workdir / ".servers" / "embedded-runner.log")
 
 
+def promotions(workdir: Path) -> int:
+    """Standby worlds promoted in the work dir's training runs (`train.launch.spares`)."""
+    return sum(len(p.read_text().splitlines()) for p in workdir.glob("train/*/promotions.jsonl"))
+
+
 def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_ref: float,
               train_window: tuple[float, float], bound: float, warm: bool = False) -> dict:
     round_dir = base / f"round{i:03d}"
@@ -331,7 +340,7 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
         run = Run(round_dir, workdir, extra)
         rec["injected"] = inject(fault, run, rng, t_ref, train_window, server)
         rc, secs = run.wait(bound)
-        rec.update(rc=rc, seconds=round(secs, 1))
+        rec.update(rc=rc, seconds=round(secs, 1), promotions=promotions(workdir))
         if runner_log:  # the runner logs each run it forks: the faulted run must be one
             forked = [l for l in Path(runner_log).read_text().splitlines() if l.startswith("runner: run ")]
             rec["warm"] = len(forked) == 1
@@ -437,8 +446,11 @@ def reference(base: Path) -> tuple[dict, float, tuple[float, float], list[str]]:
 
 
 def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep: str | None = None,
-         warm: bool = False) -> dict:
+         warm: bool = False, spares: int = 0) -> dict:
     rng = random.Random(seed)
+    if spares:
+        OVERRIDES[OVERRIDES.index("train.max_steps=30")] = "train.max_steps=120"
+        OVERRIDES.append(f"train.launch.spares={spares}")
     if "disk_full" in faults and os.geteuid() != 0:
         print("disk_full needs root (a tmpfs per round); left out")
         faults = tuple(f for f in faults if f != "disk_full")
@@ -469,6 +481,7 @@ def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep
             continue
         records.append(rec)
         print(f"round {i:2d} {fault:<13} {rec['outcome']:<4} {'(warm) ' if rec.get('warm') else ''}"
+              f"{'(standby promoted) ' if rec.get('promotions') else ''}"
               f"{rec.get('injected') or 'run ended before the fault'}; "
               f"{rec.get('ended', 'hung')} in {rec.get('seconds')}s"
               + (f", rerun {rec.get('rerun_rc')} in {rec.get('rerun_seconds')}s" if "rerun_rc" in rec else "")
@@ -481,11 +494,13 @@ def main(rounds: int = 50, seed: int = 0, faults: tuple[str, ...] = FAULTS, keep
     by_fault = {f: f"{sum(r['outcome'] == 'pass' for r in records if r['fault'] == f)}/{mix.count(f)}" for f in faults}
     longest = max((r.get("seconds") or 0) + (r.get("rerun_seconds") or 0) for r in records) if records else 0
     print(f"{passed}/{rounds} rounds passed ({', '.join(f'{k} {v}' for k, v in by_fault.items())}); "
-          f"{missed} missed and redrawn; longest round {longest:.0f}s (bound {bound:.0f}s per run); {time.monotonic() - t_start:.0f}s in all; "
+          f"{missed} missed and redrawn; "
+          f"{sum(1 for r in records if r.get('promotions'))} round(s) recovered by a standby world; longest round {longest:.0f}s (bound {bound:.0f}s per run); {time.monotonic() - t_start:.0f}s in all; "
           f"records: {base / 'rounds.jsonl'}")
     if not keep:
         shutil.rmtree(base, ignore_errors=True)
-    return {"rounds": rounds, "passed": passed, "by_fault": by_fault}
+    return {"rounds": rounds, "passed": passed, "by_fault": by_fault,
+            "promoted": sum(1 for r in records if r.get("promotions"))}
 
 
 if __name__ == "__main__":
@@ -497,8 +512,10 @@ if __name__ == "__main__":
     ap.add_argument("--warm", action="store_true", help=(
         "fault warm runs: each round first runs a short collect in its work dir and waits for the embedded "
         "server's warm runner, so the faulted run is forked by it (the default path of every run after the first)"))
+    ap.add_argument("--spares", type=int, default=0, help=(
+        "train with train.launch.spares=N (and 120 steps, so the standby is up for most of training)"))
     a = ap.parse_args()
     bad = set(a.faults.split(",")) - set(FAULTS)
     if bad:
         ap.error(f"unknown fault(s) {sorted(bad)}; choose from {','.join(FAULTS)}")
-    sys.exit(0 if main(a.rounds, a.seed, tuple(a.faults.split(",")), a.keep, a.warm)["passed"] == a.rounds else 1)
+    sys.exit(0 if main(a.rounds, a.seed, tuple(a.faults.split(",")), a.keep, a.warm, a.spares)["passed"] == a.rounds else 1)
