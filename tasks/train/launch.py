@@ -137,13 +137,21 @@ class _MetricsTail:
 
     def __init__(self, path: Path, after_step: int, callback: Callable[[dict], None] | None):
         self.path, self.after, self.callback, self.offset, self.seen = path, after_step, callback, 0, set()
+        self.inode: int | None = None
 
     def poll(self) -> None:
-        if self.callback is None or not self.path.exists():
+        if self.callback is None:
             return
-        if self.path.stat().st_size < self.offset:  # rank 0 truncated it to the resume step
-            self.offset = 0
-        with open(self.path, "rb") as f:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return
+        with f:
+            st = os.fstat(f.fileno())
+            # rank 0 rewrites it (a new file, renamed over this one) to drop records past the resume step; the new
+            # one can be as long as what was read of the old one already, so the size alone does not tell
+            if st.st_ino != self.inode or st.st_size < self.offset:
+                self.inode, self.offset = st.st_ino, 0
             f.seek(self.offset)
             data = f.read()
         data = data[: data.rfind(b"\n") + 1]

@@ -400,3 +400,27 @@ def test_a_tests_leftover_deepspeed_buffers_are_released_and_live_ones_kept(tmp_
         assert release_new_deepspeed_shm(before) == [names[1]]
         assert (Path("/dev/shm") / names[2]).exists()
     assert release_new_deepspeed_shm(before) == [names[2]]
+
+
+def test_the_metrics_tail_follows_rank_0_rewriting_the_file(tmp_path):
+    """On a relaunch rank 0 drops the records past the resume step by writing a new metrics.jsonl and renaming it
+    over the old one. The supervisor's tail may have read further into the old file than the new one's length at
+    that moment, or less: either way it must start over on the new file (a seek into the middle of a line raised
+    JSONDecodeError and failed the rerun of tests/flows/test_interrupt.py), and pass on each record once."""
+    import json
+
+    from lifecycle.tasks.train.launch import _MetricsTail
+
+    path = tmp_path / "metrics.jsonl"
+    line = lambda step, loss: json.dumps({"kind": "train", "step": step, "loss": loss}) + "\n"  # noqa: E731
+    path.write_text("".join(line(s, 1.0) for s in (1, 2, 3)))
+    got = []
+    tail = _MetricsTail(path, 0, got.append)
+    tail.poll()
+    new = tmp_path / "metrics.jsonl.tmp"  # the resumed run keeps step 1, then writes longer records
+    new.write_text(line(1, 1.0) + json.dumps({"kind": "restore", "step": 1, "tier": "memory" * 20}) + "\n")
+    os.replace(new, path)
+    with open(path, "a") as f:
+        f.write(line(2, 0.5))
+    tail.poll()
+    assert [(r["kind"], r["step"]) for r in got] == [("train", 1), ("train", 2), ("train", 3), ("restore", 1)]
