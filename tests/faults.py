@@ -208,12 +208,11 @@ def kill_rank_with_spare(tokdir: str, workdir: str, opts: dict, after_step: int,
     promotion) to the first training step the promoted world records. `evict`: drop the checkpoint's files from
     the page cache just before the kill. Returns {"killed_after", "kill_to_first_step",
     "promotion_to_first_step", "first_step_time", "restore", "promotions" (promotions.jsonl), "rc"}."""
-    from lifecycle.tasks.train.supervise import heartbeat_dir
+    from lifecycle.tasks.train.supervise import standby_ready
 
     proc = launch(tokdir, workdir, opts)
     run_dir, ranks = ready_run_dir(proc, workdir), opts.get("ranks", 2)
-    ready = lambda: all((heartbeat_dir(run_dir, "spare1") / f"rank{r}.ready").exists()  # noqa: E731
-                        for r in range(ranks))
+    ready = lambda: standby_ready(run_dir, ranks, "spare1")  # noqa: E731
     killed_after = wait_commit(proc, run_dir, opts, after_step, timeout, also=ready, what=" with its standby ready")
     evicted = evict_from_page_cache(run_dir / "checkpoints") if evict else 0
     restores_before = len(records(workdir, "restore"))

@@ -565,6 +565,7 @@ class AsyncSaver:
         self.pending: tuple[int, Path, dict | None, float] | None = None  # step, tag dir, marker extra, start time
         self.commit_job: cf.Future | None = None
         self.committed: Path | None = None
+        self.checkpoint_bytes: int | None = None  # this rank's, once `prewarm` has sized it
 
     def prewarm(self, scratch: Path | None = None, memory_share: float | None = None) -> tuple[int, float, bool]:
         """Collective, before training: size this rank's checkpoint (DeepSpeed builds its state dicts into a
@@ -574,6 +575,19 @@ class AsyncSaver:
         `memory_share`: make the arena only if, on every rank, it takes at most this share of the host's
         MemAvailable (a standby world beside a training one; else `made` is False and nothing is allocated)."""
         t0 = time.perf_counter()
+        if self.checkpoint_bytes is None:  # sized once: a standby declined for memory asks again after its restore
+            self.checkpoint_bytes = self._size(scratch)
+        nbytes = self.checkpoint_bytes
+        if memory_share is not None:
+            fits: list[Any] = [None] * self.world
+            dist.all_gather_object(fits, nbytes <= memory_share * (mem_available() or float("inf")))
+            if not all(fits):
+                return nbytes, time.perf_counter() - t0, False
+        self.writer.prewarm(nbytes)
+        return nbytes, time.perf_counter() - t0, True
+
+    def _size(self, scratch: Path | None) -> int:
+        """Collective: this rank's checkpoint bytes, its arena alignment included."""
         counter = counting_engine_class()(self.ds_engine)
         self.engine.checkpoint_engine = counter
         sizing = Path(scratch) if scratch is not None else self.root.parent / ".checkpoint-sizing"
@@ -588,13 +602,7 @@ class AsyncSaver:
         if self.rank == 0:  # the consolidated fp32 weights (model.safetensors): 4 bytes a parameter, each aligned
             seen = {id(p): p for p in self.engine.module.parameters()}.values()
             nbytes += sum(-(-(4 * getattr(p, "ds_numel", p.numel())) // ALIGN) * ALIGN for p in seen)
-        if memory_share is not None:
-            fits: list[Any] = [None] * self.world
-            dist.all_gather_object(fits, nbytes <= memory_share * (mem_available() or float("inf")))
-            if not all(fits):
-                return nbytes, time.perf_counter() - t0, False
-        self.writer.prewarm(nbytes)
-        return nbytes, time.perf_counter() - t0, True
+        return nbytes
 
     def start(self, step: int, client_state: dict, model_config, marker_extra: dict | None = None) -> Path:
         """Snapshot checkpoint `step` and queue its files; returns the (not yet committed) tag directory."""

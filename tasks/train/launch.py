@@ -264,7 +264,6 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             fs.atomic_write_json(run_dir / "launch-timing.json", timing)
             promotions = Supervision(World("", launch, owner, beats), cfg, cmd, env, run_dir, log, tail).run()
         tail.poll()
-        tail.poll()
         resumed_from = _restored_step(run_dir / "metrics.jsonl", resumed_from)
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if final is None or ckpt.step_of(final) != cfg.max_steps:
@@ -311,9 +310,7 @@ class Supervision:
                 self.tend_spare()
                 time.sleep(0.1 if self.cfg.launch.spares else 0.5)
         except BaseException as e:
-            self.world.launch.stop()
-            if self.spare is not None:
-                self.spare.launch.stop()
+            self.world.launch.stop()  # the standby, if any, is stopped below
             if isinstance(e, (TimeoutError, RankFailed)):
                 raise RuntimeError(f"{e}. Last lines of {self.log_path}:\n{_tail(self.log_path)}") from e
             raise
@@ -343,8 +340,7 @@ class Supervision:
     def tend_spare(self) -> None:
         """Start a standby once the training world steps, while failures remain; drop one that fails."""
         if self.spare is None:
-            if self.standbys < self.cfg.launch.spares and self.promotions < self.cfg.launch.spares \
-                    and self.world.beats.stepping():
+            if self.standbys < self.cfg.launch.spares and self.world.beats.stepping():  # each promotion used one
                 self.standbys += 1
                 name = f"spare{self.standbys}"
                 self.spare = World.start_standby(name, self.cmd, self.env, self.cfg.batch.num_ranks, self.run_dir,

@@ -227,6 +227,16 @@ def alive_path(run_dir: Path, rank: int, world: str = "") -> Path:
     return heartbeat_dir(run_dir, world) / f"rank{rank}.alive"
 
 
+def ready_path(run_dir: Path, rank: int, world: str) -> Path:
+    """Written by a standby world's rank once it is built and waits for its go file (`Trainer.wait_for_promotion`)."""
+    return heartbeat_dir(run_dir, world) / f"rank{rank}.ready"
+
+
+def standby_ready(run_dir: Path, ranks: int, world: str) -> bool:
+    """Every rank of standby world `world` is built and waiting."""
+    return all(ready_path(run_dir, r, world).exists() for r in range(ranks))
+
+
 def start_alive_beat(run_dir: Path, rank: int, every: float = ALIVE_EVERY_S, world: str = "") -> None:
     """In a rank, from its first lines (stdlib only, before the slow imports): a daemon thread that rewrites
     `heartbeat/rank<N>.alive` every `every` seconds. It goes quiet when the rank is stopped (SIGSTOP), dead, or
@@ -448,6 +458,7 @@ class World:
 
     def __init__(self, name: str, launch: Launch, owner: Ownership, beats: Heartbeats, go: Path | None = None):
         self.name, self.launch, self.owner, self.beats, self.go = name, launch, owner, beats, go
+        self.run_dir = beats.dir.parent
 
     @classmethod
     def start_standby(cls, name: str, cmd: list[str], env: dict, ranks: int, run_dir: Path, log,
@@ -475,7 +486,7 @@ class World:
 
     def ready(self) -> bool:
         """Every rank of a standby world is built and waiting."""
-        return all((self.beats.dir / f"rank{r}.ready").exists() for r in range(self.beats.ranks))
+        return standby_ready(self.run_dir, self.beats.ranks, self.name)
 
     def promote(self, startup_s: float) -> None:
         """Let a standby world train: from now on it is watched like a launch's first world (its start-up bound

@@ -47,7 +47,7 @@ from lifecycle.tasks.train.parallel import moe
 from lifecycle.tasks.train.parallel.mesh import Grid, Mesh
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
-from lifecycle.tasks.train.supervise import STANDBY_ENV, WORLD_ENV, heartbeat_dir, write_heartbeat
+from lifecycle.tasks.train.supervise import STANDBY_ENV, WORLD_ENV, ready_path, write_heartbeat
 
 # This rank's launch timeline, (phase, time it ended), written after the first step to
 # <run_dir>/launch-timing-rank<r>.json (bench/launch_overhead.py reads it).
@@ -312,6 +312,7 @@ class Trainer:
         self.shards = TokenShards.model_validate(launch["tokens"])
         self.run_dir = Path(launch["run_dir"])
         self.world_name = os.environ.get(WORLD_ENV, "")  # "" for a launch's first world, "spare<k>" for a standby
+        self.world_suffix = f"-{self.world_name}" if self.world_name else ""  # of the files each world writes apart
         go = os.environ.get(STANDBY_ENV)  # a standby world's go file (train.launch.spares): wait for it to train
         self.standby = Path(go) if go else None
         self.device, backend = self._init_distributed()
@@ -339,7 +340,7 @@ class Trainer:
         phase("peak FLOPS probe")
         self.checkpointer = make_checkpointer(cfg.checkpoint, self.engine, self.run_dir / "checkpoints", log=self.say,
                                               tier=launch.get("memory_tier"))
-        sizing = self.run_dir / f".checkpoint-sizing{'-' + self.world_name if self.world_name else ''}"
+        sizing = self.run_dir / f".checkpoint-sizing{self.world_suffix}"
         if self.standby is not None:  # everything but the restore is done before the promotion
             # the arena too, unless it would crowd the training world's host (then it is made after the restore)
             self.wait_for_promotion(self.checkpointer.prewarm(sizing, memory_share=STANDBY_ARENA_SHARE) or "")
@@ -402,7 +403,7 @@ class Trainer:
         if prewarmed:
             self.say(prewarmed)
         self.say(f"ready after {time.time() - T_START:.1f}s; waiting to take over ({self.standby})")
-        atomic_write_json(heartbeat_dir(self.run_dir, self.world_name) / f"rank{self.rank}.ready",
+        atomic_write_json(ready_path(self.run_dir, self.rank, self.world_name),
                           {"time": time.time(), "pid": os.getpid()})
         while not self.standby.exists():
             time.sleep(poll_s)
@@ -536,8 +537,7 @@ class Trainer:
             phase("first step")
             import psutil
 
-            suffix = f"-{self.world_name}" if self.world_name else ""
-            atomic_write_json(self.run_dir / f"launch-timing-rank{self.rank}{suffix}.json", {
+            atomic_write_json(self.run_dir / f"launch-timing-rank{self.rank}{self.world_suffix}.json", {
                 "process_created": psutil.Process().create_time(), "phases": LAUNCH, "op_load": OP_LOAD})
         self.elapsed += time.perf_counter() - t0
         if self.step > self.first + 1:  # the launch's first step warms up

@@ -19,7 +19,7 @@ import pytest
 from lifecycle.core.procs import group_alive
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.train.config import LaunchConfig
-from lifecycle.tasks.train.supervise import heartbeat_dir
+from lifecycle.tasks.train.supervise import standby_ready
 from tests.faults import kill_rank_with_spare, launch, rank_pids, result, wait_ready
 
 # 300 steps of the tiny model: long enough for the standby to start (~7 s on 2 busy cores) before the run ends
@@ -134,8 +134,8 @@ def _wait(pred, what: str, timeout: float = 300):
         time.sleep(0.05)
 
 
-def _standby_ready(run_dir: Path, world: str = "spare1") -> bool:
-    return all((heartbeat_dir(run_dir, world) / f"rank{r}.ready").exists() for r in range(2))
+def _standby_ready(run_dir: Path) -> bool:
+    return standby_ready(run_dir, 2, "spare1")
 
 
 @pytest.mark.slow
