@@ -32,6 +32,7 @@ this node never cached. The harness is tests/faults.py.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -50,7 +51,7 @@ MODELS = {
 
 def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: int = 2, precision: str = "fp32",
          kill_after: int = 10, every: int = 10, seq_len: int | None = None, micro: int | None = None,
-         evict: bool = False, spare: bool = False, as_json: bool = False) -> dict:
+         evict: bool = False, spare: bool = False, as_json: bool = False, threads: int | None = None) -> dict:
     shape, batch = MODELS[model]
     shape = {**shape, **({"seq_len": seq_len} if seq_len else {})}
     batch = {**batch, **({"micro_batch_size": micro} if micro else {})}
@@ -65,7 +66,9 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
                 opts = {"accelerator": accelerator, "ranks": ranks, "precision": precision, "max_steps": 100000,
                         "model": shape, "batch": batch,
                         "checkpoint": {"every": every, "keep_last": 2, "memory_tier": mode != "disk"},
-                        **({"launch": {"spares": 1}} if mode == "spare" else {})}
+                        # the tests' one thread per rank (tests/faults.py) only when asked: a run's default is
+                        # cores // ranks (train.launch.threads_per_rank), which the restore's reads use too
+                        "launch": {"threads_per_rank": threads, **({"spares": 1} if mode == "spare" else {})}}
                 if mode == "spare":
                     got = kill_rank_with_spare(tokdir, str(Path(tmp) / f"{mode}{i}"), opts, after_step=kill_after,
                                                rank=ranks - 1, finish=False, evict=evict)
@@ -95,7 +98,8 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
     memtier.release_dead()  # the last relaunch was killed with its supervisor: its tier is a dead run's
     med = {m: {k: statistics.median(v) for k, v in t.items() if v} for m, t in times.items()}
     ratio = {k: med["memory"][k] / med["disk"][k] for k in ("restore", "relaunch", "resumed")}
-    print(f"{model} model, {accelerator}, {ranks} rank(s), {precision}, {rounds} rounds"
+    per_rank = threads or max(1, (os.cpu_count() or 1) // ranks)
+    print(f"{model} model, {accelerator}, {ranks} rank(s) of {per_rank} thread(s), {precision}, {rounds} rounds"
           f"{', checkpoint evicted from the page cache before each relaunch' if evict else ''} (medians): "
           f"restore memory {med['memory']['restore']:.3f}s vs disk {med['disk']['restore']:.3f}s "
           f"(ratio {ratio['restore']:.2f}); relaunch to first step memory {med['memory']['relaunch']:.2f}s vs disk "
@@ -107,7 +111,8 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
               f"{med['disk']['relaunch']:.2f}s (ratio {ratio['spare']['relaunch']:.3f}; goal <= 0.2); to the start "
               f"of the first step {med['spare']['resumed']:.2f}s (ratio {ratio['spare']['resumed']:.3f}); promotion "
               f"to first step {med['spare']['promotion']:.2f}s; restore {med['spare']['restore']:.3f}s from memory")
-    out = {"model": model, "accelerator": accelerator, "ranks": ranks, "precision": precision, "rounds": rounds,
+    out = {"model": model, "accelerator": accelerator, "ranks": ranks, "threads_per_rank": per_rank,
+           "precision": precision, "rounds": rounds,
            "evict": evict, "medians": med, "ratio": ratio, "times": times}
     if as_json:
         import json
@@ -135,7 +140,9 @@ if __name__ == "__main__":
         "restore reads the device: the disk copy as a replacement node or remote storage serves it"))
     ap.add_argument("--spare", action="store_true", help=(
         "a third mode: a hot spare (train.launch.spares: 1) takes over inside the same run; timed from the kill"))
+    ap.add_argument("--threads", type=int, help=(
+        "train.launch.threads_per_rank (default: unset, the run's default of cores // ranks, as a user's run gets)"))
     ap.add_argument("--json", action="store_true", help="end with the result as one JSON line")
     a = ap.parse_args()
     main(a.rounds, a.model, a.accelerator, a.ranks, a.precision, a.kill_after, a.every, a.seq, a.micro, a.evict,
-         a.spare, a.json)
+         a.spare, a.json, a.threads)

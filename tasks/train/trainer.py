@@ -315,6 +315,7 @@ class Trainer:
         self.world_suffix = f"-{self.world_name}" if self.world_name else ""  # of the files each world writes apart
         go = os.environ.get(STANDBY_ENV)  # a standby world's go file (train.launch.spares): wait for it to train
         self.standby = Path(go) if go else None
+        self.promoted = False  # a standby rank that took over (wait_for_promotion)
         self.device, backend = self._init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != cfg.batch.num_ranks:
@@ -357,7 +358,10 @@ class Trainer:
             self.metrics.write({"kind": "restore", "step": self.step, **info})
             if self.layout_change:
                 self.metrics.write(self.layout_change)
-        if not self.checkpointer.prewarmed and self.step < cfg.max_steps and \
+        if self.promoted and not self.checkpointer.prewarmed:
+            # a takeover resumes training first: faulting in a 350M arena here took 2.6 s (bench.recovery --spare)
+            self.say("checkpoint arena left to the first save: a promoted standby resumes training first")
+        elif not self.checkpointer.prewarmed and self.step < cfg.max_steps and \
                 (line := self.checkpointer.prewarm(sizing, memory_share=ARENA_SHARE)):
             self.say(line)
         self.schedule = SaveSchedule(cfg.checkpoint, self.step)
@@ -407,7 +411,7 @@ class Trainer:
                           {"time": time.time(), "pid": os.getpid()})
         while not self.standby.exists():
             time.sleep(poll_s)
-        self.standby = None
+        self.standby, self.promoted = None, True
         self.say(f"promoted: standby world {self.world_name} takes over, {time.time() - T_START:.1f}s after it started")
         phase("promoted")
 
