@@ -32,7 +32,6 @@ this node never cached. The harness is tests/faults.py.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lifecycle.tasks.train.launch import rank_threads  # noqa: E402
 from tests.faults import kill_rank_and_relaunch, kill_rank_with_spare  # noqa: E402
 
 MODELS = {
@@ -98,7 +98,7 @@ def main(rounds: int = 3, model: str = "demo", accelerator: str = "cpu", ranks: 
     memtier.release_dead()  # the last relaunch was killed with its supervisor: its tier is a dead run's
     med = {m: {k: statistics.median(v) for k, v in t.items() if v} for m, t in times.items()}
     ratio = {k: med["memory"][k] / med["disk"][k] for k in ("restore", "relaunch", "resumed")}
-    per_rank = threads or max(1, (os.cpu_count() or 1) // ranks)
+    per_rank = rank_threads(threads, ranks)
     print(f"{model} model, {accelerator}, {ranks} rank(s) of {per_rank} thread(s), {precision}, {rounds} rounds"
           f"{', checkpoint evicted from the page cache before each relaunch' if evict else ''} (medians): "
           f"restore memory {med['memory']['restore']:.3f}s vs disk {med['disk']['restore']:.3f}s "

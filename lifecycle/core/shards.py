@@ -195,7 +195,9 @@ def warm_worker(plan: StagePlan) -> None:
     _warmed.add((module, plan.fingerprint))
 
 
-_unfreeze_at_exit = False
+# a frozen object is never freed: at exit, nanobind (DuckDB's bindings) would report each of its own as "leaked" on
+# stderr, into every run's log; unfreezing what nothing froze is a no-op
+atexit.register(gc.unfreeze)
 
 
 def freeze_heap() -> None:
@@ -203,12 +205,8 @@ def freeze_heap() -> None:
     generation (`gc.freeze`), so that a forked child's collections never visit the objects it inherited. A visit
     writes into each object's header, which makes the kernel copy every page of the parent's heap into the child
     (copy-on-write): a shard process forked from a pool worker that had run filter held ~180 MB of such copies."""
-    global _unfreeze_at_exit
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:  # a frozen object is never freed: at exit, nanobind (DuckDB's bindings) would report
-        atexit.register(gc.unfreeze)  # each of its own as "leaked" on stderr, into every run's log
-        _unfreeze_at_exit = True
 
 
 def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = None,

@@ -132,6 +132,11 @@ class RepeatedDataWarning(UserWarning):
     """max_steps passes over the train tokens more often than train.max_epochs."""
 
 
+def rank_threads(configured: int | None, ranks: int) -> int:
+    """Threads per local rank (OMP_NUM_THREADS): `train.launch.threads_per_rank`, else this host's cores // ranks."""
+    return configured or max(1, (os.cpu_count() or 1) // ranks)
+
+
 class _MetricsTail:
     """Feeds complete new metrics.jsonl records past the resume step to a callback, each (kind, step) once."""
 
@@ -229,7 +234,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                                            "token_dataset": tokens.path, "init_weights": init_weights,
                                            "memory_tier": str(tier) if tier is not None else None, **init})
         port = cfg.launch.master_port or free_port()
-        threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.batch.num_ranks)
+        threads = rank_threads(cfg.launch.threads_per_rank, cfg.batch.num_ranks)
         module = [sys.executable, "-u", "-m", "lifecycle.tasks.train.trainer", "--config", str(config_path)]
         # the ranks watch this process (pid + start time) and die with it: see lifecycle.core.procs.watch_parent_run
         env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",

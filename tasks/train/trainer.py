@@ -315,7 +315,6 @@ class Trainer:
         self.world_suffix = f"-{self.world_name}" if self.world_name else ""  # of the files each world writes apart
         go = os.environ.get(STANDBY_ENV)  # a standby world's go file (train.launch.spares): wait for it to train
         self.standby = Path(go) if go else None
-        self.promoted = False  # a standby rank that took over (wait_for_promotion)
         self.device, backend = self._init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != cfg.batch.num_ranks:
@@ -343,7 +342,7 @@ class Trainer:
                                               tier=launch.get("memory_tier"))
         sizing = self.run_dir / f".checkpoint-sizing{self.world_suffix}"
         if self.standby is not None:  # everything but the restore is done before the promotion
-            # the arena too, unless it would crowd the training world's host (then it is made after the restore)
+            # the arena too, unless it would crowd the training world's host (then the first save makes it)
             self.wait_for_promotion(self.checkpointer.prewarm(sizing, memory_share=STANDBY_ARENA_SHARE) or "")
         torch.manual_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout
         self.step, self.elapsed, self.skipped = 0, 0.0, []
@@ -358,8 +357,8 @@ class Trainer:
             self.metrics.write({"kind": "restore", "step": self.step, **info})
             if self.layout_change:
                 self.metrics.write(self.layout_change)
-        if self.promoted and not self.checkpointer.prewarmed:
-            # a takeover resumes training first: faulting in a 350M arena here took 2.6 s (bench.recovery --spare)
+        if self.world_name and not self.checkpointer.prewarmed:  # a standby world's rank, promoted by now
+            # a takeover resumes training first: faulting a 350M arena in here is seconds of page faults
             self.say("checkpoint arena left to the first save: a promoted standby resumes training first")
         elif not self.checkpointer.prewarmed and self.step < cfg.max_steps and \
                 (line := self.checkpointer.prewarm(sizing, memory_share=ARENA_SHARE)):
@@ -411,7 +410,7 @@ class Trainer:
                           {"time": time.time(), "pid": os.getpid()})
         while not self.standby.exists():
             time.sleep(poll_s)
-        self.standby, self.promoted = None, True
+        self.standby = None
         self.say(f"promoted: standby world {self.world_name} takes over, {time.time() - T_START:.1f}s after it started")
         phase("promoted")
 
