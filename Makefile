@@ -20,7 +20,8 @@ endif
 
 .PHONY: install demo test bench clean-demo lock lock-cuda audit
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml $(LOCK) deploy/system-packages.sh
+	bash deploy/system-packages.sh
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip==26.3"
 ifeq ($(CUDA),1)

@@ -27,6 +27,7 @@ from lifecycle.core.latest import latest_targets, point_latest
 from lifecycle.core.locking import workdir_lock
 from lifecycle.flows.runner import RunSummary, ShardRunner, StageRunner, interrupt_of, note_interrupted, plain_task, reporter
 from lifecycle.lineage import catalog
+from lifecycle.preflight import preflight
 from lifecycle.lineage.card import model_card
 from lifecycle.lineage.charts import funnel_png, loss_png
 from lifecycle.lineage.registry import Registry
@@ -58,6 +59,10 @@ def lifecycle_flow(config: PipelineConfig | None = None, until: str | None = Non
         raise ValueError("lifecycle_flow takes either `config` or `config_file` (with `overrides`), not both or neither")
     if config_file is not None:
         config = load_config(config_file, overrides or [])
+        checked = preflight(config, until)  # what `lifecycle run` checks before Prefect, here at the run's start
+        config = checked.config
+        for note in checked.notes:
+            get_run_logger().info(f"note: {note}")
         tags = {"lifecycle.config_file": str(config_file), "lifecycle.config_file_sha256": sha256_file(config_file)}
         get_run_logger().info(f"config read at run start: {config_file} (file sha256 {tags['lifecycle.config_file_sha256'][:16]}, "
                               f"resolved config sha256 {sha256_json(config.model_dump(mode='json'))[:16]}"
@@ -95,16 +100,17 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         raise
     timing["tracker_ready"] = time.time()
     try:
-        docs = run(COLLECT, inputs=inputs)
         init_weights, tokenize_cfg = None, None
         warm = cfg.train.init_from == "champion" and run.wants(TOKENIZE)
         scoring = enabled(PERPLEXITY, cfg) and run.wants(PERPLEXITY)
-        # the champion as this run starts (before it registers a model of its own), looked up once for both
+        # the champion as this run starts (before it registers a model of its own), looked up once for both,
+        # before any stage computes
         registry = Registry(tracker) if warm or scoring else None
         champion = registry.champion_package() if registry is not None else None
         taint = registry.champion_taint() if champion is not None else None  # never a warm start nor a scorer
         if warm:
             init_weights, tokenize_cfg = _warm_start(tracker, champion, taint, cfg, summary)
+        docs = run(COLLECT, inputs=inputs)  # after the registry lookup: a server that fails, fails before compute
         kept = run(FILTER, docs)
         unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
         clean = run(SCRUB, unique)

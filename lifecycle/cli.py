@@ -41,6 +41,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_workdir(cfg.workdir)
     check_inputs(cfg.collect.inputs)  # an empty glob, an unreadable file, a bad URL: one line, before Prefect
+    from lifecycle.preflight import preflight
+
+    checked = preflight(cfg, args.until)  # files, packages and servers the stages need: one line, before Prefect
+    cfg = checked.config
 
     t0 = time.time()
     out, err, log = sys.stdout, sys.stderr, None
@@ -58,6 +62,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                               live=False if args.verbose else None)
             view.print(f"lifecycle run {args.config or DEFAULT_CONFIG} -> {cfg.workdir}"
                        + (f" (log: {log})" if log else ""))
+            for note in checked.notes:
+                view.print(f"  note: {note}")
             timing = {"command_start": COMMAND_START, "prefect_start": time.time()}
             from lifecycle.flows.servers import prepare_environment, wait_ready
 

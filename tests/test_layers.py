@@ -25,7 +25,7 @@ SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setup
 PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]
 
 # top first; a module belongs to the layer of the longest prefix of its name listed here
-LAYERS = ["lifecycle.launch", "lifecycle.cli", "lifecycle.console", "lifecycle.flows", "lifecycle.config", "lifecycle.lineage", "lifecycle.tasks.stages",
+LAYERS = ["lifecycle.launch", "lifecycle.cli", "lifecycle.console", "lifecycle.flows", "lifecycle.preflight", "lifecycle.config", "lifecycle.lineage", "lifecycle.tasks.stages",
           "lifecycle.tasks.eval", "lifecycle.tasks.train", "lifecycle.tasks.data", "lifecycle.core"]
 # package __init__ modules above the layers (they must stay empty of project imports)
 ROOTS = {"lifecycle", "lifecycle.tasks"}

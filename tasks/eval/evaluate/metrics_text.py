@@ -12,9 +12,10 @@ Nothing is downloaded at run time.
 WordNet C library has that list compiled in, and so does this module (`LEXNAMES`, from wordnet-base's
 lexnames(5WN) man page). `index.sense` is absent too; METEOR never reads it.
 
-`evaluate.meteor_synonyms`: "wordnet" (default) needs the database and raises `WordNetMissing` naming the
-package when it is absent; "none" scores exact + stem matches only, and the metric is then `gen_meteor_nosyn`,
-a different name, so the two are never mixed up on a chart.
+`evaluate.meteor_synonyms`: "wordnet" needs the database and raises `WordNetMissing` naming the package when it
+is absent; "none" scores exact + stem matches only, and the metric is then `gen_meteor_nosyn`, a different name,
+so the two are never mixed up on a chart; "auto" (default) is resolved to one of them when a run starts
+(`resolve_synonyms`, called by lifecycle/preflight.py), so the stage only ever sees "wordnet" or "none".
 """
 
 from __future__ import annotations
@@ -80,12 +81,12 @@ def _lexnames_file() -> str:
 @lru_cache(maxsize=2)
 def wordnet_reader(root: str = str(WORDNET_DIR)):
     """nltk's WordNetCorpusReader over Debian's WordNet 3.0 files in `root`; `WordNetMissing` when absent."""
-    missing = [f for f in WORDNET_FILES if not (Path(root) / f).is_file()]
-    if missing:
+    if missing := [f for f in WORDNET_FILES if not (Path(root) / f).is_file()]:
         raise WordNetMissing(
             f"METEOR's synonyms need the WordNet 3.0 database in {root} (missing: {', '.join(missing)}): install "
-            f"Debian's package with `apt-get install wordnet-base` (.ci/run does), or set "
-            f"evaluate.meteor_synonyms: none to score METEOR on exact and stem matches only (gen_meteor_nosyn)")
+            f"Debian's package with `sudo apt-get install wordnet-base` (`make install` does when it can), or set "
+            f"evaluate.meteor_synonyms: none (or auto) to score METEOR on exact and stem matches only "
+            f"(gen_meteor_nosyn)")
     import warnings
 
     import nltk.data
@@ -113,6 +114,21 @@ def wordnet_reader(root: str = str(WORDNET_DIR)):
     return reader
 
 
+def wordnet_installed(root: str = str(WORDNET_DIR)) -> bool:
+    """Whether the WordNet 3.0 database files METEOR reads are all in `root`."""
+    return all((Path(root) / f).is_file() for f in WORDNET_FILES)
+
+
+def resolve_synonyms(setting: str, root: str = str(WORDNET_DIR)) -> str:
+    """`evaluate.meteor_synonyms` as the stage uses it: "auto" becomes "wordnet" where the database is installed,
+    else "none"; "wordnet" without the database raises `WordNetMissing` (naming the package), before any stage."""
+    if setting == "auto":
+        return "wordnet" if wordnet_installed(root) else "none"
+    if setting == "wordnet":
+        wordnet_reader(root)
+    return setting
+
+
 class NoSynonyms:
     """A WordNet stand-in with no synsets: nltk's METEOR then aligns exact and stem matches only."""
 
@@ -131,8 +147,9 @@ def meteor(generated: list[str], references: list[str], synonyms: str = "wordnet
     `gen_meteor_nosyn` (synonyms="none")."""
     from nltk.translate.meteor_score import meteor_score
 
-    if synonyms not in ("wordnet", "none"):
-        raise ValueError(f"evaluate.meteor_synonyms must be 'wordnet' or 'none', not {synonyms!r}")
+    if synonyms not in ("auto", "wordnet", "none"):
+        raise ValueError(f"evaluate.meteor_synonyms must be 'auto', 'wordnet' or 'none', not {synonyms!r}")
+    synonyms = resolve_synonyms(synonyms)
     wn = wordnet_reader() if synonyms == "wordnet" else NoSynonyms()
     scores = [meteor_score([words(r)], words(g), wordnet=wn) for g, r in zip(generated, references)]
     key = "gen_meteor" if synonyms == "wordnet" else "gen_meteor_nosyn"

@@ -72,9 +72,11 @@ class EvaluateConfig(BaseModel):
     """(prompt, reference, generated) examples kept for the run's artifacts."""
     code: CodeEvalConfig = CodeEvalConfig()
     """pass@k of sampled code completions, run in a sandbox (off by default; tasks/eval/code/)."""
-    meteor_synonyms: Literal["wordnet", "none"] = "wordnet"
-    """METEOR's synonym pass: "wordnet" (WordNet 3.0 from Debian's wordnet-base; an error names the package when
-    it is absent) or "none" (exact + stem matches only, logged as gen_meteor_nosyn)."""
+    meteor_synonyms: Literal["auto", "wordnet", "none"] = "auto"
+    """METEOR's synonym pass: "wordnet" (WordNet 3.0 from Debian's wordnet-base, which `make install` installs;
+    a run stops before any stage when it is absent), "none" (exact + stem matches only, logged as
+    gen_meteor_nosyn), or "auto": "wordnet" where the database is installed, else "none", resolved when the run
+    starts, which says so (lifecycle/preflight.py)."""
     robustness: RobustnessConfig = RobustnessConfig()
     """Held-out text and prompts scored clean and perturbed (typos, case, whitespace)."""
     safety: SafetyConfig = SafetyConfig()
