@@ -286,6 +286,27 @@ def resolve_workdir(args: argparse.Namespace) -> tuple[str, str, str | None]:
                         f"${WORKDIR_ENV})")
 
 
+def run_config(args: argparse.Namespace):
+    """The config of the run a command names (`resolve_workdir`, already applied to `args.workdir`): CONFIG and
+    --set as given; else the default config when it names that work dir; else the built-in defaults (no inputs)
+    with it."""
+    from pathlib import Path
+
+    if args.config or args.set:
+        return load_config(args.config, args.set or [])
+    wd = Path(args.workdir).expanduser().resolve()
+    if Path(DEFAULT_CONFIG).is_file() and Path(load_config(DEFAULT_CONFIG).workdir).expanduser().resolve() == wd:
+        return load_config(DEFAULT_CONFIG)
+    from lifecycle.config import validate_config
+
+    # no config names this work dir's inputs: a placeholder pattern, never read (`forget --retrain` refuses it)
+    return validate_config({"workdir": str(wd), "collect": {"inputs": [UNKNOWN_INPUTS]}},
+                           origin=f"the built-in defaults for {wd}")
+
+
+UNKNOWN_INPUTS = "<the inputs of a config not named>"
+
+
 # --------------------------------------------------------------------------------------------------
 # lifecycle config show | schema
 
@@ -360,7 +381,9 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
     if args.retrain and args.unlearn:
         raise UsageError("choose one route: --retrain or --unlearn")
-    cfg = load_config(args.config, args.set or [])
+    cfg = run_config(args)
+    if args.retrain and cfg.collect.inputs == [UNKNOWN_INPUTS]:
+        raise UsageError(f"--retrain reruns the lifecycle of {cfg.workdir} on its inputs: name its config (--config)")
     knobs = {}
     for item in args.unlearn_set or []:
         key, eq, value = item.partition("=")
@@ -372,6 +395,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
     from lifecycle.lineage.forgetting import record_request, taint_versions, unlearn_champion
 
     info = sys.stderr if args.json else sys.stdout
+    print(f"forget: work dir {cfg.workdir} (from {args.workdir_from})", file=info)
     with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget"):
         rows = record_request(cfg, args.ids, args.reason)
         tainted = taint_versions(cfg, rows)
@@ -385,7 +409,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
         # a rebuild of the whole corpus without the documents, not a run on new data: deduplicated within itself,
         # not against the dedup index and paragraph filter of earlier runs (they hold the forgotten document's
         # signature and paragraphs)
-        rebuild = (args.set or []) + ["collect.incremental=false", "dedup.incremental=false"]
+        rebuild = (args.set or []) + ["collect.incremental=false", "dedup.incremental=false",
+                                      f"workdir={json.dumps(cfg.workdir)}"]
         print("retraining: a full run (collect.incremental=false, dedup.incremental=false)", file=info)
         return cmd_run(argparse.Namespace(config=args.config, set=rebuild, until=None, json=args.json,
                                           verbose=args.verbose, wait=args.wait))
@@ -411,7 +436,8 @@ def register_forget(sub) -> None:
     p = sub.add_parser("forget", help="Remove documents for good (tombstone ledger), then retrain or unlearn.")
     p.add_argument("ids", nargs="+", metavar="ID", help="doc_id or source_id of a collected document")
     p.add_argument("--reason", required=True, help="why (kept in the ledger; never the document's text)")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config of the runs (default {DEFAULT_CONFIG})")
+    p.add_argument("-c", "--config", help="YAML config of the runs (else --workdir, $LIFECYCLE_WORKDIR, then the "
+                                          f"default {DEFAULT_CONFIG}, as every command that reads a run)")
     route = p.add_mutually_exclusive_group()
     route.add_argument("--retrain", action="store_true", help="rerun the lifecycle without the documents")
     route.add_argument("--unlearn", action="store_true",
@@ -423,7 +449,7 @@ def register_forget(sub) -> None:
     p.add_argument("--json", action="store_true", help="Print one JSON object as the last line of stdout.")
     p.add_argument("-v", "--verbose", action="store_true", help="as `run -v`")
     p.add_argument("--wait", action="store_true", help="If another run holds the work dir, wait for it.")
-    p.set_defaults(func=cmd_forget)
+    p.set_defaults(func=cmd_forget, names_run=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any
 
 from lifecycle.core.errors import UsageError
 from lifecycle.core.paths import PathEscape
+from lifecycle.core.suggest import did_you_mean, near_ids
 from lifecycle.lineage import catalog as cat
 from lifecycle.lineage.tracking import open_server
 from lifecycle.tasks.stages import NAMES
@@ -215,8 +216,14 @@ def doc_lineage(con, ident: str) -> dict:
     trained_on = {e["dataset_sha256"] for e in events if e["outcome"] == "tokenized" and e["split"] == "train"}
     held_out = {e["dataset_sha256"] for e in events if e["outcome"] == "tokenized" and e["split"] == "val"}
     models = cat.query(con, "SELECT name, version, aliases, tokenize_sha256, val_bpb FROM models ORDER BY name, version")
+    for e in events:  # which registered models a tokenize dataset fed: a failed run's fed none
+        if e["outcome"] == "tokenized":
+            e["models"] = ", ".join(f"{m['name']}/{m['version']}" for m in models
+                                    if m["tokenize_sha256"] == e["dataset_sha256"]) or "none registered"
+    near = [] if ids else near_ids(con, "(SELECT doc_id, source_id FROM kept UNION ALL SELECT doc_id, source_id "
+                                        "FROM rejected)", ident)
     return {"query": ident, "doc_ids": doc_ids, "source_ids": sorted({r["source_id"] for r in ids}),
-            "events": events,
+            "events": events, "near": near,
             "trained_by": [{k: m[k] for k in ("name", "version", "aliases")} for m in models
                            if m["tokenize_sha256"] in trained_on],
             "evaluated_by": [{k: m[k] for k in ("name", "version", "aliases")} for m in models
@@ -225,7 +232,7 @@ def doc_lineage(con, ident: str) -> dict:
 
 def print_doc(r: dict) -> None:
     if not r["events"]:
-        print(f"no document with doc_id or source_id {r['query']!r} in any dataset")
+        print(f"no document with doc_id or source_id {r['query']!r} in any dataset" + did_you_mean(r["near"]))
         return
     print(f"{r['query']}: doc_id {', '.join(r['doc_ids'])}  source_id {', '.join(r['source_ids'])}")
     skip = {"doc_id", "source_id", "dataset_path", "stage", "dataset_sha256", "dataset_dir", "created_at", "outcome"}

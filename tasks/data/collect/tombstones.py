@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import atomic_write_bytes, sha256_file
 
 LEDGER = "tombstones.parquet"
@@ -299,6 +300,24 @@ def find_documents(workdir: str | Path, ids: list[str]) -> list[dict]:
                 found.setdefault(r["doc_id"], r)
     missing = sorted(set(ids) - {r["doc_id"] for r in found.values()} - {r["source_id"] for r in found.values()})
     if missing:
-        raise LookupError(f"no collect dataset in {workdir} holds a document with doc_id or source_id "
-                          f"{', '.join(missing)}")
+        files = [str(f) for d in committed_datasets(workdir) if d.parent.name == "collect"
+                 for f in DatasetRef.from_dir(d).files()]
+        raise UsageError(f"no collect dataset in {workdir} holds a document with doc_id or source_id "
+                         f"{', '.join(missing)}: nothing was recorded" + _suggestions(files, missing[0]))
     return sorted(found.values(), key=lambda r: r["doc_id"])
+
+
+def _suggestions(files: list[str], ident: str) -> str:
+    """"; did you mean ...?" with the collected ids nearest to `ident`, or ''."""
+    import duckdb
+
+    from lifecycle.core.suggest import did_you_mean, near_ids
+
+    if not files:
+        return " (no run has collected into this work dir yet)"
+    con = duckdb.connect()
+    try:
+        con.read_parquet(files, union_by_name=True).create_view("collected")
+        return did_you_mean(near_ids(con, "collected", ident))
+    finally:
+        con.close()

@@ -1,0 +1,59 @@
+"""A document looked up by an id that no dataset holds gets a near match (issue 41 §4): `lineage doc` with the file
+name of a source_id that is a path, and `lifecycle forget` with an unknown id, which refuses in one line, exit 2,
+records nothing and names the work dir it looked in (issue 44, item 1)."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from lifecycle.core.errors import UsageError
+from lifecycle.core.suggest import near_ids
+from lifecycle.tasks.data.collect.tombstones import find_documents
+from tests.conftest import docs_table, make_collect
+from tests.test_cli_errors import assert_one_line, run_cli
+
+
+def ids_table():
+    con = duckdb.connect()
+    con.execute("CREATE TABLE t AS SELECT * FROM (VALUES ('a1b2c3d4e5f60718', '/usr/share/doc/pg/html/functions-datetime.html'), "
+                "('ffff000011112222', '/usr/share/doc/pg/html/functions-math.html'), "
+                "('0123456789abcdef', 'good1-3')) v(doc_id, source_id)")
+    return con
+
+
+def test_near_ids_finds_a_file_name_inside_a_path_and_a_one_character_typo():
+    con = ids_table()
+    assert near_ids(con, "t", "functions-datetime.html") == ["/usr/share/doc/pg/html/functions-datetime.html"]
+    assert near_ids(con, "t", "a1b2c3d4e5f60719") == ["a1b2c3d4e5f60718"]  # last character mistyped
+    assert near_ids(con, "t", "zzzzzzzz") == []
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    wd = tmp_path / "wd"
+    make_collect(wd, [docs_table(["The first document of a small work dir.", "A second one."])])
+    return wd
+
+
+def test_an_unknown_id_is_refused_with_a_near_match(workdir):
+    assert [d["doc_id"] for d in find_documents(workdir, ["src-d1"])] == ["d1"]
+    with pytest.raises(UsageError, match=r"holds a document with doc_id or source_id src-d7: nothing was recorded; "
+                                         r"did you mean src-d0, src-d1\?"):
+        find_documents(workdir, ["src-d7"])
+
+
+def test_lifecycle_forget_names_the_work_dir_from_the_environment_and_refuses_unknown_ids(
+        capsys, workdir, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no deploy/configs/demo.yaml here: the built-in defaults, with the work dir
+    monkeypatch.setenv("LIFECYCLE_WORKDIR", str(workdir))
+    rc, out, err = run_cli(capsys, ["forget", "no-such-id", "--reason", "erasure request 1"])
+    line = assert_one_line(rc, err, str(workdir), "no-such-id", "nothing was recorded")
+    assert "internal error" not in line
+    assert f"forget: work dir {workdir} (from $LIFECYCLE_WORKDIR)" in out
+    assert not (workdir / "tombstones.parquet").exists()
+
+
+def test_lineage_doc_offers_the_near_ids(capsys, workdir):
+    rc, out, err = run_cli(capsys, ["lineage", "doc", "src-d7", "--workdir", workdir])
+    assert rc == 3 and "no document with doc_id or source_id 'src-d7' in any dataset; did you mean src-d0, src-d1?" in out
