@@ -167,9 +167,10 @@ def print_summary(s: dict, file=None) -> None:
             p(f"  {label + ':':<16} {s['artifacts'][name].removeprefix('file://')}")
     if s.get("log"):
         p(f"  log:             {s['log']}")
-    p(f"\nOpen the MLflow UI on these results:\n  .venv/bin/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
+    bindir = os.path.dirname(sys.executable)  # the venv's, so that the commands work from any directory
+    p(f"\nOpen the MLflow UI on these results:\n  {bindir}/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
       f" --host 127.0.0.1 --port 5000\nQuery the data with DuckDB, e.g.:\n"
-      f"  .venv/bin/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
+      f"  {bindir}/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
       f"read_parquet('{s['workdir']}/datasets/*/*/**/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
 
 
@@ -276,6 +277,10 @@ def resolve_workdir(args: argparse.Namespace) -> tuple[str, str, str | None]:
         return os.environ[WORKDIR_ENV], f"${WORKDIR_ENV}", None
     from pathlib import Path
 
+    given = getattr(args, getattr(args, "path_arg", None) or "", None)  # e.g. export's CHECKPOINT
+    if given and (wd := workdir_holding(Path(given))):
+        return str(wd), f"{args.path_arg.upper()} {given}", None
+
     if Path(DEFAULT_CONFIG).is_file():
         wd, source = load_config(DEFAULT_CONFIG).workdir, f"the default config {DEFAULT_CONFIG}"
     else:
@@ -284,6 +289,16 @@ def resolve_workdir(args: argparse.Namespace) -> tuple[str, str, str | None]:
         wd, source = str(Path(PipelineConfig.model_fields["workdir"].default).resolve()), "the built-in default"
     return wd, source, (f"work dir {wd}, from {source} (name a run with CONFIG, --set workdir=..., --workdir or "
                         f"${WORKDIR_ENV})")
+
+
+def workdir_holding(path) -> "Path | None":
+    """The work dir a path lies in (the nearest folder above it, as written or resolved, that holds `datasets/`
+    and `latest/` or `train/`), or None."""
+    for p in (path.expanduser().absolute(), path.expanduser().resolve()):
+        for d in p.parents:
+            if (d / "datasets").is_dir() and ((d / "latest").is_dir() or (d / "train").is_dir()):
+                return d
+    return None
 
 
 def run_config(args: argparse.Namespace):

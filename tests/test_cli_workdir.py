@@ -65,6 +65,20 @@ def test_a_command_falling_back_to_the_default_says_which_work_dir(runs, capsys,
     assert note.startswith(f"work dir {wd}, from the default config deploy/configs/demo.yaml")
 
 
+def test_a_path_inside_a_work_dir_names_that_work_dir(runs, monkeypatch, tmp_path):
+    a, b, cfg = runs
+    (b / "latest").mkdir()
+    (b / "train" / "r1" / "checkpoints" / "step_4").mkdir(parents=True)
+    (b / "latest" / "train").symlink_to("../train/r1/checkpoints/step_4")
+    monkeypatch.chdir(tmp_path)
+    args = build_parser([]).parse_args(["export", "hf", str(b / "latest" / "train"), str(tmp_path / "out")])
+    assert resolve_workdir(args) == (str(b), f"CHECKPOINT {b / 'latest' / 'train'}", None)  # not the default
+    args = build_parser([]).parse_args(["export", "hf", str(tmp_path / "elsewhere"), str(tmp_path / "out")])
+    assert resolve_workdir(args)[2] is not None  # not inside one: the default, said on stderr
+    args = build_parser([]).parse_args(["export", "hf", str(b / "latest" / "train"), "o", "--workdir", str(a)])
+    assert resolve_workdir(args)[0] == str(a)  # named: the path does not override it
+
+
 def test_verify_takes_config_positionally(runs, capsys):
     a, b, cfg = runs
     capsys.readouterr()

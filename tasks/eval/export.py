@@ -299,7 +299,7 @@ def register(sub) -> None:
     hf.add_argument("--input-root", action="append", metavar="DIR",
                     help="another directory CHECKPOINT and --tokenizer may be read from. Repeatable.")
     hf.add_argument("--json", action="store_true", help="Print one JSON object.")
-    hf.set_defaults(func=cmd_export_hf, names_run=True)  # CONFIG/--workdir: CHECKPOINT and --tokenizer lie in it
+    hf.set_defaults(func=cmd_export_hf, names_run=True, path_arg="checkpoint")  # CONFIG/--workdir: CHECKPOINT and --tokenizer lie in it
 
 
 def load_model_dir(model_dir: str | Path, tokenizer: str | Path | None = None):
