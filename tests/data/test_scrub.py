@@ -142,6 +142,39 @@ def test_lookalikes_untouched(text):
     assert scrub_text(text, CFG) == (text, ZERO)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "constants discussed in Section 4.1.2.7. The constant is",  # the PostgreSQL manual's cross-references
+        "(see\n        Section 25.1.5.1).",
+        "the standard's section 4.4.3.2 or the alternative format",
+        "DSDT   Section 5.2.11.1 (signature == \"DSDT\")",  # the ACPI table notes of the kernel docs
+        "Streams are defined in sections 4.4.6.4 and 8.12.1.4 of the USB 3.0 spec",  # a list after one word
+        "as in Table 36.1.2.3, Figure 8.4.7.1 and Example 9.16.2.2; see \u00a7 5.8.1.2 and chapter 13.15.2.3",
+        "Version 1.9.4.1\n---------------\n* Bug fixes.",  # a changelog heading
+        "the database was created using version 1.2.3.4, but the system provides version 2.3.4.5",
+        "\n2.1.1.2 Timestamp types\n~~~~~~~~~~~~~~~~~~~~~~~\n",  # a numbered reStructuredText heading
+        "4.1.2.7. Constants of Other Types\n",  # a DocBook heading: a dot after the number
+        "## 4.1.2.7 Constants\n",  # a Markdown heading
+    ],
+)
+def test_section_and_release_numbers_are_not_addresses(text):
+    assert scrub_text(text, CFG) == (text, ZERO)
+
+
+@pytest.mark.parametrize(
+    "text, scrubbed",
+    [
+        ("ping 8.8.8.8 (see Section 4.2)", "ping <IPV4> (see Section 4.2)"),  # the word comes after it
+        ("Table 3 lists 8.8.8.8 as the resolver", "Table 3 lists <IPV4> as the resolver"),  # not a list of numbers
+        ("resolvers:\n1.1.1.1 Cloudflare\n8.8.8.8 Google", "resolvers:\n<IPV4> Cloudflare\n<IPV4> Google"),
+        ("mount //9.53.216.11/e$ /mnt", "mount //<IPV4>/e$ /mnt"),
+    ],
+)
+def test_addresses_beside_numbering_words_are_still_replaced(text, scrubbed):
+    assert scrub_text(text, CFG)[0] == scrubbed
+
+
 # --------------------------------------------------------------------------------------------------
 # options
 

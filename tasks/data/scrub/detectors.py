@@ -24,6 +24,37 @@ _EMAIL = re.compile(
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _IPV4 = re.compile(rf"(?<![\w.])({_OCTET}(?:\.{_OCTET}){{3}})(?![\w]|\.\w)")
 _VERSION_CUE = re.compile(r"(?:[A-Za-z]-|[=<>!~]=|(?:^|\W)[vV])$")  # novas-3.1.1.3, ==3.1.1.3, v3.1.1.3
+# A dotted quad that numbers a division of a text or a release is not an address. datatrove (formatters/pii.py)
+# replaces every public quad, and Presidio's IpRecognizer scores a bare one 0.6 and raises it when a context word
+# ("ip", "ipv4") comes before it; neither has the opposite, a word before it that says it is not an address, which
+# reference text needs (the PostgreSQL manual: "see Section 4.1.2.7"; ACPI notes: "Section 5.2.11.1"). So a quad
+# is left alone when, within the 80 characters before it, such a word precedes it, directly or through a list of
+# numbers ("Sections 4.4.6.4 and 8.12.1.4"), or when it opens a numbered heading (`_HEADING`).
+_NUMBERING_WORDS = (
+    "sections?", "sect", "secs?", "chapters?", "chap", "ch", "tables?", "figures?", "figs?", "examples?", "appendix",
+    "appendices", "annex(?:es)?", "clauses?", "paragraphs?", "paras?", "steps?", "equations?", "eqs?", "listings?",
+    "versions?", "vers?", "releases?", "revisions?", "revs?", "firmware", "builds?",
+)
+_NUMBERING_CUE = re.compile(
+    rf"(?:(?<!\w)(?:{'|'.join(_NUMBERING_WORDS)})\.?|§§?)[\s(\"'\u201c*_]*"
+    r"(?:\d+(?:\.\d+)*[.)\"'\u201d*_]*\s*(?:,|and|or|to|through|&|-|\u2013)\s*)*$",
+    re.I,
+)
+# A numbered heading: the quad starts its line (after spaces or an opening quote) and a capitalised title follows
+# it, and the line is marked as a heading: Markdown's '#'s before it, a dot after the number ("4.1.2.7. Constants",
+# as DocBook numbers them), or a reStructuredText underline on the next line ("2.1.1.2 Timestamp types" over
+# "~~~~"). A host list ("1.1.1.1 Cloudflare") has none of those marks.
+_HEADING_BEFORE = re.compile(r"(?:^|\n)[ \t]*(#+[ \t]*)?[\"'\u201c]?$")
+_HEADING_AFTER = re.compile(r"(\.)?[ \t]+[A-Z][^\n]*(\n[ \t]*([^\w\s])\3{2,}[ \t]*(?:\n|$))?")
+
+
+def numbers_a_division(text: str, start: int, end: int) -> bool:
+    """Whether the dotted quad text[start:end] is a section, table, heading or release number, not an address."""
+    before = text[max(0, start - 80) : start]
+    if _NUMBERING_CUE.search(before):
+        return True
+    head, title = _HEADING_BEFORE.search(before), _HEADING_AFTER.match(text, end)
+    return bool(head and title and (head.group(1) or title.group(1) or title.group(2)))
 _DECIMAL = re.compile(r"\d+[.,]\d+")
 _ISBN = re.compile(r"ISBN(?:-1[03])?:?\s*$")
 
@@ -45,7 +76,7 @@ email_spans = _pattern_spans(_EMAIL, "@")
 
 def ipv4_spans(text: str, cfg):
     for m in _IPV4.finditer(text):
-        if _VERSION_CUE.search(text[max(0, m.start() - 2) : m.start()]):
+        if _VERSION_CUE.search(text[max(0, m.start() - 2) : m.start()]) or numbers_a_division(text, *m.span(1)):
             continue
         replace = not cfg.ipv4_public_only or ipaddress.IPv4Address(m.group(1)).is_global
         yield m.start(), m.end(), replace

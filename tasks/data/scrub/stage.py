@@ -8,7 +8,9 @@ values themselves are never logged), detectors in tasks/pii_detectors.py:
   As datatrove does (`only_remove_public_ips=True`), only globally routable addresses are replaced
   (`ipaddress.IPv4Address.is_global`): loopback, private, link-local, `0.0.0.0` and the documentation ranges
   identify nobody, and documentation is full of them. Also left alone: a version pin written against a name or
-  operator (`novas-3.1.1.3`, `==1.2.3.4`, `v1.2.3.4`).
+  operator (`novas-3.1.1.3`, `==1.2.3.4`, `v1.2.3.4`), and a quad that numbers a division of the text or a
+  release: after Section/Table/Figure/Example/Chapter/Appendix/clause/§/version/release... (directly or through a
+  list: "Sections 4.4.6.4 and 8.12.1.4"), or opening a numbered heading (`detectors.numbers_a_division`).
 - ipv6: colon-hex candidates with at least 3 groups, validated by `ipaddress.IPv6Address`; global only by default.
 - phone: `phonenumbers.PhoneNumberMatcher` with leniency VALID, once per configured region (numbers written
   with `+` and a country code are found whatever the region). The matcher alone, run over Python's docs,
