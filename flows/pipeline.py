@@ -91,8 +91,10 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,
                              prefect_flow_run_id=str(flow_run.id))
         summary.timing = timing  # the very dict the workers' start thread writes to (pydantic would copy it)
-        run = StageRunner(cfg, summary, until, on_done=_Logger(tracker, summary).stage_done, shards=shards)
-        summary.mlflow_run_id = tracker.start(run_name=flow_run.name, config=cfg, tags={
+        logger = _Logger(tracker, summary)
+        run = StageRunner(cfg, summary, until, on_done=logger.stage_done, shards=shards)
+        # the parent run is named after the pipeline (one parent per config; the Prefect flow run is a tag)
+        summary.mlflow_run_id = tracker.start(run_name=cfg.name, config=cfg, tags={
             "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
             **tags})
     except BaseException:
@@ -138,16 +140,20 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
             _register(tracker, summary, model, cfg, scores)
         _log_charts(tracker, summary, trained)
         tracker.log_parent_metrics({k: v for k, v in summary.metrics.items() if isinstance(v, (int, float))})
+        tracker.log_parent_datasets([docs], "source")  # what the run read, and what it trained on
+        tracker.log_parent_datasets([t for t in (tokens,) if t is not None], "training")
         # every completed run records its raw files, so that a later incremental run skips them
         n = plain_task(record_collected, "record-collected")(cfg.workdir, docs)
         print(f"[collect] ledger: {n} new input file(s) recorded in {cfg.workdir}/collected.parquet")
-        point_latest(cfg.workdir, latest_targets(summary.datasets, summary.checkpoint))  # <workdir>/latest/<stage>
+        # <workdir>/latest/<stage>: this run's datasets, and no link left from an earlier run past its --until
+        point_latest(cfg.workdir, latest_targets(summary.datasets, summary.checkpoint), only=True)
         summary.status = "completed"
         tracker.end("FINISHED")
         _update_catalog(cfg.workdir, with_models=True)  # the registry as this run left it
     except BaseException as e:
         signame = interrupt_of(e)
         try:
+            logger.stage_failed(e, "KILLED" if signame else "FAILED")
             tracker.end("KILLED" if signame else "FAILED")
         except Exception as end_error:  # e.g. a full disk fails the store too: the run's own error is the news
             log.warning("could not mark the MLflow runs %s: %s", "KILLED" if signame else "FAILED", end_error)
@@ -176,7 +182,18 @@ class _Logger:
         self.parents: dict[str, DatasetRef] = {}
 
     def stage_done(self, stage, value, outcome: str, extra: dict, section) -> None:
+        self.tracker.stage_run(stage.name, self.summary.timing.get(f"stage_start:{stage.name}"))
         getattr(self, f"_{stage.group}")(stage, value, outcome, extra, section)
+        self.tracker.finish_stage(stage.name)  # the child run spans the stage, in the UI too
+
+    def stage_failed(self, error: BaseException, status: str) -> None:
+        """The stage that was running when the run failed gets its own run, FAILED (or KILLED), naming the error."""
+        timing = self.summary.timing
+        running = [k.removeprefix("stage_start:") for k in timing if k.startswith("stage_start:")
+                   and k.removeprefix("stage_start:") not in self.summary.stages]
+        for name in running:
+            self.tracker.stage_run(name, timing[f"stage_start:{name}"])
+            self.tracker.finish_stage(name, status, f"{type(error).__name__}: {error}")
 
     def _data(self, stage, ref: DatasetRef, outcome: str, extra: dict, section) -> None:
         manifest = ref.manifest()

@@ -338,14 +338,26 @@ class Tracker:
         if status == "FINISHED":
             backup_store(self.uri, self.workdir)
 
-    def stage_run(self, stage: str) -> str:
+    def stage_run(self, stage: str, started: float | None = None) -> str:
+        """The stage's child run, created (with `started`, epoch seconds, as its start time) or reopened."""
         if stage not in self.stage_runs:
             run = self.client.create_run(self.experiment_id, run_name=stage, tags={
-                "mlflow.parentRunId": self.parent_id, "lifecycle.stage": stage})
+                "mlflow.parentRunId": self.parent_id, "lifecycle.stage": stage},
+                start_time=int(started * 1000) if started else None)
             self.stage_runs[stage] = run.info.run_id
         elif self.client.get_run(self.stage_runs[stage]).info.status != "RUNNING":
             self.client.update_run(self.stage_runs[stage], status="RUNNING")
         return self.stage_runs[stage]
+
+    def finish_stage(self, stage: str, status: str = "FINISHED", error: str | None = None) -> None:
+        """Close the stage's child run now, when the stage ends (not when the flow does): its duration in the UI
+        is the stage's. A failed stage gets a run even when it logged nothing, with the error as a tag."""
+        import time
+
+        rid = self.stage_run(stage)
+        if error:
+            self.client.set_tag(rid, "lifecycle.error", error[:7900])
+        self.client.set_terminated(rid, status, end_time=int(time.time() * 1000))
 
     def _new_metrics(self, rid: str, metrics: list) -> list:
         """Drop metrics whose (key, step) the run already holds: MLflow metrics are append-only, and a
@@ -443,6 +455,10 @@ class Tracker:
             inputs.append(DatasetInput(ds, tags=tags))
         if inputs:
             self.client.log_inputs(rid, datasets=inputs)
+
+    def log_parent_datasets(self, refs: Iterable[DatasetRef], context: str) -> None:
+        """Datasets on the parent run, so that the run's page shows what it read and trained on."""
+        self._log_datasets(self.parent_id, refs, context)
 
     def log_parent_metrics(self, metrics: dict[str, float]) -> None:
         import time

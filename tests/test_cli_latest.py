@@ -25,6 +25,10 @@ def test_latest_points_at_the_last_completed_runs_dataset(tmp_path):
     assert not os.path.isabs(os.readlink(links["collect"]))  # relative: the work dir can move
     assert sorted(p.name for p in (tmp_path / "latest").iterdir()) == ["collect", "train"]  # no temp links left
     assert len(committed_datasets(tmp_path)) == 2  # both fingerprint dirs stay; `latest` is not a dataset
+    # a later run up to collect only (`--until collect`): latest/ shows that run alone, no train of the one before
+    point_latest(tmp_path, latest_targets({"collect": str(first.dir / "_manifest.json")}, None), only=True)
+    assert sorted(p.name for p in (tmp_path / "latest").iterdir()) == ["collect"]
+    assert (tmp_path / "latest" / "collect").resolve() == first.dir.resolve()
 
 
 def test_lineage_doc_prints_the_directory_name_and_the_hash(tmp_path, capsys):

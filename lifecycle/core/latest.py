@@ -12,10 +12,16 @@ from pathlib import Path
 LATEST = "latest"
 
 
-def point_latest(workdir: str | Path, targets: dict[str, str | Path]) -> dict[str, Path]:
-    """Point `latest/<name>` at each target directory (inside the work dir); returns {name: link}."""
+def point_latest(workdir: str | Path, targets: dict[str, str | Path], only: bool = False) -> dict[str, Path]:
+    """Point `latest/<name>` at each target directory (inside the work dir); returns {name: link}. `only`: remove
+    the other links, so that `latest/` shows one run (a `--until scrub` run leaves no `latest/train` of an
+    earlier run beside its own `latest/collect`)."""
     root = Path(workdir) / LATEST
     root.mkdir(exist_ok=True)
+    if only:
+        for old in root.iterdir():
+            if old.is_symlink() and old.name not in targets:
+                old.unlink()
     links = {}
     for name, target in targets.items():
         link = root / name

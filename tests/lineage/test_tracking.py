@@ -78,3 +78,26 @@ def test_each_work_dir_logs_to_its_own_store_in_one_process(tmp_path, monkeypatc
     user = f"sqlite:///{tmp_path / 'user.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", user)
     assert Tracker(TrackingConfig(), str(tmp_path / "c"), "exp").uri == user
+
+
+def test_a_stage_run_spans_its_stage_and_a_failed_stage_gets_a_failed_run(tmp_path):
+    """Issue 41 §3: stage runs closed when the flow ended (collect showed 601 s for a stage that took 0), and after
+    a failure the stages that had succeeded were marked FAILED while the failed one had no run."""
+    import time
+
+    t = tracker(tmp_path, Cfg(workdir=str(tmp_path)))
+    began = time.time() - 5
+    t.stage_run("collect", began)
+    t.log_metrics("collect", {"rows_in": 10})
+    t.finish_stage("collect")
+    done = time.time()
+    t.stage_run("tokenize", time.time())
+    t.finish_stage("tokenize", "FAILED", "ContaminationError: 21 of 77 val documents")
+    time.sleep(0.05)
+    t.end("FAILED")  # the flow fails later: the stage that succeeded stays FINISHED
+    collect = t.client.get_run(t.stage_runs["collect"]).info
+    assert collect.status == "FINISHED" and collect.start_time == int(began * 1000)
+    assert collect.end_time <= int(done * 1000) + 1
+    tok = t.client.get_run(t.stage_runs["tokenize"])
+    assert tok.info.status == "FAILED" and tok.data.tags["lifecycle.error"].startswith("ContaminationError")
+    assert t.client.get_run(t.parent_id).info.status == "FAILED"
