@@ -266,10 +266,21 @@ def test_scrub_table_keeps_every_row_and_adds_counts():
     assert stats.bytes_out == sum(len(t.encode()) for t in out.column("text").to_pylist())
 
 
-def test_pii_dense_document_is_rejected_with_counts_only():
+def test_pii_dense_document_is_kept_and_redacted_by_default():
+    """A page listing its maintainers' addresses loses the addresses, not the page (datatrove's PIIFormatter)."""
+    maintainers = "Maintainers:\n" + "\n".join(f"M: Dev {i} <dev{i}@example.com>" for i in range(8))
+    out, rejected, stats = scrub_table(docs_table([maintainers, "plain"]), CFG)
+    assert CFG.max_pii_per_doc is None and rejected.num_rows == 0 and stats.rejected == {}
+    assert out.column("doc_id").to_pylist() == ["d0", "d1"]
+    assert out.column("text")[0].as_py() == "Maintainers:\n" + "\n".join(f"M: Dev {i} <<EMAIL>>" for i in range(8))
+    assert out.column("pii_email").to_pylist() == [8, 0]  # still counted per type
+    assert stats.counters["pii_email"] == 8 and stats.counters["docs_with_pii"] == 1
+
+
+def test_pii_dense_document_is_rejected_with_counts_only_when_asked():
     dense = "contacts: " + ", ".join(f"user{i}@example.com" for i in range(5)) + ", call +1 650-253-0000"
     texts = ["five is fine: " + ", ".join(f"u{i}@example.com" for i in range(5)), dense, "plain"]
-    out, rejected, stats = scrub_table(docs_table(texts), CFG)
+    out, rejected, stats = scrub_table(docs_table(texts), ScrubConfig(max_pii_per_doc=5))  # Dolma's threshold
     assert out.column("doc_id").to_pylist() == ["d0", "d2"]
     assert out.column("pii_email").to_pylist() == [5, 0]
     assert rejected.column("doc_id").to_pylist() == ["d1"]
@@ -336,8 +347,8 @@ def test_no_planted_value_survives_the_stage(tmp_path):
              f"two: {values[3]}; {values[4]}; {values[5]}; {values[6]}",
              f"three: {values[7]} token={values[8]}\n-----BEGIN PRIVATE KEY-----\n{values[9]}\n"
              f"-----END PRIVATE KEY-----\npassword={values[10]}",
-             "dense: " + ", ".join(values)]  # 11 hits: rejected, and its counts only recorded
-    ref = run_scrub(make_collect(tmp_path, [docs_table(texts)]), CFG, str(tmp_path))
+             "dense: " + ", ".join(values)]  # 11 hits: rejected (max_pii_per_doc=5), and its counts only recorded
+    ref = run_scrub(make_collect(tmp_path, [docs_table(texts)]), ScrubConfig(max_pii_per_doc=5), str(tmp_path))
     kept, rejected = ref.read(), ref.read_rejected()
     assert kept.column("doc_id").to_pylist() == ["d0", "d1", "d2"]
     assert rejected.column("reason").to_pylist() == ["too_much_pii"]
@@ -348,6 +359,11 @@ def test_no_planted_value_survives_the_stage(tmp_path):
     # the dense page's bare key body and bare random string are not secrets without their BEGIN line / key word
     assert counters["pii_private_key"] == 1 and counters["pii_secret"] == 1 and counters["pii_email"] == 2
     assert json.loads(rejected.column("detail")[0].as_py())["pii_total"] == 9
+
+    by_default = run_scrub(make_collect(tmp_path, [docs_table(texts)]), CFG, str(tmp_path))  # kept, redacted
+    assert by_default.read().column("doc_id").to_pylist() == ["d0", "d1", "d2", "d3"]
+    kept_text = "\n".join(by_default.read().column("text").to_pylist())
+    assert [v for v in values if v in kept_text] == values[9:]  # the bare key body and string of the dense page
 
 
 def test_detector_module_is_part_of_the_code_version():

@@ -159,7 +159,7 @@ def raw_inputs(tmp_path_factory) -> Path:
         {"id": "canary-migration", "text": _fill(MIGRATION)},
         {"id": "canary-onboarding", "text": _fill(ONBOARDING)},
         {"id": "canary-benefits", "text": _fill(BENEFITS)},
-        {"id": DENSE_SOURCE, "text": _fill(DENSE)},  # more than max_pii_per_doc hits: rejected by scrub
+        {"id": DENSE_SOURCE, "text": _fill(DENSE)},  # more than max_pii_per_doc=5 hits: rejected by scrub (opt-in)
     ]
     with open(d / "docs.jsonl", "w") as f:
         for r in corpus_records(40) + records:
@@ -179,7 +179,8 @@ def run(raw_inputs, tmp_path_factory):
     inputs = [str(raw_inputs / "*.jsonl"), str(raw_inputs / "*.html"), str(raw_inputs / "*.txt")]
     proc = lifecycle("run", "--json", "--until", "tokenize", "--set", f"workdir={wd}",
                      "--set", f"collect.inputs={json.dumps(inputs)}", "--set", "tokenize.vocab_size=400",
-                     "--set", "tokenize.val_fraction=0.3", env={**os.environ, **ENV_SECRETS})
+                     "--set", "tokenize.val_fraction=0.3", "--set", "scrub.max_pii_per_doc=5",
+                     env={**os.environ, **ENV_SECRETS})
     out = last_json(proc.stdout)
     assert out["status"] == "completed"
     out["stdio"] = proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""Privacy scrub: replace personal data and secrets with typed placeholders, count them, reject PII-dense pages.
+"""Privacy scrub: replace personal data and secrets with typed placeholders and count them, per type and document.
 
 Types (each switchable in ScrubConfig, each counted in an int32 `pii_<type>` column and a stats counter; the
 values themselves are never logged), detectors in tasks/pii_detectors.py:
@@ -29,9 +29,10 @@ bad-checksum IBAN) is left as it is but still shields its digits from the phone 
 Hashes, UUIDs, dates, versions and ISBNs are left alone; tests/test_scrub_eval.py measures this on a generated,
 labelled evaluation set.
 
-A document with more than `max_pii_per_doc` replacements (Dolma: 5) is rejected with reason `too_much_pii`
-(detail: the counts per type); every other row is kept. A disabled type's column is null, so "not scanned"
-never reads as "none found".
+Every document is kept with its PII replaced, as datatrove's PIIFormatter does: a page that lists its maintainers'
+addresses loses the addresses, not the page. Dropping PII-dense pages is opt-in: with `max_pii_per_doc` set (Dolma
+drops pages with more than 5), a document with more replacements is rejected with reason `too_much_pii` (detail:
+the counts per type). A disabled type's column is null, so "not scanned" never reads as "none found".
 
 Metadata is scrubbed too: the same detectors run over `source`, `url` and every string value inside the `meta`
 JSON (an author's e-mail, a token in a query string), and their replacements are counted in the stats as
@@ -101,9 +102,10 @@ class ScrubConfig(BaseModel):
     secret_min_entropy: float = Field(3.5, ge=0, description=(
         "Least Shannon entropy, bits per character, of a value after a key word (random base62 of 16+ "
         "characters: about 3.8-5; identifiers and words: below 3.5)."))
-    max_pii_per_doc: int | None = Field(5, ge=0, description=(
+    max_pii_per_doc: int | None = Field(None, ge=0, description=(
         "Reject a document with more replacements than this, all types together, with reason too_much_pii "
-        "(Dolma drops pages with more than 5). None keeps every document."))
+        "(opt-in; Dolma drops pages with more than 5). None (the default, as datatrove's PIIFormatter): every "
+        "document is kept with its PII replaced and counted."))
 
     @field_validator("placeholder")
     @classmethod
@@ -192,7 +194,8 @@ def scrub_metadata(table: pa.Table, cfg: ScrubConfig, stats: StageStats) -> pa.T
 
 def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, StageStats]:
     """(kept rows, text scrubbed, plus an int32 `pii_<type>` count per type (null: type disabled); rejected rows
-    (reason too_much_pii); stats). Counters count every scanned document, rejected ones included."""
+    (reason too_much_pii, only with max_pii_per_doc set); stats). Counters count every scanned document, rejected
+    ones included."""
     clash = [f"pii_{k}" for k in PII_TYPES if f"pii_{k}" in table.column_names]
     if clash:
         raise ValueError(f"{STAGE}: input already has column(s) {clash}; was it scrubbed already?")
