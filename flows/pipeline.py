@@ -231,6 +231,8 @@ class _Logger:
         self.tracker.log_series("train", rows, [k for k in series if any(k in r for r in rows)])
         self.summary.checkpoint = result.checkpoint_dir
         self.summary.metrics.update({"train_loss": result.final_loss, "train_steps": result.steps})
+        if result.model_params:
+            self.summary.metrics["train_params"] = result.model_params
         print(f"[train] {outcome}: step {result.steps}, loss {result.final_loss:.4f} -> {result.checkpoint_dir}")
         reporter().stage_done("train", outcome, None, f"step {result.steps}, loss {result.final_loss:.4f}")
 
@@ -296,11 +298,16 @@ def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg:
                if s not in ("checkpoint", "evaluate")}
     configs["train"] = json.dumps(cfg.train.model_dump(mode="json"), sort_keys=True)
     configs["evaluate"] = json.dumps(cfg.evaluate.model_dump(mode="json"), sort_keys=True)
+    lineage = json.loads((model_ref.dir / "lineage.json").read_text())
     card = model_card(name=name, version=version, run_id=tracker.parent_id,
                       prefect_flow_run_id=summary.prefect_flow_run_id, tags=tracker.parent_tags(),
-                      lineage=json.loads((model_ref.dir / "lineage.json").read_text()), stage_configs=configs,
-                      metrics=summary.metrics, promotion=summary.promotion, examples=examples)
+                      lineage=lineage, stage_configs=configs, metrics=summary.metrics, promotion=summary.promotion,
+                      examples=examples, stats_by_stage={s: m.get("stats") or {} for s, m in manifests.items()},
+                      params=summary.metrics.get("train_params"))
     tracker.log_text(card, "model_card.md")
+    raw = sorted({r["path"]: r for d in lineage["datasets"] for r in d.get("inputs", [])}.values(),
+                 key=lambda r: r["path"])
+    tracker.log_json(raw, "raw_inputs.json")  # the card counts them; the list is here
     summary.artifacts["model_card"] = _artifact_uri(tracker, "model_card.md")
 
 

@@ -143,7 +143,12 @@ def _honoured(lineage: dict, workdir: str | Path) -> list[str]:
     return sorted(ids)
 
 
-def print_model(r: dict) -> None:
+def raw_summary(files: list[dict]) -> str:
+    """'3,148 raw files, 41,203,112 bytes' (the list itself: --files, or --json)."""
+    return f"{len(files):,} raw file(s), {sum(f.get('bytes') or 0 for f in files):,} bytes (--files lists them)"
+
+
+def print_model(r: dict, files: bool = False) -> None:
     m, c = r["model"], r["checkpoint"]
     print(f"model {m['name']} version {m['version']}" + (f" @{','.join(m['aliases'])}" if m["aliases"] else "")
           + f"  (MLflow run {m['run_id']})")
@@ -172,7 +177,9 @@ def print_model(r: dict) -> None:
         if sc := d.get("scorer"):
             where = sc["file"] if sc["kind"] == "fasttext" else f"version {sc['version']}  {sc['package']}"
             print(f"       scored by {sc['kind']} {(sc['sha256'] or '')[:16]}  {where}")
-        for raw in d["raw_inputs"]:
+        if d["raw_inputs"] and not files:
+            print(f"       {raw_summary(d['raw_inputs'])}")
+        for raw in d["raw_inputs"] if files else ():
             print(f"       raw {raw['sha256'][:16]}  {raw['bytes']:>9} B  {raw['path']}")
 
 
@@ -380,10 +387,14 @@ def forget_report(con, source_ids: list[str], workdir: Path | None = None) -> di
             "note": "report only: nothing was changed"}
 
 
-def print_forget(r: dict, path: Path) -> None:
+def print_forget(r: dict, path: Path, files: bool = False) -> None:
     print(f"deletion request for {len(r['requested_source_ids'])} source id(s): {len(r['doc_ids'])} document(s) found"
-          + (f"; not found: {', '.join(r['not_found'])}" if r["not_found"] else ""))
-    for raw in r["raw_input_files"]:
+          + (f"; not found: {', '.join(r['not_found'])}" if r["not_found"] else "")
+          + f"; held by {len(r['datasets'])} dataset(s), {len(r['checkpoints'])} checkpoint(s), "
+            f"{len(r['model_versions'])} model version(s)")
+    if not files:
+        print(f"  raw input   {raw_summary(r['raw_input_files'])}")
+    for raw in r["raw_input_files"] if files else ():
         print(f"  raw input   {raw['sha256'][:12]}  {raw['path']}")
     for p in r["raw_positions"]:
         where = f"record {p['record']}" if p["record"] is not None else "record ?"
@@ -430,7 +441,8 @@ def _fail(args, e: Exception) -> int:
 
 def cmd_model(args) -> int:
     try:
-        return _emit(args, model_lineage(_models(args), args.spec, _workdir(args)), print_model)
+        return _emit(args, model_lineage(_models(args), args.spec, _workdir(args)),
+                     lambda x: print_model(x, args.files))
     except Exception as e:  # unknown model/version/alias (LookupError), PathEscape, an MLflow error
         return _fail(args, e)
 
@@ -469,7 +481,7 @@ def cmd_forget(args) -> int:
         return _fail(args, e)
     out.write_text(json.dumps(r, indent=2, default=str))
     r["report"] = str(out)
-    return _emit(args, r, lambda x: print_forget(x, out))
+    return _emit(args, r, lambda x: print_forget(x, out, args.files))
 
 
 SQL_STATEMENTS = ("SELECT", "EXPLAIN")  # DESCRIBE, SHOW, SUMMARIZE and WITH ... SELECT are SELECT statements
@@ -516,6 +528,7 @@ def register(sub) -> None:
     m.add_argument("spec", metavar="NAME[/VERSION|@ALIAS]",
                    help="a registered model: its latest version, a version number or an alias (e.g. @champion)")
     _common(m)
+    m.add_argument("--files", action="store_true", help="list every raw input file (default: their count)")
     m.set_defaults(func=cmd_model)
     d = lsub.add_parser("doc", help="A document's path through every stage and the models that trained on it.")
     d.add_argument("id", metavar="ID", help="a doc_id or source_id")
@@ -531,6 +544,8 @@ def register(sub) -> None:
                                        "`lifecycle forget` acts on it).")
     f.add_argument("source_ids", nargs="+", metavar="ID", help="a source_id or doc_id")
     _common(f)
+    f.add_argument("--files", action="store_true",
+                   help="list every raw input file of the datasets holding them (default: their count)")
     f.set_defaults(func=cmd_forget)
     s = sub.add_parser("sql", help="DuckDB over the catalog of manifests, stats and rows (see lineage/catalog.py).")
     s.add_argument("query", help="one SELECT statement (tables: datasets, parents, raw_inputs, drops, rejected, "

@@ -57,3 +57,21 @@ def test_lifecycle_forget_names_the_work_dir_from_the_environment_and_refuses_un
 def test_lineage_doc_offers_the_near_ids(capsys, workdir):
     rc, out, err = run_cli(capsys, ["lineage", "doc", "src-d7", "--workdir", workdir])
     assert rc == 3 and "no document with doc_id or source_id 'src-d7' in any dataset; did you mean src-d0, src-d1?" in out
+
+
+def test_lineage_forget_prints_its_answer_before_any_file_list(capsys, tmp_path):
+    from lifecycle.lineage.cli import print_forget
+
+    raw = [{"path": f"/data/doc{i}.rst", "sha256": f"{i:064x}", "bytes": 10} for i in range(3000)]
+    r = {"requested_source_ids": ["a"], "doc_ids": ["d1"], "not_found": [], "raw_input_files": raw,
+         "raw_positions": [{"doc_id": "d1", "raw_path": "/data/doc7.rst", "record": 0, "byte_start": None}],
+         "datasets": [{"stage": "collect", "sha256": "c" * 64, "documents": 1, "held_as": "kept", "path": "p"}],
+         "token_ranges": [], "clusters": [], "checkpoints": [], "model_packages": [], "model_versions": [],
+         "tombstones": []}
+    print_forget(r, tmp_path / "report.json")
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and "held by 1 dataset(s), 0 checkpoint(s), 0 model version(s)" in out[0]
+    assert out[1] == "  raw input   3,000 raw file(s), 30,000 bytes (--files lists them)"
+    assert out[2].startswith("  raw record  d1  /data/doc7.rst  record 0")
+    print_forget(r, tmp_path / "report.json", files=True)
+    assert len(capsys.readouterr().out.splitlines()) == 3000 + 4
