@@ -21,27 +21,29 @@ endif
 .PHONY: install demo test bench clean-demo lock lock-cuda audit
 
 $(STAMP): pyproject.toml $(LOCK) deploy/system-packages.sh
-	bash deploy/system-packages.sh
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade "pip==26.3"
+	@bash deploy/system-packages.sh
+	@echo "make install: $(VENV) with the pinned environment ($(LOCK), torch $(BUILD) build; pip's output: $(VENV)/install.log)"
+	@python3 -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade "pip==26.3" > $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 ifeq ($(CUDA),1)
 # a CPU build of torch left by an earlier CPU install satisfies torch==2.13.0: replace it
-	$(PY) -c "import importlib.util as u, sys; sys.exit(bool(u.find_spec('torch')) and __import__('torch').version.cuda is None)" \
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(bool(u.find_spec('torch')) and __import__('torch').version.cuda is None)" \
 	    || $(PY) -m pip uninstall --quiet --yes torch
 endif
-	$(PY) -m pip install --quiet $(PIP_ARGS) -c $(LOCK) -e ".[dev]"
-	$(PY) -c "import sys, torch, prefect.server.api.server, deepspeed, mlflow; cuda = torch.version.cuda; \
+	@$(PY) -m pip install --quiet $(PIP_ARGS) -c $(LOCK) -e ".[dev]" >> $(VENV)/install.log 2>&1 \
+	    || { cat $(VENV)/install.log; exit 1; }
+	@$(PY) -c "import sys, torch, prefect.server.api.server, deepspeed, mlflow; cuda = torch.version.cuda; \
 	    build = f'CUDA {cuda} build' if cuda else 'CPU build'; v = torch.__version__.split('+')[0]; \
 	    want = 'CUDA build' if '$(BUILD)' == 'CUDA' else 'CPU build'; hint = ' (PIP_ARGS or a pip index with other builds?)'; \
 	    sys.exit(f'a {build} of torch {torch.__version__} was installed, not the {want}{hint}') \
-	    if (cuda is None) == (want == 'CUDA build') else print(f'installed torch {v} ({build})')"
-	rm -f $(VENV)/.installed $(VENV)/.installed-cuda
-	touch $(STAMP)
+	    if (cuda is None) == (want == 'CUDA build') else print(f'make install: torch {v} ({build}) installed')"
+	@rm -f $(VENV)/.installed $(VENV)/.installed-cuda
+	@touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lifecycle run deploy/configs/demo.yaml
+	@$(VENV)/bin/lifecycle run deploy/configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
@@ -68,7 +70,7 @@ lock-cuda:
 	    print('# make lock-cuda: constraints.txt with the CUDA build of torch (PyPI, Linux x86_64) and what it requires'); \
 	    print('\n'.join(f'{n}=={v}' for n, v in sorted(pins, key=lambda p: p[0].lower())))" > constraints-cuda.txt
 
-# Known vulnerabilities in the pinned versions (needs the PyPI JSON API or api.osv.dev; see README "Security").
+# Known vulnerabilities in the pinned versions (needs the PyPI JSON API or api.osv.dev; see docs/operations.md, "Paths and secrets").
 audit:
 	python3 -m venv .audit-venv && .audit-venv/bin/pip install -q pip-audit==2.10.1
 	.audit-venv/bin/pip-audit -r constraints.txt --no-deps --disable-pip --strict

@@ -5,7 +5,7 @@
 # (gen_meteor_nosyn) and says so at its start (evaluate.meteor_synonyms: auto).
 set -euo pipefail
 
-WORDNET=/usr/share/wordnet/data.noun
+WORDNET=${LIFECYCLE_WORDNET_DIR:-/usr/share/wordnet}/data.noun  # where METEOR looks (metrics_text.py)
 PACKAGES=()
 [ -f "$WORDNET" ] || PACKAGES+=(wordnet-base)
 [ ${#PACKAGES[@]} -eq 0 ] && exit 0

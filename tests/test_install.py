@@ -217,3 +217,23 @@ def test_gpu_figures_runs_every_step_on_the_cpu(tmp_path):
                                   "micro_batch"}
     assert all(v["tokens_per_s"] > 0 for v in lev["levers"].values())
     assert "1/1 killed-and-resumed runs bitwise-identical" in (tmp_path / "resume.log").read_text()
+
+
+def test_system_packages_says_what_it_cannot_install_and_goes_on(tmp_path):
+    """`make install` brings Debian's wordnet-base (deploy/system-packages.sh); where it cannot (no apt-get, no
+    root or sudo), it says what METEOR will do without it and the install goes on (issue 41 §1)."""
+    bindir = tmp_path / "bin"  # bash and id, but no apt-get or sudo
+    bindir.mkdir()
+    for tool in ("bash", "id", "grep"):
+        (bindir / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": str(bindir), "LIFECYCLE_WORDNET_DIR": str(tmp_path / "no-wordnet")}
+    proc = subprocess.run(["bash", str(ROOT / "deploy" / "system-packages.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "wordnet-base is not installed and this user cannot install it" in proc.stderr
+    assert "gen_meteor_nosyn" in proc.stderr
+    (tmp_path / "no-wordnet").mkdir()
+    (tmp_path / "no-wordnet" / "data.noun").write_text("")
+    proc = subprocess.run(["bash", str(ROOT / "deploy" / "system-packages.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == ""  # installed: nothing to do

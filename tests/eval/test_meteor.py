@@ -44,7 +44,7 @@ def test_synonyms_come_from_wordnet_and_none_scores_exact_and_stem_only():
     assert meteor(gen, ref, synonyms="none")["gen_meteor_nosyn"] == pytest.approx(0.6389, abs=1e-4)
     assert "auto" in {lemma.name() for s in wordnet_reader().synsets("car") for lemma in s.lemmas()}
     # nltk runs the synonym pass on the Porter stems left by the stem pass: "large" is "larg" by then, so
-    # this synonym pair is not found (documented in the README)
+    # this synonym pair is not found (documented in docs/evaluation.md)
     assert meteor(["a large house"], ["a big house"])["gen_meteor"] == \
         meteor(["a large house"], ["a big house"], synonyms="none")["gen_meteor_nosyn"]
     # the stem pass works without WordNet

@@ -21,11 +21,13 @@ so the two are never mixed up on a chart; "auto" (default) is resolved to one of
 from __future__ import annotations
 
 import io
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
 
-WORDNET_DIR = Path("/usr/share/wordnet")
+# Debian's wordnet-base puts it here; $LIFECYCLE_WORDNET_DIR names another folder of the same WordNet 3.0 files
+WORDNET_DIR = Path(os.environ.get("LIFECYCLE_WORDNET_DIR") or "/usr/share/wordnet")
 WORDNET_VERSION = "Princeton WordNet 3.0 (Debian package wordnet-base)"
 WORDNET_FILES = ("data.noun", "data.verb", "data.adj", "data.adv", "index.noun", "index.verb", "index.adj",
                  "index.adv", "noun.exc", "verb.exc", "adj.exc", "adv.exc")
