@@ -134,7 +134,8 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         tokens = run(TOKENIZE, clean, config=tokenize_cfg)
         trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None,
                       on_metrics=reporter().train_metrics)
-        scores = run(EVALUATE, trained, tokens)  # the data checks ran at tokenize, before training
+        scores = run(EVALUATE, trained, tokens,  # the data checks ran at tokenize, before training
+                     progress=lambda text: reporter().progress("evaluate", text))
         model = run(CHECKPOINT, trained, tokens)
         if model is not None:
             _register(tracker, summary, model, cfg, scores)
@@ -172,6 +173,10 @@ def funnel_metrics(stats: dict) -> dict[str, float]:
     out.update({f"rejected.{k}": v for k, v in stats.get("rejected_by_reason", {}).items()})
     out.update({f"count.{k}": v for k, v in stats.get("counters", {}).items()})
     return out
+
+
+# the evaluate figures on its console line
+EVAL_HEADLINE = ("val_loss", "val_bpb", "gen_bleu", "gen_meteor", "gen_meteor_nosyn")
 
 
 class _Logger:
@@ -247,7 +252,9 @@ class _Logger:
             self.tracker.log_json(examples, "eval_examples.json")
             self.summary.metrics.update(metrics)
             print(f"[evaluate] {outcome}: " + ", ".join(with_scale(k, v) for k, v in metrics.items()))
-            reporter().stage_done("evaluate", outcome, None, ", ".join(with_scale(k, v) for k, v in metrics.items()))
+            shown = [k for k in EVAL_HEADLINE if k in metrics]  # the rest: the model card, MLflow, --json
+            reporter().stage_done("evaluate", outcome, None, ", ".join(with_scale(k, metrics[k]) for k in shown)
+                                  + f" (+{len(metrics) - len(shown)} more in the model card)")
         else:  # its console line comes with the registration (`_register`)
             self.tracker.log_stage(stage.name, {"checkpoint_dir": self.summary.checkpoint}, outcome, inputs=[tokens],
                                    outputs=[ref])

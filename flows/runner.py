@@ -371,6 +371,9 @@ class Reporter:
     def train_metrics(self, record: dict) -> None:
         """One new metrics.jsonl record of the training ranks (`kind` train, eval or rollback)."""
 
+    def progress(self, stage: str, text: str) -> None:
+        """Where a single-task stage is (evaluate: 'part 2/4: generation, 16 prompts')."""
+
     def stage_done(self, stage: str, outcome: str, stats: dict | None = None, detail: str = "") -> None:
         """`outcome`: computed, resumed or reused; `detail`: a short phrase for what is not in `stats`."""
 

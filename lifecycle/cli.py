@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import sys
+from collections import Counter
 
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
 from lifecycle.core.procs import Terminated
@@ -88,6 +89,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 timing["flow_call"] = time.time()
                 summary = lifecycle_flow(config=cfg, until=args.until)
             summary["orchestration"] = mode
+            if mode == "embedded":
+                summary["left_running"] = left_running(cfg.workdir)
             summary["launch"] = LAUNCH
             summary["timing"] = {**timing, **summary.get("timing", {})}
     except WorkdirBusy as e:
@@ -120,6 +123,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def left_running(workdir: str) -> str:
+    """What an embedded run leaves up for the next one in its work dir, and until when."""
+    from lifecycle.flows.servers import EMBEDDED_IDLE_ENV, EMBEDDED_IDLE_S
+
+    idle = float(os.environ.get(EMBEDDED_IDLE_ENV) or EMBEDDED_IDLE_S)
+    return (f"this work dir's Prefect server and a warm runner, for faster later runs; both stop after "
+            f"{idle / 60:.0f} min unused, or now with `lifecycle down --workdir {workdir}`")
+
+
 def check_inputs(patterns: list[str]) -> None:
     """Every `collect.inputs` pattern matches files of a known type, and every local one opens for reading; else
     a UsageError naming the pattern or file (exit 2), seconds after the command starts, before any stage."""
@@ -145,33 +157,43 @@ def check_inputs(patterns: list[str]) -> None:
                              f"{one_line(str(e))}") from e
 
 
+# the figures a user decides on, printed in the summary; the rest are in the model card, MLflow and --json
+HEADLINE_METRICS = ("train_loss", "train_steps", "train_params", "val_loss", "val_bpb", "val_perplexity", "gen_bleu",
+                    "gen_meteor", "gen_meteor_nosyn", "contamination_doc_rate")
+
+
 def print_summary(s: dict, file=None) -> None:
     def p(text: str = "") -> None:
         print(text, file=file or sys.stdout)
 
-    p(f"\nlifecycle run {s['status']} in {s['elapsed_s']} s")
-    p(f"  work dir:        {s['workdir']}")
-    for stage, outcome in s["stages"].items():
-        where = s["datasets"].get(stage) or (s["checkpoint"] if stage == "train" else "")
-        p(f"  {stage:<10} {outcome:<9} {where}")
+    outcomes = ", ".join(f"{n} {o}" for o, n in Counter(s["stages"].values()).items())
+    p(f"\nlifecycle run {s['status']} in {s['elapsed_s']} s" + (f": {len(s['stages'])} stages ({outcomes})"
+                                                               if s["stages"] else ""))
+    p(f"  work dir:        {s['workdir']}" + (" (each stage's output: latest/<stage>)" if s["stages"] else ""))
     if s.get("model"):
-        p(f"  model:           {s['model']['name']} version {s['model']['version']}")
-    for line in metric_lines(s["metrics"]):
+        promo = s.get("promotion") or {}
+        p(f"  model:           {s['model']['name']} version {s['model']['version']}"
+          + (f"; champion: {promo['decision']}" if promo.get("decision") else ""))
+    shown = {k: v for k, v in s["metrics"].items() if k in HEADLINE_METRICS}
+    for line in metric_lines(shown):
         p(line)
     if s["status"] == "no_new_inputs":  # a no-op scheduled tick: nothing was committed and no MLflow run opened
         p("  nothing to do: every input file was collected by an earlier run (no MLflow run was opened)")
         return
-    p(f"  MLflow run:      {s['mlflow_run_id']}")
+    rest = len(s["metrics"]) - len(shown)
+    p(f"  MLflow run:      {s['mlflow_run_id']}" + (f" ({rest} more metrics there, in the model card and "
+                                                      f"under --json)" if rest > 0 else ""))
     for name, label in (("funnel", "funnel chart"), ("loss_curves", "loss curves"), ("model_card", "model card")):
         if s.get("artifacts", {}).get(name):
             p(f"  {label + ':':<16} {s['artifacts'][name].removeprefix('file://')}")
     if s.get("log"):
         p(f"  log:             {s['log']}")
+    if s.get("left_running"):
+        p(f"  left running:    {s['left_running']}")
     bindir = os.path.dirname(sys.executable)  # the venv's, so that the commands work from any directory
-    p(f"\nOpen the MLflow UI on these results:\n  {bindir}/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}"
-      f" --host 127.0.0.1 --port 5000\nQuery the data with DuckDB, e.g.:\n"
-      f"  {bindir}/python -c \"import duckdb; print(duckdb.sql(\\\"SELECT reason, count(*) FROM "
-      f"read_parquet('{s['workdir']}/datasets/*/*/**/rejected-*.parquet', union_by_name=true) GROUP BY ALL\\\"))\"")
+    p(f"\nOpen the MLflow UI:  {bindir}/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']} --port 5000")
+    p(f"Why documents were dropped:  {bindir}/lifecycle sql \"SELECT stage, reason, count(*) FROM rejected GROUP BY "
+      f"ALL ORDER BY 3 DESC\" --workdir {s['workdir']}")
 
 
 def metric_lines(metrics: dict) -> list[str]:

@@ -249,6 +249,13 @@ class RunConsole:
             if self._live is None and record["step"] != self.max_steps:
                 self._plain(line, force=False)
 
+    def progress(self, stage: str, text: str) -> None:
+        with self._lock:
+            line = self.lines.get(stage) or self.lines.setdefault(stage, _Line(stage))
+            line.text = f"{text} [{_duration(time.monotonic() - line.t0)} so far]"
+            if self._live is None:
+                self._plain(line, force=False)  # in CI, at most one line per PLAIN_EVERY_S
+
     def stage_done(self, stage: str, outcome: str, stats: dict | None = None, detail: str = "") -> None:
         with self._lock:
             line = self.lines.get(stage) or self.lines.setdefault(stage, _Line(stage))

@@ -117,3 +117,21 @@ def test_a_no_op_run_summary_says_nothing_was_done_instead_of_mlflow_none(capsys
                    "metrics": {}, "mlflow_run_id": None, "mlflow_tracking_uri": None, "checkpoint": None})
     out = capsys.readouterr().out
     assert "nothing to do" in out and "None" not in out and "mlflow ui" not in out
+
+
+def test_the_run_summary_shows_the_figures_a_user_decides_on_and_what_stays_up(capsys):
+    """Issue 41 §4: the demo printed one line of 16 robustness figures and 40 metrics in all."""
+    metrics = {"train_loss": 5.036, "train_steps": 200, "val_loss": 5.219, "val_bpb": 2.015, "gen_bleu": 0.618,
+               **{f"robust_case_{i}": 1.0 for i in range(16)}, **{f"bias_x_{i}": 0.0 for i in range(5)}}
+    stages = dict.fromkeys(["collect", "filter", "dedup", "scrub", "tokenize", "train", "evaluate"], "computed")
+    print_summary({"status": "completed", "elapsed_s": 177.7, "workdir": "/w", "stages": {**stages, "checkpoint": "reused"},
+                   "datasets": {}, "metrics": metrics, "mlflow_run_id": "abc", "model": {"name": "m", "version": "1"},
+                   "promotion": {"decision": "promoted"}, "mlflow_tracking_uri": "sqlite:////w/mlflow.db",
+                   "left_running": "this work dir's Prefect server"})
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "lifecycle run completed in 177.7 s: 8 stages (7 computed, 1 reused)"
+    assert "  model:           m version 1; champion: promoted" in out
+    assert "  val:             loss 5.219, bpb 2.015" in out and not any("robust" in ln for ln in out)
+    assert "  MLflow run:      abc (21 more metrics there, in the model card and under --json)" in out
+    assert "  left running:    this work dir's Prefect server" in out
+    assert len(out) <= 14, out

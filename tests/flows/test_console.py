@@ -125,7 +125,7 @@ def test_run_prints_a_short_funnel_and_logs_the_chatter(tmp_path):
     assert "Finished in state Completed" in log  # Prefect's chatter: in the log, not on the console
     for chatter in ("distributed.", "Finished in state", "MLflow database", "worker thread", "Traceback", "Warning"):
         assert chatter not in proc.stdout, chatter
-    assert lines[-1].startswith("  .venv/bin/python -c \"import duckdb")  # the summary ends the output
+    assert lines[-1].startswith("Why documents were dropped:  ") and "/lifecycle sql " in lines[-1]  # summary last
     assert f"  log:             {log_path}" in lines
 
     # --json: stdout is the one JSON line; the stage lines go to stderr
@@ -134,3 +134,22 @@ def test_run_prints_a_short_funnel_and_logs_the_chatter(tmp_path):
     assert len(again.stdout.splitlines()) == 1
     assert json.loads(again.stdout)["stages"] == {"collect": "reused", "filter": "reused"}
     assert any(ln.split()[:2] == ["filter", "reused"] for ln in again.stderr.splitlines()), again.stderr
+
+
+def test_evaluate_shows_which_part_runs_and_for_how_long(monkeypatch):
+    """Issue 41 §4: evaluate ran 4:26 with no progress line."""
+    out = io.StringIO()
+    view = RunConsole(out, live=False)
+    clock = [1000.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    with view:
+        view.stage_started("evaluate")
+        clock[0] += 5
+        view.progress("evaluate", "part 1/4: validation loss")  # within PLAIN_EVERY_S: not printed
+        clock[0] += console.PLAIN_EVERY_S
+        view.progress("evaluate", "part 2/4: generation, 16 prompts")
+        view.stage_done("evaluate", "computed", None, "val_loss=5.2")
+    lines = out.getvalue().splitlines()
+    assert lines[0].split()[:2] == ["evaluate", "running"]
+    assert lines[0].endswith(f"part 2/4: generation, 16 prompts [{console._duration(5 + console.PLAIN_EVERY_S)} so far]")
+    assert len(lines) == 2 and lines[1].split()[:2] == ["evaluate", "computed"]

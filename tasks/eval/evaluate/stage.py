@@ -32,6 +32,7 @@ commit marker's hashes are checked. torch is imported lazily: the CLI imports th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -185,11 +186,22 @@ def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: Evalua
     return scores, examples, (prompts, ref, gen)
 
 
-def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -> dict:
+def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig,
+                 progress: Callable[[str], None] | None = None) -> dict:
     """{"metrics": {val_loss, val_perplexity, val_bpb, gen_bleu, gen_rouge*, gen_meteor, robust_*, tox_*,
     bias_*, contamination_*, step, ...}, "examples": [{doc_id, prompt, reference, generated}, ...],
-    "bias": {...}, "eval_set": [(doc_id, text), ...], "eval_set_sha256": ...} for a committed checkpoint."""
+    "bias": {...}, "eval_set": [(doc_id, text), ...], "eval_set_sha256": ...} for a committed checkpoint.
+    `progress(text)` is told each part as it starts ('part 2/5: generation, 16 prompts')."""
     from tokenizers import Tokenizer
+
+    parts = ["validation loss", f"generation, {cfg.num_prompts} prompts" if cfg.num_prompts else None,
+             "robustness", "safety and bias"] + (["code pass@k"] if cfg.code.enabled else [])
+    parts = [p for p in parts if p]
+    step = iter(range(1, len(parts) + 1))
+
+    def part(name: str) -> None:
+        if progress is not None:
+            progress(f"part {next(step)}/{len(parts)}: {name}")
 
     marker = ckpt.read_marker(checkpoint_dir)
     meta = token_shards(tokens)
@@ -200,23 +212,28 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
     model = ckpt.load_model(checkpoint_dir)
     maps = meta.memmap("val")
     data = np.concatenate(maps) if maps else np.zeros(0, dtype=meta.dtype)
+    part(parts[0])
     metrics = _loss(model, data, token_byte_lengths(tokenizer), cfg)
     side = _side_table(tokens)
     examples: list = []
     prompts, refs, gen = [], [], []
     if cfg.num_prompts:
+        part(parts[1])
         shards = {Path(p).name: np.memmap(p, dtype=meta.dtype, mode="r") for p in meta.val if Path(p).stat().st_size}
         scores, examples, (prompts, refs, gen) = _generate(model, tokenizer, side, shards, cfg)
         metrics.update(scores)
     eval_set = eval_set_of_tokens(tokens, side)
+    part("robustness")
     metrics.update(robustness(model, tokenizer, meta.eot_id, [t for _, t in eval_set], prompts, refs,
                               cfg.continuation_tokens, cfg.robustness))
+    part("safety and bias")
     safety_metrics, bias = safety(model, tokenizer, gen, cfg.safety)
     metrics.update(safety_metrics)
     metrics.update(data_checks(tokens))
     if cfg.code.enabled:  # pass@k of sampled completions (tasks/eval/code/sampling.py)
         from lifecycle.tasks.eval.code.sampling import code_metrics
 
+        part("code pass@k")
         metrics.update(code_metrics(model, tokenizer, cfg.code))
     metrics["step"] = marker["step"]
     digest = gate.eval_set_digest(eval_set, meta.tokenizer_sha256, cfg.max_batches, cfg.batch_size)
@@ -226,7 +243,8 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig) -
 STAGE = "evaluate"
 
 
-def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str) -> DatasetRef:
+def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str,
+                   progress: Callable[[str], None] | None = None) -> DatasetRef:
     """The evaluate stage: `run_evaluate` on the trained checkpoint, committed as a small dataset
     (`metrics.json`, `examples.json`; the metrics also in the manifest's `metrics`) under a fingerprint of the
     checkpoint's commit marker, the token dataset, this config and this folder's code. A rerun reuses it."""
@@ -235,7 +253,7 @@ def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str)
     config = {"evaluate": cfg.model_dump(mode="json"), "checkpoint_marker_sha256": marker_sha}
 
     def build(writer) -> dict:
-        result = run_evaluate(checkpoint_dir, tokens, cfg)
+        result = run_evaluate(checkpoint_dir, tokens, cfg, progress)
         for name in ("metrics", "examples", "bias"):
             writer.path(f"{name}.json").write_text(json.dumps(result[name], indent=2, sort_keys=True))
             writer.add_file(f"{name}.json")
