@@ -4,6 +4,7 @@ repetition, C4 and FineWeb on literal text, the ordered rules list and its confi
 from __future__ import annotations
 
 import itertools
+import re
 
 import pyarrow as pa
 import pytest
@@ -86,47 +87,47 @@ def test_passing_document_is_kept():
 
 
 def test_short_doc():
-    assert gopher_reason(doc(49), CFG) == ("gopher_short_doc", "words=49")
+    assert gopher_reason(doc(49), CFG) == ("gopher_short_doc", "words=49 < 50")
     assert reason(doc(50)) is None
     # punctuation tokens are not words (datatrove counts only words with a non-punctuation character)
-    assert gopher_reason(doc(49) + " ." * 5, CFG) == ("gopher_short_doc", "words=49")
+    assert gopher_reason(doc(49) + " ." * 5, CFG) == ("gopher_short_doc", "words=49 < 50")
 
 
 def test_long_doc():
     cfg = GopherQualityConfig(max_doc_words=60)
-    assert gopher_reason(doc(61), cfg) == ("gopher_long_doc", "words=61")
+    assert gopher_reason(doc(61), cfg) == ("gopher_long_doc", "words=61 > 60")
     assert reason(doc(60), cfg) is None
 
 
 def test_below_avg_word_length():
     base = ["the", "with"] + ["abc"] * 47
     assert reason(" ".join(base + ["xy"])) is None  # mean exactly 3.0 passes
-    assert gopher_reason(" ".join(base + ["x"]), CFG) == ("gopher_below_avg_word_len", "avg_word_len=2.98")
+    assert gopher_reason(" ".join(base + ["x"]), CFG) == ("gopher_below_avg_word_len", "avg_word_len=2.98 < 3")
 
 
 def test_above_avg_word_length():
     base = ["the", "with"] + ["abcdefghij"] * 47  # 3 + 4 + 470 letters
     assert reason(" ".join(base + ["a" * 23])) is None  # 500 / 50 = 10.0 passes
-    assert gopher_reason(" ".join(base + ["a" * 24]), CFG) == ("gopher_above_avg_word_len", "avg_word_len=10")
+    assert gopher_reason(" ".join(base + ["a" * 24]), CFG) == ("gopher_above_avg_word_len", "avg_word_len=10.02 > 10")
     assert reason(" ".join(base + ["a" * 30])) == "gopher_above_avg_word_len"
 
 
 def test_symbol_ratio_hashes():
     # each "#" is also a (symbol) word: 6 / 56 > 0.1, 5 / 55 <= 0.1
-    assert gopher_reason(doc(50) + " #" * 6, CFG) == ("gopher_symbol_ratio", "hash_ratio=0.107")
+    assert gopher_reason(doc(50) + " #" * 6, CFG) == ("gopher_symbol_ratio", "hash_ratio=0.1071 > 0.1")
     assert reason(doc(50) + " #" * 5) is None
 
 
 def test_symbol_ratio_ellipsis():
     # ellipses at the start of the line, so the line does not end with one
-    assert gopher_reason("... " * 6 + doc(50), CFG) == ("gopher_symbol_ratio", "ellipsis_ratio=0.107")
+    assert gopher_reason("... " * 6 + doc(50), CFG) == ("gopher_symbol_ratio", "ellipsis_ratio=0.1071 > 0.1")
     assert reason("… " * 5 + doc(50)) is None
     assert reason("… " * 6 + doc(50)) == "gopher_symbol_ratio"
 
 
 def test_bullet_lines():
     bullets = [f"- {doc(6)}" for _ in range(10)]
-    assert gopher_reason("\n".join(bullets), CFG) == ("gopher_bullet_lines", "bullet_lines=1")
+    assert gopher_reason("\n".join(bullets), CFG) == ("gopher_bullet_lines", "bullet_lines=1 > 0.9")
     assert reason("\n".join(bullets[:9] + [doc(6)])) is None  # 0.9 is not > 0.9
     assert reason("\n".join(f"• {doc(6)}" for _ in range(10))) == "gopher_bullet_lines"
     starred = "\n".join(f"* {doc(6)}" for _ in range(10))
@@ -136,7 +137,7 @@ def test_bullet_lines():
 
 def test_ellipsis_lines():
     lines = [doc(6) + (" ..." if i < 4 else "") for i in range(10)]
-    assert gopher_reason("\n".join(lines), CFG) == ("gopher_ellipsis_lines", "ellipsis_lines=0.4")
+    assert gopher_reason("\n".join(lines), CFG) == ("gopher_ellipsis_lines", "ellipsis_lines=0.4 > 0.3")
     lines = [doc(6) + (" …" if i < 3 else "") for i in range(10)]
     assert reason("\n".join(lines)) is None  # 0.3 is not > 0.3
     lines = [doc(6) + (" ...  " if i < 4 else "") for i in range(10)]  # trailing blanks do not hide it
@@ -144,14 +145,14 @@ def test_ellipsis_lines():
 
 
 def test_alpha_ratio():
-    assert gopher_reason(doc(50) + " 123" * 13, CFG) == ("gopher_alpha_ratio", "alpha_words=0.794")
+    assert gopher_reason(doc(50) + " 123" * 13, CFG) == ("gopher_alpha_ratio", "alpha_words=0.7937 < 0.8")
     assert reason(doc(50) + " 123" * 12) is None  # 50 / 62 = 0.806
     # punctuation tokens count in the denominator, as in datatrove
     assert reason(doc(50) + " ;" * 13) == "gopher_alpha_ratio"
 
 
 def test_stop_words_are_distinct_and_case_sensitive():
-    assert gopher_reason(" ".join(["the", "house"] * 25), CFG) == ("gopher_stop_words", "stop_words=1")
+    assert gopher_reason(" ".join(["the", "house"] * 25), CFG) == ("gopher_stop_words", "stop_words=1 < 2")
     assert reason(" ".join(["The", "house", "With", "garden"] * 13)) == "gopher_stop_words"
     assert reason(" ".join(["the", "house", "of", "garden"] * 13)) is None
     assert reason(" ".join(["the", "house"] * 25), GopherQualityConfig(min_stop_words=1)) is None
@@ -265,7 +266,7 @@ def test_filter_table_splits_rows_and_counts():
     assert rejected.column("source_id").to_pylist() == ["src-d1", "src-d2"]
     assert rejected.column("stage").to_pylist() == ["filter", "filter"]
     assert rejected.column("reason").to_pylist() == ["gopher_short_doc", "gopher_alpha_ratio"]
-    assert rejected.column("detail").to_pylist()[0] == "words=5"
+    assert rejected.column("detail").to_pylist()[0] == "words=5 < 50"
     assert (stats.rows_in, stats.rows_kept, dict(stats.rejected)) == (
         4, 2, {"gopher_short_doc": 1, "gopher_alpha_ratio": 1})
     assert stats.bytes_in == sum(len(t.encode()) for t in texts)
@@ -341,7 +342,9 @@ def test_language_id_rules_and_columns():
     assert verdict(EN, only("language", min_score=1.0)) == "lang_low_score"
     _, _, lang, score = document_verdict(DE, ONLY_LANG)
     assert lang == "de" and 0.9 < score <= 1.0
-    assert ONLY_LANG.language.reason(DE) == ("lang_not_kept", f"lang=de score={score:.3f}")
+    assert ONLY_LANG.language.reason(DE) == ("lang_not_kept", f"lang=de not in ['en'], score={score:.3f}")
+    code, detail = only("language", min_score=1.0).language.reason(EN)
+    assert code == "lang_low_score" and re.fullmatch(r"lang=en, score=0\.9+\d* < 1\.0", detail), detail
     # the language is detected and stored even when no language rule is listed
     assert document_verdict(DE, FilterConfig(rules=()))[1:] == (DE, lang, score)
 

@@ -7,6 +7,7 @@ which every odd-base polynomial hash mod 2^64 agrees), so the slice comparison, 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -32,6 +33,8 @@ def check(words: list[str]) -> None:
         assert rep.dup_ngram_chars(words, n) == rep.dup_ngram_chars_python(words, n), (words, n)
         if len(words) >= n:
             assert grams.top_chars(n) == rep.top_ngram_chars_python(words, n), (words, n)
+            top = Counter(" ".join(words[i : i + n]) for i in range(len(words) - n + 1)).most_common(1)[0][0]
+            assert grams.top(n)[1] == top, (words, n)  # the n-gram a drop's detail names
         else:
             with pytest.raises(ValueError, match="needs at least n words"):
                 grams.top_chars(n)

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from lifecycle.tasks.data.filter.rule import Rule, Verdict
+from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond
 from lifecycle.tasks.data.filter.words import split_words
 
 # --------------------------------------------------------------------------------------------------
@@ -105,5 +105,5 @@ def _apply(cfg: C4Config, text: str) -> tuple[Verdict, str]:
             n_sent += count_sentences(split_words(line))
         kept.append(line)
     if cfg.min_sentences is not None and n_sent < cfg.min_sentences:
-        return ("c4_too_few_sentences", f"sentences={n_sent}"), text
+        return ("c4_too_few_sentences", beyond("sentences", n_sent, "<", cfg.min_sentences)), text
     return None, "\n".join(kept).strip()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from lifecycle.tasks.data.filter.rule import Rule, Verdict
+from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond
 from lifecycle.tasks.data.filter.words import TERMINAL_PUNCTUATION, find_duplicates, split_words
 
 
@@ -32,17 +32,17 @@ class FineWebConfig(Rule):
             return "fineweb_empty", "no non-blank line"
         r = sum(ln.endswith(TERMINAL_PUNCTUATION) for ln in lines) / len(lines)
         if self.line_punct_ratio is not None and r < self.line_punct_ratio:
-            return "fineweb_line_punct_ratio", f"line_punct_ratio={r:.3g}"
+            return "fineweb_line_punct_ratio", beyond("line_punct_ratio", r, "<", self.line_punct_ratio)
         r = sum(len(ln) <= self.short_line_length for ln in lines) / len(lines)
         if self.short_line_ratio is not None and r > self.short_line_ratio:
-            return "fineweb_short_line_ratio", f"short_line_ratio={r:.3g}"
+            return "fineweb_short_line_ratio", beyond("short_line_ratio", r, ">", self.short_line_ratio)
         denom = len(text.replace("\n", ""))
         r = find_duplicates(lines)[1] / denom if denom else 0.0
         if self.char_dup_ratio is not None and r > self.char_dup_ratio:
-            return "fineweb_char_dup_ratio", f"char_dup_ratio={r:.3g}"
+            return "fineweb_char_dup_ratio", beyond("char_dup_ratio", r, ">", self.char_dup_ratio)
         if self.newline_ratio is not None:
             words = split_words(text) if words is None else words
             r = text.count("\n") / len(words) if words else float("inf")
             if r > self.newline_ratio:
-                return "fineweb_list_ratio", f"newline_word_ratio={r:.3g}"
+                return "fineweb_list_ratio", beyond("newline_word_ratio", r, ">", self.newline_ratio)
         return None

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from pydantic import Field, model_validator
 
-from lifecycle.tasks.data.filter.rule import Rule, Verdict
+from lifecycle.tasks.data.filter.rule import MarkupAware, Verdict, beyond
 from lifecycle.tasks.data.filter.words import SYMBOLS, split_words
 
 @lru_cache(maxsize=1 << 17)  # words repeat: one test per distinct word
@@ -31,7 +31,7 @@ def _has_alpha(word: str) -> bool:
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Gopher A.1.1; datatrove STOP_WORDS
 
 
-class GopherQualityConfig(Rule):
+class GopherQualityConfig(MarkupAware):
     """Gopher quality rules (datatrove GopherQualityFilter). Every threshold can be set to null to disable its
     rule."""
 
@@ -77,44 +77,45 @@ class GopherQualityConfig(Rule):
 
     def reason(self, text: str, words: list[str] | None = None) -> Verdict:
         """The first Gopher quality rule `text` fails, in datatrove's order."""
+        text, words = self.own_view(text, words)
         words = split_words(text) if words is None else words
         n_words = len(words)
         lengths = [len(w) for w in words if not SYMBOLS.issuperset(w)]  # a character outside SYMBOLS
         n = len(lengths)
         if self.min_doc_words is not None and n < self.min_doc_words:
-            return "gopher_short_doc", f"words={n}"
+            return "gopher_short_doc", beyond("words", n, "<", self.min_doc_words)
         if self.max_doc_words is not None and n > self.max_doc_words:
-            return "gopher_long_doc", f"words={n}"
+            return "gopher_long_doc", beyond("words", n, ">", self.max_doc_words)
         if n:  # mean over no words is undefined: both length rules pass
             avg = sum(lengths) / n
             if self.min_avg_word_length is not None and avg < self.min_avg_word_length:
-                return "gopher_below_avg_word_len", f"avg_word_len={avg:.3g}"
+                return "gopher_below_avg_word_len", beyond("avg_word_len", avg, "<", self.min_avg_word_length)
             if self.max_avg_word_length is not None and avg > self.max_avg_word_length:
-                return "gopher_above_avg_word_len", f"avg_word_len={avg:.3g}"
+                return "gopher_above_avg_word_len", beyond("avg_word_len", avg, ">", self.max_avg_word_length)
         if self.max_symbol_word_ratio is not None and n_words:
             hashes = text.count("#") / n_words
             if hashes > self.max_symbol_word_ratio:
-                return "gopher_symbol_ratio", f"hash_ratio={hashes:.3g}"
+                return "gopher_symbol_ratio", beyond("hash_ratio", hashes, ">", self.max_symbol_word_ratio)
             ellipses = (text.count("...") + text.count("…")) / n_words
             if ellipses > self.max_symbol_word_ratio:
-                return "gopher_symbol_ratio", f"ellipsis_ratio={ellipses:.3g}"
+                return "gopher_symbol_ratio", beyond("ellipsis_ratio", ellipses, ">", self.max_symbol_word_ratio)
         lines = text.splitlines()
         if self.max_bullet_lines_ratio is not None and lines:
             bullets = sum(s.lstrip().startswith(self.bullet_prefixes) for s in lines) / len(lines)
             if bullets > self.max_bullet_lines_ratio:
-                return "gopher_bullet_lines", f"bullet_lines={bullets:.3g}"
+                return "gopher_bullet_lines", beyond("bullet_lines", bullets, ">", self.max_bullet_lines_ratio)
         if self.max_ellipsis_lines_ratio is not None and lines:
             ends = sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines)
             if ends > self.max_ellipsis_lines_ratio:
-                return "gopher_ellipsis_lines", f"ellipsis_lines={ends:.3g}"
+                return "gopher_ellipsis_lines", beyond("ellipsis_lines", ends, ">", self.max_ellipsis_lines_ratio)
         if self.min_alpha_words_ratio is not None:
             alpha = sum(map(_has_alpha, words)) / n_words if n_words else 0.0
             if alpha < self.min_alpha_words_ratio:
-                return "gopher_alpha_ratio", f"alpha_words={alpha:.3g}"
+                return "gopher_alpha_ratio", beyond("alpha_words", alpha, "<", self.min_alpha_words_ratio)
         if self.min_stop_words is not None:
             found = len(set(self.stop_words).intersection(words))
             if found < self.min_stop_words:
-                return "gopher_stop_words", f"stop_words={found}"
+                return "gopher_stop_words", beyond("stop_words", found, "<", self.min_stop_words)
         return None
 
 

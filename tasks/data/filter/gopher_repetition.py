@@ -4,6 +4,11 @@ benchmarked against it (bench/filter_agreement.py): duplicate paragraph/line fra
 top 2/3/4-gram character fractions, duplicated 5..10-gram character fractions. The n-gram counts run compiled
 (ngrams.py: hashed slices of the joined words, confirmed by comparing code points, so exactly the values of the
 string-based `*_python` definitions kept here as the reference).
+
+Beyond datatrove: a drop's detail names its value, its limit and, for n-gram rules, the n-gram
+(`top_3_gram_char_frac=0.3091 > 0.3, ngram="= = ="`; for duplicated n-grams the most frequent one); and
+`skip_markup_lines` (rule.MarkupAware; off by default, so decisions are datatrove's) judges the text without its
+lines of markup only.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from lifecycle.tasks.data.filter.rule import Rule, Verdict
+from lifecycle.tasks.data.filter.rule import MarkupAware, Verdict, beyond, quoted
 from lifecycle.tasks.data.filter.words import find_duplicates, split_words
 
 _PARAGRAPH = re.compile(r"\n{2,}")
@@ -68,7 +73,7 @@ def dup_ngram_chars(words: list[str], n: int) -> int:
     return _ngram_counts(words).dup_chars(n)
 
 
-class GopherRepetitionConfig(Rule):
+class GopherRepetitionConfig(MarkupAware):
     """Gopher repetition rules (datatrove GopherRepetitionFilter defaults). Every threshold can be set to null,
     every n-gram list to [], to disable it."""
 
@@ -87,31 +92,34 @@ class GopherRepetitionConfig(Rule):
             "(n, max fraction of characters in duplicated n-grams). Gopher: 5: 0.15 ... 10: 0.10."))
 
     def reason(self, text: str, words: list[str] | None = None) -> Verdict:
+        text, words = self.own_view(text, words)
         if not text:
             return "gopher_rep_empty", "empty text"
-        paragraphs = _PARAGRAPH.split(text.strip())
-        dup, chars = find_duplicates(paragraphs)
-        if self.dup_para_frac is not None and dup / len(paragraphs) > self.dup_para_frac:
-            return "gopher_dup_para_frac", f"dup_para_frac={dup / len(paragraphs):.3g}"
-        if self.dup_para_char_frac is not None and chars / len(text) > self.dup_para_char_frac:
-            return "gopher_dup_para_char_frac", f"dup_para_char_frac={chars / len(text):.3g}"
-        lines = _LINES.split(text)
-        dup, chars = find_duplicates(lines)
-        if self.dup_line_frac is not None and dup / len(lines) > self.dup_line_frac:
-            return "gopher_dup_line_frac", f"dup_line_frac={dup / len(lines):.3g}"
-        if self.dup_line_char_frac is not None and chars / len(text) > self.dup_line_char_frac:
-            return "gopher_dup_line_char_frac", f"dup_line_char_frac={chars / len(text):.3g}"
+        checks = ((_PARAGRAPH.split(text.strip()), "para", self.dup_para_frac, self.dup_para_char_frac),
+                  (_LINES.split(text), "line", self.dup_line_frac, self.dup_line_char_frac))
+        for parts, unit, most, most_chars in checks:
+            dup, chars = find_duplicates(parts)
+            if most is not None and dup / len(parts) > most:
+                return f"gopher_dup_{unit}_frac", beyond(f"dup_{unit}_frac", dup / len(parts), ">", most)
+            if most_chars is not None and chars / len(text) > most_chars:
+                return f"gopher_dup_{unit}_char_frac", beyond(f"dup_{unit}_char_frac", chars / len(text), ">",
+                                                              most_chars)
         if not (self.top_ngram_char_frac or self.dup_ngram_char_frac):
             return None  # no n-gram check: no words needed
         words = split_words(text) if words is None else words  # the paragraph and line checks need no words
+        return self._ngram_reason(text, words)
+
+    def _ngram_reason(self, text: str, words: list[str]) -> Verdict:
         grams = _ngram_counts(words)  # code points and prefix hashes once, for every n
         for n, frac in self.top_ngram_char_frac:
             if len(words) >= n:
-                r = grams.top_chars(n) / len(text)
-                if r > frac:
-                    return f"gopher_top_{n}_gram", f"top_{n}_gram_char_frac={r:.3g}"
+                chars, gram = grams.top(n)
+                if chars / len(text) > frac:
+                    detail = beyond(f"top_{n}_gram_char_frac", chars / len(text), ">", frac)
+                    return f"gopher_top_{n}_gram", f"{detail}, ngram={quoted(gram)}"
         for n, frac in self.dup_ngram_char_frac:
             r = grams.dup_chars(n) / len(text)
-            if r > frac:
-                return f"gopher_dup_{n}_grams", f"dup_{n}_gram_char_frac={r:.3g}"
+            if r > frac:  # the n-gram named is the most frequent one (the duplicates are many)
+                return f"gopher_dup_{n}_grams", f"{beyond(f'dup_{n}_gram_char_frac', r, '>', frac)}, " \
+                                               f"ngram={quoted(grams.top(n)[1])}"
         return None

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import Field
 
 from lifecycle.core.fs import cache_dir
-from lifecycle.tasks.data.filter.rule import Rule, Verdict
+from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond
 
 
 MODEL_ARRAYS = ("ptc", "pc", "nextmove", "nextmove_row", "out_feat")  # py3langid 0.4's model.npz.xz (modelio.py)
@@ -92,7 +92,7 @@ class LanguageConfig(Rule):
     def reason(self, text: str, words: list[str] | None = None) -> Verdict:
         lang, score = detect_language(text)
         if self.languages is not None and lang not in self.languages:
-            return "lang_not_kept", f"lang={lang} score={score:.3f}"
+            return "lang_not_kept", f"lang={lang} not in {list(self.languages)}, score={score:.3f}"
         if self.min_score is not None and score < self.min_score:
-            return "lang_low_score", f"lang={lang} score={score:.3f}"
+            return "lang_low_score", f"lang={lang}, {beyond('score', score, '<', self.min_score)}"
         return None

@@ -81,7 +81,8 @@ def _table(m):
 
 @numba.njit(cache=True)
 def _top_chars(cp, pre, pw, offsets, n, sep):
-    """len x count of the most frequent n-gram, the first seen among equally frequent ones (Counter.most_common)."""
+    """(len x count, first position) of the most frequent n-gram, the first seen among equally frequent ones
+    (Counter.most_common)."""
     m = len(offsets) - n
     table, hashes, shift = _table(m)
     counts = np.zeros(len(table), np.int64)
@@ -93,7 +94,7 @@ def _top_chars(cp, pre, pw, offsets, n, sep):
         if c > best_count or (c == best_count and first < best_first):
             best_slot, best_count, best_first = s, c, first
     a, b = _span(offsets, n, sep, table[best_slot])
-    return (b - a) * best_count
+    return (b - a) * best_count, table[best_slot]
 
 
 @numba.njit(cache=True)
@@ -135,9 +136,14 @@ class Ngrams:
 
     def top_chars(self, n: int) -> int:
         """top_ngram_chars_python(words, n); words must have at least n entries (as for Counter.most_common)."""
+        return self.top(n)[0]
+
+    def top(self, n: int) -> tuple[int, str]:
+        """(top_chars(n), that n-gram: its words joined with " "); words must have at least n entries."""
         if len(self.words) < n:
             raise ValueError(f"top n-gram of {len(self.words)} words with n={n}: needs at least n words")
-        return int(_top_chars(*self._arrays(" "), self.offsets, n, 1))
+        chars, first = _top_chars(*self._arrays(" "), self.offsets, n, 1)
+        return int(chars), " ".join(self.words[first : first + n])
 
     def dup_chars(self, n: int) -> int:
         """dup_ngram_chars_python(words, n)."""

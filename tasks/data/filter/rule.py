@@ -9,11 +9,33 @@ see the edited text. The stage (stage.py) applies the rules listed in `filter.ru
 
 from __future__ import annotations
 
+import json
+import operator
+import re
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 Verdict = tuple[str, str] | None  # (reason code, detail), None: the text passes
+
+_OPS = {">": operator.gt, "<": operator.lt}
+
+
+def beyond(name: str, value: float, op: str, limit: float) -> str:
+    """A drop's detail, `name=value op limit` ("top_3_gram_char_frac=0.1503 > 0.15"): the value printed with as many
+    significant digits as it takes (4 at least) for the printed value to fail the limit too, so a value just past
+    its limit never prints as equal to it."""
+    if isinstance(value, int):
+        return f"{name}={value} {op} {limit}"
+    digits = 4
+    while digits < 17 and not _OPS[op](float(f"{value:.{digits}g}"), limit):
+        digits += 1
+    return f"{name}={value:.{digits}g} {op} {limit}"
+
+
+def quoted(text: str, most: int = 60) -> str:
+    """`text` as a JSON string, cut to `most` characters (an ellipsis marks a cut)."""
+    return json.dumps(text if len(text) <= most else text[: most - 1] + "\u2026", ensure_ascii=False)
 
 
 class Rule(BaseModel):
@@ -27,3 +49,32 @@ class Rule(BaseModel):
     def edit(self, text: str) -> str:
         """The text this rule keeps of a `text` it passed; most rules keep it whole."""
         return text
+
+    def judged(self, text: str) -> str:
+        """The text this rule reads of `text` (the stage splits this one into words); most rules read it whole."""
+        return text
+
+
+# A line of markup only: at least 3 of these characters, spaces between allowed. reStructuredText heading underlines
+# and transitions (`=====`, `-----`, `~~~~`, `****`, `####`), Markdown rules and table rules (`---`, `* * *`,
+# `|---|:--:|`), grid-table borders (`+----+====+`). split_words makes each `=` of an underline a word of its own.
+_MARKUP_LINE = re.compile(r"^[ \t]*(?:[-=~^*+#_:|.'\"`][ \t]*){3,}$\n?", re.M)
+
+
+class MarkupAware(Rule):
+    """A rule that can judge a text without its lines of markup only (the Gopher rules; on in the techdocs preset)."""
+
+    skip_markup_lines: bool = Field(False, description=(
+        "Judge the text without its lines of markup only (at least 3 of = - ~ ^ * + # _ : | . ' \" `, spaces "
+        "between allowed): reStructuredText heading underlines and transitions, Markdown and table rules, "
+        "grid-table borders. Each of their characters is a word of its own, so underlines make `= = =` the top "
+        "n-gram, and non-alphabetic words, of a well-formed page. The kept text is unchanged. Off: datatrove and "
+        "Gopher judge the text as it is."))
+
+    def judged(self, text: str) -> str:
+        return _MARKUP_LINE.sub("", text) if self.skip_markup_lines else text
+
+    def own_view(self, text: str, words: list[str] | None) -> tuple[str, list[str] | None]:
+        """(the text this rule reads, its words): `words` when they are still the words of that text, else None."""
+        seen = self.judged(text)
+        return (text, words) if seen == text else (seen, None)

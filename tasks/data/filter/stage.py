@@ -94,16 +94,18 @@ def document_verdict(text: str, cfg: FilterConfig) -> tuple[Verdict, str, str | 
     Lazy: the rules run in the configured order and stop at the first failure, and language ID (the costliest
     step) runs only when the `language` rule is reached or the document is kept (its `lang` columns). A rejected
     document's lang and lang_score are None unless the `language` rule ran on it."""
-    original, words, lang_ran = text, None, False  # words: split when a rule first needs them, again after an edit
+    original, lang_ran = text, False
+    words, words_of = None, None  # split when a rule first needs them, again after an edit or for another view
     for rule in cfg.active():
-        if words is None and rule.uses_words:
-            words = split_words(text)
+        seen = rule.judged(text)  # the text itself, or without its markup lines (skip_markup_lines)
+        if rule.uses_words and (words is None or words_of != seen):
+            words, words_of = split_words(seen), seen
         lang_ran = lang_ran or isinstance(rule, LanguageConfig)
-        if v := rule.reason(text, words):
+        if v := rule.reason(seen, words if words_of == seen else None):
             lang, score = detect_language(original) if lang_ran else (None, None)
             return v, text, lang, score
         if (new := rule.edit(text)) != text:
-            text, words = new, None
+            text, words, words_of = new, None, None
     lang, score = detect_language(original)  # the input text's language, as before any rule edited it
     return None, text, lang, score
 
