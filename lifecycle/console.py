@@ -131,16 +131,18 @@ def funnel(stats: dict, elapsed: float | None) -> str:
     return text
 
 
-def train_progress(rec: dict, max_steps: int | None) -> str:
-    """'step 120/200, loss 5.43, 10.2k tok/s, ETA 1:05' of a metrics record (kind train)."""
+def train_progress(rec: dict, max_steps: int | None, step_s: float | None = None) -> str:
+    """'step 120/200, loss 5.43, 10.2k tok/s, ETA 1:05' of a metrics record (kind train). The ETA counts
+    `step_s` seconds a step (the mean over the steps seen, evaluations and saves included), else the record's
+    own step time."""
     step = rec["step"]
     text = f"step {step}/{max_steps}" if max_steps else f"step {step}"
     if rec.get("loss") is not None:
         text += f", loss {rec['loss']:.4f}"
     if rec.get("tokens_per_s"):
         text += f", {_rate(rec['tokens_per_s'])} tok/s"
-    if max_steps and rec.get("step_time"):
-        text += f", ETA {_duration(max(max_steps - step, 0) * rec['step_time'])}"
+    if max_steps and (step_s or rec.get("step_time")):
+        text += f", ETA {_duration(max(max_steps - step, 0) * (step_s or rec['step_time']))}"
     return text
 
 
@@ -169,6 +171,7 @@ class RunConsole:
 
     def __init__(self, out: TextIO, max_steps: int | None = None, live: bool | None = None):
         self.out = out
+        self._first_step: tuple[float, int] | None = None  # (clock, step) of the first training record seen
         self.max_steps = max_steps
         self.rich = Console(file=out, highlight=False, soft_wrap=False, width=_width(out))
         self.live_mode = self.rich.is_terminal if live is None else live
@@ -245,7 +248,10 @@ class RunConsole:
             return
         with self._lock:
             line = self.lines.get("train") or self.lines.setdefault("train", _Line("train"))
-            line.text = train_progress(record, self.max_steps)
+            now = time.monotonic()
+            first = self._first_step = self._first_step or (now, record["step"])
+            steps = record["step"] - first[1]  # the mean since the first record: evaluations and saves count
+            line.text = train_progress(record, self.max_steps, (now - first[0]) / steps if steps > 0 else None)
             if self._live is None and record["step"] != self.max_steps:
                 self._plain(line, force=False)
 

@@ -153,3 +153,17 @@ def test_evaluate_shows_which_part_runs_and_for_how_long(monkeypatch):
     assert lines[0].split()[:2] == ["evaluate", "running"]
     assert lines[0].endswith(f"part 2/4: generation, 16 prompts [{console._duration(5 + console.PLAIN_EVERY_S)} so far]")
     assert len(lines) == 2 and lines[1].split()[:2] == ["evaluate", "computed"]
+
+
+def test_the_training_eta_counts_evaluations_and_saves(monkeypatch):
+    """Issue 41 §4: the ETA came from the last step's time alone and was 40% short (3:45 shown, 5:15 taken)."""
+    out = io.StringIO()
+    view = RunConsole(out, max_steps=100, live=False)
+    clock = [1000.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    with view:
+        view.stage_started("train")
+        for step in range(1, 51):  # 1 s a step, and every 10th step a 4 s evaluation: 1.4 s a step on average
+            clock[0] += 1 + (4 if step % 10 == 0 else 0)
+            view.train_metrics({"kind": "train", "step": step, "loss": 5.0, "tokens_per_s": 1000.0, "step_time": 1.0})
+    assert view.lines["train"].text.endswith(f"ETA {console._duration(50 * 69 / 49)}")  # not 50 x 1.0 s
