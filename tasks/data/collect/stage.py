@@ -4,7 +4,8 @@ Inputs (matched by glob patterns, read in sorted order):
 - JSONL, plain, `.gz` or `.zst`: one JSON object per line with a required string `text` and optional `id`,
   `source`, `url`; every other field is kept in the `meta` JSON column. Blank lines are not records.
 - Parquet with a `text` column (and optional `id`, `source`, `url`; other columns go to `meta`).
-- `.txt`: the whole file is one document.
+- `.txt`, `.rst`, `.md`, `.markdown`, plain, `.gz` or `.zst`: the whole file is one document, as it is (the
+  markup stays: the techdocs preset's `skip_markup_lines` tells the Gopher rules to read past it).
 - `.html`/`.htm`: one page; its main text is extracted with trafilatura (`tasks/extract.py`).
 - `.warc`/`.warc.gz`: every `response` record is one page (HTML through trafilatura, `text/plain` as is), with
   `url` = WARC-Target-URI and `source_id` = WARC-Record-ID.
@@ -19,8 +20,8 @@ before the break is kept), `empty_file`, `unreadable_parquet`, `missing_text_col
 Size rule (memory stays bounded by it, whatever the input): a document whose UTF-8 text is larger than
 `max_doc_bytes` (8 MiB) is rejected as `too_large`. A JSONL line longer than `max_line_bytes` is rejected
 as `too_large` after reading at most `max_line_bytes + 1` bytes of it (the rest of the line is skipped in
-1 MiB chunks, never held); `.txt` and `.html` files and WARC payloads over `max_doc_bytes` are rejected
-by their size, unread.
+1 MiB chunks, never held); text and `.html` files and WARC payloads over `max_doc_bytes` are rejected
+by their size, unread (a compressed text file after decompressing `max_doc_bytes + 1` bytes of it).
 
 Incremental collection (`incremental: true`; `lifecycle serve` turns it on): files whose (path, sha256)
 is in the work dir's ledger `collected.parquet` are skipped, so a recurring run over a growing input
@@ -35,19 +36,15 @@ the stage is what it was: same rows, doc_ids and reasons.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import json
 import os
 import sys
-import zlib
 from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zstandard
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lifecycle.core.code import code_version
@@ -60,6 +57,7 @@ from lifecycle.core.fs import is_remote, is_url
 from lifecycle.core.paths import confine_matches
 from lifecycle.core import fs
 from lifecycle.tasks.data.collect.inputs import path_bytes, raw_name, remote_problem, shown, walk_glob
+from lifecycle.tasks.data.collect.streams import COMPRESSED, STREAM_ERRORS, open_stream, truncated_reason
 from lifecycle.tasks.data.collect.tombstones import REASON as FORGOTTEN, ForgetFilter
 
 STAGE = "collect"
@@ -83,7 +81,8 @@ class CollectConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     inputs: list[str] = Field(description=(
-        "Glob patterns of input files (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, .txt, .html, .warc, .warc.gz)."))
+        "Glob patterns of input files (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, .txt, .rst, .md, .markdown "
+        "(each also .gz/.zst), .html, .warc, .warc.gz)."))
     max_doc_bytes: int = Field(
         8 << 20,
         gt=0,
@@ -159,19 +158,23 @@ class InputError(ValueError):
     """The inputs cannot be resolved (a pattern matches nothing, an unknown file type)."""
 
 
+TEXT_SUFFIXES = tuple(ext + z for ext in (".txt", ".rst", ".md", ".markdown") for z in ("", *COMPRESSED))
+
+
 def file_kind(path: str) -> str:
     p = path.lower()
     if p.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".jsonl.zst", ".json.zst", ".ndjson.gz")):
         return "jsonl"
     if p.endswith(".parquet"):
         return "parquet"
-    if p.endswith(".txt"):
+    if p.endswith(TEXT_SUFFIXES):
         return "txt"
     if p.endswith((".html", ".htm")):
         return "html"
     if p.endswith((".warc", ".warc.gz", ".arc", ".arc.gz")):
         return "warc"
-    raise InputError(f"{path}: unsupported input type (expected .jsonl[.gz|.zst], .parquet, .txt, .html, .warc[.gz])")
+    raise InputError(f"{path}: unsupported input type (expected .jsonl[.gz|.zst], .parquet, .txt/.rst/.md[.gz|.zst], "
+                     ".html, .warc[.gz])")
 
 
 def resolve_inputs(patterns: list[str]) -> list[RawFile]:
@@ -241,47 +244,6 @@ def _check_text(obj: dict) -> tuple[str, str] | None:
     return None
 
 
-class _ZstdRaw(io.RawIOBase):
-    """A `.zst` stream that raises EOFError when it ends inside a frame (zstandard's reader ends silently)."""
-
-    def __init__(self, f):
-        self.f, self.obj, self.buf, self.in_frame = f, zstandard.ZstdDecompressor().decompressobj(), b"", False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        while not self.buf:
-            chunk = self.f.read(1 << 16)
-            if not chunk:
-                if self.in_frame:
-                    raise EOFError("zstd stream ends inside a frame")
-                return 0
-            while chunk:
-                self.in_frame = True
-                self.buf += self.obj.decompress(chunk)
-                chunk = b""
-                if self.obj.eof:  # frame done: a following frame starts a new decompressor
-                    chunk, self.in_frame = self.obj.unused_data, False
-                    self.obj = zstandard.ZstdDecompressor().decompressobj()
-        n = min(len(b), len(self.buf))
-        b[:n], self.buf = self.buf[:n], self.buf[n:]
-        return n
-
-    def close(self) -> None:
-        self.f.close()
-        super().close()
-
-
-def _open(path: str):
-    p = path.lower()
-    if p.endswith(".gz"):
-        return gzip.open(fs.open_bytes(path), "rb")
-    if p.endswith(".zst"):
-        return io.BufferedReader(_ZstdRaw(fs.open_bytes(path)), 1 << 16)
-    return fs.open_bytes(path)
-
-
 def _bounded_lines(f, cap: int) -> Iterator[tuple[bytes | None, int]]:
     """(line, size) per line; line is None when it is longer than `cap` (its bytes are skipped, not held)."""
     while raw := f.readline(cap + 1):
@@ -317,10 +279,10 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
     pos = part.start if part else 0  # byte offset of the next line (in the decompressed stream of a .gz/.zst)
     records = 0
     left = part.end - part.start if part else None
-    truncated = "truncated_zstd" if path.lower().endswith(".zst") else "truncated_gzip"
+    truncated = truncated_reason(path)
     name = shown(path)
     try:
-        with _open(path) as f:
+        with open_stream(path) as f:
             if part:
                 f.seek(part.start)
             for raw, size in _bounded_lines(f, cfg.max_line_bytes):
@@ -364,7 +326,7 @@ def read_jsonl(path: str, cfg: CollectConfig, part: "FilePart | None" = None) ->
                     yield ("bad", str(obj.get("id", sid)), problem[0], f"line {lineno}: {problem[1]}")
                     continue
                 yield ("ok", {**_record(obj, sid, name), WHERE: (lineno, start, start + size)})
-    except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, OSError) as e:
+    except STREAM_ERRORS as e:
         records += 1
         yield ("bad", f"{name}:{lineno + 1}", truncated, f"stream broke after line {lineno}: {e}")
     if not records and part is None:
@@ -399,15 +361,33 @@ def read_parquet(path: str, cfg: CollectConfig) -> Iterator[tuple]:
         yield ("bad", f"{name}:{row + 1}", "unreadable_parquet", f"failed after row {row}: {str(e)[:200]}")
 
 
+def _text_bytes(path: str, size: int, cfg: CollectConfig) -> tuple[bytes | None, tuple | None]:
+    """(the file's bytes, decompressed, or None; the ("bad", ...) item when it is too large or breaks)."""
+    name = shown(path)
+    if not path.lower().endswith(COMPRESSED):
+        if size > cfg.max_doc_bytes:  # decided on the file size, never read
+            return None, ("bad", name, "too_large", f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+        return fs.read_bytes(path), None
+    try:
+        with open_stream(path) as f:
+            data = f.read(cfg.max_doc_bytes + 1)  # a bomb is cut here
+    except STREAM_ERRORS as e:
+        return None, ("bad", name, truncated_reason(path), f"stream broke: {e}")
+    if len(data) > cfg.max_doc_bytes:
+        return None, ("bad", name, "too_large", f"more than max_doc_bytes={cfg.max_doc_bytes} bytes decompressed")
+    return data, None
+
+
 def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
+    """A text file (.txt, .rst, .md, .markdown, plain or .gz/.zst) as one document."""
     size, name = fs.size(path), shown(path)
     if size == 0:
         yield ("bad", f"{name}:0", "empty_file", "file is empty")
         return
-    if size > cfg.max_doc_bytes:  # decided on the file size, never read
-        yield ("bad", name, "too_large", f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+    data, bad = _text_bytes(path, size, cfg)
+    if bad:
+        yield bad
         return
-    data = fs.read_bytes(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -417,7 +397,7 @@ def read_txt(path: str, cfg: CollectConfig) -> Iterator[tuple]:
     if problem:
         yield ("bad", name, *problem)
         return
-    yield ("ok", {**_record({"text": text}, name, name), WHERE: (1, 0, size)})
+    yield ("ok", {**_record({"text": text}, name, name), WHERE: (1, 0, len(data))})  # decompressed bytes
 
 
 def _extract():
