@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 from lifecycle.core.errors import UsageError
+from lifecycle.flows import idle
 from lifecycle.core.fs import cache_dir, copy_sqlite
 from lifecycle.core.procs import free_port, stop_group
 
@@ -359,12 +360,16 @@ def start_embedded(workdir: str | Path, hold: bool = True) -> _Starting:
         _users_fd = _lock(sdir / "embedded.users", fcntl.LOCK_SH)
     fd = _lock(sdir / "embedded.lock", fcntl.LOCK_EX)
     try:
+        idle.note_use(workdir)
         entry = _read_embedded(workdir)
         if entry and _alive(entry) and _healthy(entry["health"], timeout=10):
             os.close(fd)
             return _Starting(workdir, None, entry, None)
         if entry and _alive(entry):  # running but not answering: replace it
             stop_group(entry["pid"], term_timeout=10)
+        for what in idle.stop_least_used(workdir, _unused_embedded, down):  # at most `idle.limit()` stay up
+            print(f"lifecycle: stopped the idle {what}: at most {idle.limit()} work dirs keep their servers up "
+                  f"(${idle.MAX_ENV})", file=sys.stderr)
         template = template_path()
         fresh = not embedded_db(workdir).exists()
         if fresh and template is not None and template.exists():
@@ -420,6 +425,26 @@ def seed_from_template(template: Path, db: Path) -> None:
         copy_sqlite(template, db)
     except (OSError, sqlite3.Error) as e:
         print(f"lifecycle: could not copy the Prefect database template {template}: {e}", file=sys.stderr)
+
+
+def _unused_embedded(workdir: Path) -> bool:
+    """True when the work dir's embedded server is up and no run holds it (`embedded.users`)."""
+    import fcntl
+
+    entry = _read_embedded(workdir)
+    if not entry or not _alive(entry):
+        return False
+    try:
+        fd = os.open(state_dir(workdir) / "embedded.users", os.O_RDWR)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _read_embedded(workdir: Path) -> dict | None:

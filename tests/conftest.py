@@ -17,6 +17,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("LIFECYCLE_EMBEDDED_IDLE_S", "30")
 # and no warm runner beside it (~500 MB and ~3 s of imports each): tests/flows/test_embedded_runner.py turns it on
 os.environ.setdefault("LIFECYCLE_EMBEDDED_RUNNER", "0")
+# tests run side by side, each in work dirs of its own: none stops another's idle server for the machine's bound
+# (flows/idle.py); tests/flows/test_idle_servers.py checks the bound in a cache of its own
+os.environ.setdefault("LIFECYCLE_EMBEDDED_MAX", "1000")
 
 
 def corpus_records(n: int, every_file: bool = False) -> list[dict]:
