@@ -20,6 +20,9 @@ Tables and views (query them with `lifecycle sql "SELECT ..."`):
   marker_sha256).
 - `models`: registered model versions (name, version, aliases, run_id, package_sha256, tokenize_sha256,
   val_bpb, promotion) from the MLflow registry, when the work dir has one.
+- `model_docs`: name, version, doc_id, source_id, split: the documents each registered version trained on
+  (split `train`) or was validated on (`val`), from its own tokenize dataset. "Which documents trained this model"
+  is `SELECT count(DISTINCT doc_id) FROM model_docs WHERE name = ? AND version = ? AND split = 'train'`.
 
 Confinement: everything is read from inside the work dir (symlinks resolved; a manifest that lists a file
 outside it is refused), and once the catalog is built the DuckDB connection is locked down: it can read only
@@ -334,6 +337,11 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
         else:  # an empty view with the shared columns, so queries still bind
             cols = ", ".join(f"NULL::VARCHAR AS {c}" for c in fallback[view].split(", "))
             con.execute(f"CREATE VIEW {view} AS SELECT {cols}, NULL::VARCHAR AS dataset_path WHERE false")
+    # which documents trained (or validated) each registered model version: its own tokenize dataset's rows only,
+    # not every tokenize dataset of the work dir (a failed run's committed one held the same documents again)
+    con.execute("CREATE VIEW model_docs AS SELECT m.name, m.version, t.doc_id, t.source_id, t.split "
+                "FROM models m JOIN datasets d ON d.stage = 'tokenize' AND d.sha256 = m.tokenize_sha256 "
+                "JOIN tokens t ON t.dataset_path = d.path")
     lock_down(con, [p for paths in files.values() for p in paths] + list(tables.values()))
     return con
 

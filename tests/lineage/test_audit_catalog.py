@@ -163,3 +163,42 @@ def test_a_read_only_work_dir_is_answered_from_a_temporary_catalog(workdir):
         assert catalog.query(con, "SELECT name FROM models") == [{"name": "m"}]
     finally:
         os.chmod(wd, 0o755)
+
+
+def test_model_docs_counts_only_the_tokenize_dataset_a_version_trained_on(tmp_path, empty_store):
+    """Issue 41 §3: a failed run's committed tokenize dataset held the same documents again, and "which documents
+    trained this model" over models, datasets and tokens counted 2,810 for a model trained on 1,405."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from lifecycle.core.dataset import StageStats, materialize
+
+    wd = tmp_path / "w"
+    side = pa.table({"doc_id": ["d0", "d1", "d2"], "source_id": ["s0", "s1", "s2"], "split": ["train", "train", "val"],
+                     "shard": ["train-00000.bin"] * 2 + ["val-00000.bin"], "token_start": [0, 5, 0],
+                     "token_end": [5, 9, 4]})
+
+    def tokenize(fixture):
+        def build(writer):
+            writer.write_table(side)
+            return {"stats": StageStats(rows_in=3, rows_kept=3)}
+        return materialize(str(wd), "tokenize", {"fixture": fixture}, "test", build)
+
+    tokenize("failed-run")  # committed, then the run failed before training
+    used = tokenize("the-run")
+    pkg = wd / "datasets" / "checkpoint" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "lineage.json").write_text(json.dumps({
+        "datasets": [{"stage": "tokenize", "sha256": used.sha256, "num_rows": 3, "manifest": str(used.manifest_path)}],
+        "checkpoint_dir": str(wd / "train"), "checkpoint_marker_sha256": "0" * 64, "tokenizer_sha256": "1" * 64}))
+    shutil.copy(empty_store, wd / "mlflow.db")
+    client = MlflowClient(tracking_uri=f"sqlite:///{wd}/mlflow.db", registry_uri=f"sqlite:///{wd}/mlflow.db")
+    client.create_registered_model("m")
+    client.create_model_version("m", source=str(pkg), tags={
+        "lifecycle.model_package_manifest": str(pkg / "_manifest.json"),
+        "lifecycle.dataset.tokenize.sha256": used.sha256})
+    con = catalog.connect(wd)
+    assert catalog.query(con, "SELECT count(*) AS n FROM tokens WHERE split = 'train'") == [{"n": 4}]  # both datasets
+    assert catalog.query(con, "SELECT count(DISTINCT doc_id) AS n FROM model_docs WHERE name = 'm' AND version = 1 "
+                              "AND split = 'train'") == [{"n": 2}]
