@@ -54,6 +54,17 @@ def empty_store(tmp_path_factory):
     return db
 
 
+def model_package(wd, ref):
+    """A model package directory in the work dir whose lineage.json names the dataset `ref`."""
+    pkg = wd / "datasets" / "checkpoint" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "lineage.json").write_text(json.dumps({
+        "datasets": [{"stage": ref.stage, "sha256": ref.sha256, "num_rows": ref.num_rows,
+                      "manifest": str(ref.manifest_path)}],
+        "checkpoint_dir": str(wd / "train"), "checkpoint_marker_sha256": "0" * 64, "tokenizer_sha256": "1" * 64}))
+    return pkg
+
+
 @pytest.fixture
 def workdir(tmp_path, empty_store):
     """A work dir with a committed dataset and a real MLflow registry holding one version of a model whose
@@ -64,11 +75,7 @@ def workdir(tmp_path, empty_store):
 
     wd = tmp_path / "w"
     ref = make_collect(str(wd), [docs("d")], fixture="audit")
-    pkg = wd / "datasets" / "checkpoint" / "pkg"
-    pkg.mkdir(parents=True)
-    (pkg / "lineage.json").write_text(json.dumps({
-        "datasets": [{"stage": "collect", "sha256": ref.sha256, "num_rows": 2, "manifest": str(ref.manifest_path)}],
-        "checkpoint_dir": str(wd / "train"), "checkpoint_marker_sha256": "0" * 64, "tokenizer_sha256": "1" * 64}))
+    pkg = model_package(wd, ref)
     shutil.copy(empty_store, wd / "mlflow.db")
     uri = f"sqlite:///{wd}/mlflow.db"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -187,11 +194,7 @@ def test_model_docs_counts_only_the_tokenize_dataset_a_version_trained_on(tmp_pa
 
     tokenize("failed-run")  # committed, then the run failed before training
     used = tokenize("the-run")
-    pkg = wd / "datasets" / "checkpoint" / "pkg"
-    pkg.mkdir(parents=True)
-    (pkg / "lineage.json").write_text(json.dumps({
-        "datasets": [{"stage": "tokenize", "sha256": used.sha256, "num_rows": 3, "manifest": str(used.manifest_path)}],
-        "checkpoint_dir": str(wd / "train"), "checkpoint_marker_sha256": "0" * 64, "tokenizer_sha256": "1" * 64}))
+    pkg = model_package(wd, used)
     shutil.copy(empty_store, wd / "mlflow.db")
     client = MlflowClient(tracking_uri=f"sqlite:///{wd}/mlflow.db", registry_uri=f"sqlite:///{wd}/mlflow.db")
     client.create_registered_model("m")
