@@ -202,7 +202,7 @@ def metric_lines(metrics: dict) -> list[str]:
     groups: dict[str, list[str]] = {}
     for k, v in metrics.items():
         family, _, name = k.partition("_")
-        value = f"{v:.4g}" if isinstance(v, float) else str(v)
+        value = f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
         groups.setdefault(family, []).append(f"{name} {value}" if name else value)
     return [f"  {family + ':':<16} " + ", ".join(items) for family, items in groups.items()]
 
