@@ -264,6 +264,10 @@ class GuardedClient:
         return call
 
 
+# the experiment tag MLflow 3's UI reads to show model-training runs (its other kind is "genai_development")
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
 class Tracker:
     """Logs one lifecycle run. Runtime object: passed around, never part of the config."""
 
@@ -289,6 +293,9 @@ class Tracker:
             self.experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
         else:
             self.experiment_id = exp.experiment_id
+        if exp is None or exp.tags.get(EXPERIMENT_KIND) != MODEL_TRAINING:
+            # MLflow 3's UI guesses the kind of an untagged experiment and may open its runs as GenAI evaluations
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         self.parent_id: str | None = None
         self.resumed = False
         self.stage_runs: dict[str, str] = {}

@@ -101,3 +101,5 @@ def test_a_stage_run_spans_its_stage_and_a_failed_stage_gets_a_failed_run(tmp_pa
     tok = t.client.get_run(t.stage_runs["tokenize"])
     assert tok.info.status == "FAILED" and tok.data.tags["lifecycle.error"].startswith("ContaminationError")
     assert t.client.get_run(t.parent_id).info.status == "FAILED"
+    # the UI shows the experiment as model training, not as GenAI evaluations (issue 41 §3)
+    assert t.client.get_experiment(t.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
