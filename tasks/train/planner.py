@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
-from lifecycle.tasks.train.sizing import non_embedding_params
+from lifecycle.tasks.train.sizing import flops_per_token, param_count
 
 GiB = 2**30
 RECOMPUTE = ("none", "selective", "full")
@@ -62,16 +62,41 @@ PRESETS: dict[str, dict] = {
     "1b": dict(n_layer=24, n_embd=2048, n_head=16, seq_len=2048, vocab_size=32000, tie_embeddings=False),
     "7b": dict(n_layer=32, n_embd=4096, n_head=32, seq_len=4096, vocab_size=32000, tie_embeddings=False),
     "13b": dict(n_layer=40, n_embd=5120, n_head=40, seq_len=4096, vocab_size=32000, tie_embeddings=False),
+    # published models, from their config.json (tests/train/test_param_count.py checks them against it)
+    "llama2-7b": dict(n_layer=32, n_embd=4096, n_head=32, seq_len=4096, vocab_size=32000, mlp_hidden_dim=11008,
+                      tie_embeddings=False),
+    "llama3.1-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, seq_len=8192, vocab_size=128256,
+                        mlp_hidden_dim=14336, rope_theta=500000.0, tie_embeddings=False),
+    "mistral-7b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, seq_len=4096, vocab_size=32000,
+                       mlp_hidden_dim=14336, tie_embeddings=False),
+    "qwen2-7b": dict(n_layer=28, n_embd=3584, n_head=28, n_kv_head=4, seq_len=4096, vocab_size=152064,
+                     mlp_hidden_dim=18944, qkv_bias=True, rope_theta=1000000.0, tie_embeddings=False),
 }
+HF_SEQ_LEN = 4096  # the context `--model hf:DIR` plans for unless seq_len=... or --seq-len says otherwise
 ALIASES = {"vocab": "vocab_size", "layers": "n_layer", "width": "n_embd", "heads": "n_head", "seq": "seq_len",
            "tie": "tie_embeddings"}
 
 
+def hf_fields(part: str, spec: str) -> dict:
+    """ModelConfig fields of `hf:DIR`, a Hugging Face checkpoint directory's config.json (lifecycle.tasks.train.
+    hf_config: Llama, Mistral, Qwen2), at a context of HF_SEQ_LEN."""
+    from lifecycle.tasks.train.hf_config import HFImportError, base_dir, model_fields
+
+    try:
+        return {**model_fields(base_dir(part), seq_len=2), "seq_len": HF_SEQ_LEN}  # 2: no sliding-window refusal
+    except HFImportError as e:
+        raise UsageError(f"--model {spec}: {e}") from e
+
+
 def parse_model(spec: str) -> ModelConfig:
-    """A preset name (`7b`), `key=value,...` over ModelConfig fields (`n_layer=32,n_embd=4096,n_head=32,vocab=32000`),
-    or a preset with overrides (`7b,seq_len=2048`)."""
+    """A preset name (`7b`, `llama3.1-8b`), `key=value,...` over ModelConfig fields
+    (`n_layer=32,n_embd=4096,n_head=32,vocab=32000`), `hf:DIR` (a checkpoint's config.json), or a preset or
+    `hf:DIR` with overrides (`7b,seq_len=2048`)."""
     fields: dict = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part.startswith("hf:"):
+            fields.update(hf_fields(part, spec))
+            continue
         if "=" not in part:
             if part.lower() not in PRESETS:
                 raise UsageError(f"--model {spec}: unknown preset {part!r} (known: {', '.join(PRESETS)}; or "
@@ -91,14 +116,8 @@ def parse_model(spec: str) -> ModelConfig:
 
 
 def total_params(m: ModelConfig) -> int:
-    """Unique parameters Ψ (what `GPT.num_params()` counts): the non-embedding ones plus an untied token table
-    plus a learned position table."""
-    n = non_embedding_params(m)
-    if not m.tie_embeddings:
-        n += m.vocab_size * m.n_embd
-    if m.pos == "learned":
-        n += m.seq_len * m.n_embd
-    return n
+    """Unique parameters Ψ (what `GPT.num_params()` counts, exactly: lifecycle.tasks.train.sizing.param_count)."""
+    return param_count(m).total
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,11 +380,11 @@ def step_time(m: ModelConfig, lay: Layout, global_batch: int, hw: Hardware, prec
     """Seconds per optimizer step of `global_batch` sequences, by part (no overlap assumed)."""
     prec = PRECISIONS[precision]
     s, h, L = seq_len or m.seq_len, m.n_embd, m.n_layer
-    n_matmul = non_embedding_params(m)
+    n_active = param_count(m).active  # the matmul parameters a token goes through (top_k experts of an MoE)
     m_micro = global_batch // (lay.dp * lay.micro_batch)  # micro-batches per step per pipeline
     tokens = global_batch * s
-    per_token = 6 * n_matmul + 12 * L * h * s  # forward + backward (PaLM appendix B)
-    recompute = {"none": 0, "selective": 4 * L * h * s, "full": 2 * n_matmul + 4 * L * h * s}[lay.recompute]
+    per_token = flops_per_token(m, s)  # 6·N + 12·L·h·s, forward + backward (PaLM appendix B)
+    recompute = {"none": 0, "selective": 4 * L * h * s, "full": 2 * n_active + 4 * L * h * s}[lay.recompute]
     flops = tokens * (per_token + recompute)
     compute = flops / (lay.ranks * hw.peak_flops * hw.mfu)
     bubble = compute * (lay.pp - 1) / m_micro
@@ -507,8 +526,8 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, float]:
 
 
 def shape_of(m: ModelConfig) -> dict:
-    return {k: getattr(m, k) for k in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "mlp", "pos",
-                                       "tie_embeddings")}
+    return {k: getattr(m, k) for k in ("n_layer", "n_embd", "n_head", "kv_heads", "mlp_hidden", "seq_len", "vocab_size",
+                                       "mlp", "pos", "tie_embeddings", "qkv_bias")}
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -608,8 +627,10 @@ def register(subparsers) -> None:
 
     def model_args(p: argparse.ArgumentParser, params: bool) -> None:
         g = p.add_mutually_exclusive_group(required=True)
-        g.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + ") or n_layer=32,n_embd=4096,n_head=32,"
-                                       "vocab=32000[,seq_len=4096,mlp=gelu,...]; presets take overrides: 7b,seq_len=2048")
+        g.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + "), hf:DIR (a Hugging Face checkpoint's "
+                                       "config.json: Llama, Mistral, Qwen2; seq_len 4096) or n_layer=32,n_embd=4096,"
+                                       "n_head=32,vocab=32000[,seq_len=4096,n_kv_head=8,mlp=gelu,...]; presets and "
+                                       "hf:DIR take overrides: 7b,seq_len=2048")
         if params:
             g.add_argument("--params", help="a parameter count (7e9, 7B, 350M): a Llama-style shape of that size")
         else:

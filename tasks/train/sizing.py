@@ -12,7 +12,9 @@ So from a budget C: N = sqrt(C / (6·20)), D = 20·N; from a token count D: N = 
 
 N here is what `lifecycle.tasks.train.model.GPT.num_params(exclude_embeddings=True)` counts and what the 6·N in
 `flops_per_token` uses: every matmul weight, the output head included, the input embedding table
-excluded (a lookup, not a matmul). `model_for_params` then picks a Llama-style shape (head dim 64,
+excluded (a lookup, not a matmul). `param_count` counts it tensor by tensor: grouped-query attention's narrower
+k and v, Qwen2's q/k/v biases, the SwiGLU width, tied or untied embeddings, a mixture of experts' router and
+experts (all of them in Ψ, the top_k a token goes through in the FLOPs). `model_for_params` then picks a Llama-style shape (head dim 64,
 width/depth near 64) whose N is closest to the target.
 
 Torch-free: the CLI and the train task import this without loading torch.
@@ -35,21 +37,55 @@ HEAD_DIM = 64
 ASPECT = 64  # width / depth of the chosen shape (Kaplan et al. 2020 fig. 5: loss is flat over 20..200)
 
 
-def non_embedding_params(m: ModelConfig) -> int:
-    """Parameters of the matmuls and norms (output head included, token/position tables excluded).
-    Equals `GPT(m).num_params(exclude_embeddings=True)` (tested)."""
+class ParamCount(BaseModel):
+    """The parameters of one ModelConfig, counted tensor by tensor as `GPT` builds them (tested against
+    `sum(p.numel())`, and against the published totals of Llama 2/3.1, Mistral and Qwen2)."""
+
+    model_config = ConfigDict(frozen=True)
+    total: int
+    """Unique parameters Ψ (`GPT.num_params()`): a tied head counts once, every expert counts."""
+    non_embedding: int
+    """N of C = 6·N·D (`GPT.num_params(exclude_embeddings=True)`): every matmul weight and norm, the output head
+    included (tied or not: it is a matmul), the token and learned-position tables excluded (lookups)."""
+    active: int
+    """N less the experts a token does not go through (num_experts - top_k per MoE block): the FLOPs' basis."""
+
+
+def block_params(m: ModelConfig, index: int = 0) -> tuple[int, int]:
+    """(all, active) parameters of block `index`: two norms (RMSNorm weight, or LayerNorm weight without bias),
+    q and o projections d·d, k and v d·(n_kv_head·head_dim) each, q/k/v biases with `qkv_bias` (Qwen2),
+    SwiGLU's gate, up and down (3·d·ffn) or GELU's up and down (2·d·ffn); an MoE block has a router (d·E, no
+    bias) and E such MLPs, of which top_k are active."""
+    d, kv = m.n_embd, m.kv_heads * m.head_dim
+    attn = d * d + 2 * d * kv + d * d + ((d + 2 * kv) if m.qkv_bias else 0)
+    mlp = (3 if m.mlp == "swiglu" else 2) * d * m.mlp_hidden
+    base = 2 * d + attn
+    if m.moe is not None and m.moe.is_moe_block(index):
+        router = d * m.moe.num_experts
+        return base + router + m.moe.num_experts * mlp, base + router + m.moe.top_k * mlp
+    return base + mlp, base + mlp
+
+
+def param_count(m: ModelConfig) -> ParamCount:
+    """Exact counts of `m` (see ParamCount)."""
     if m.vocab_size is None:
         raise ValueError("ModelConfig.vocab_size is null: fill it from the tokenizer first")
-    d, h = m.n_embd, m.mlp_hidden
-    norm = d  # RMSNorm weight, or LayerNorm weight (bias=False)
-    mlp = (2 * d * h if m.mlp == "swiglu" else d * h) + h * d
-    block = 2 * norm + 4 * d * d + mlp
-    return m.n_layer * block + norm + m.vocab_size * d
+    blocks = [block_params(m, i) for i in range(m.n_layer)]
+    d, head = m.n_embd, m.vocab_size * m.n_embd
+    non_embedding = sum(b[0] for b in blocks) + d + head  # blocks, final norm, output head
+    tables = (0 if m.tie_embeddings else head) + (m.seq_len * d if m.pos == "learned" else 0)
+    return ParamCount(total=non_embedding + tables, non_embedding=non_embedding,
+                      active=sum(b[1] for b in blocks) + d + head)
+
+
+def non_embedding_params(m: ModelConfig) -> int:
+    """N (`ParamCount.non_embedding`): equals `GPT(m).num_params(exclude_embeddings=True)` (tested)."""
+    return param_count(m).non_embedding
 
 
 def flops_per_token(m: ModelConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token, 6·N + 12·L·d·T (same formula as `GPT.flops_per_token`)."""
-    return 6 * non_embedding_params(m) + 12 * m.n_layer * m.n_embd * (seq_len or m.seq_len)
+    """Training FLOPs per token, 6·N + 12·L·d·T with N the active count (same as `GPT.flops_per_token`)."""
+    return 6 * param_count(m).active + 12 * m.n_layer * m.n_embd * (seq_len or m.seq_len)
 
 
 class Plan(BaseModel):
