@@ -13,16 +13,20 @@ from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, load_tokenizer, 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 
 
-def make_docs(workdir, texts: list[str | None]) -> ds.DatasetRef:
-    """A committed document dataset (DOC_SCHEMA) holding `texts`, as the scrub stage would hand it over."""
+def make_docs(workdir, texts: list[str | None], sources: list[str] | None = None,
+              urls: list[str | None] | None = None) -> ds.DatasetRef:
+    """A committed document dataset (DOC_SCHEMA) holding `texts`, as the scrub stage would hand it over. By
+    default every document is a line of one JSONL file (`source` src.jsonl, no url): each is its own split group."""
     n = len(texts)
+    sources = sources or ["src.jsonl"] * n
+    urls = urls or [None] * n
     table = pa.table(
         {
             "doc_id": [f"d{i:04d}" for i in range(n)],
             "source_id": [f"src.jsonl:{i + 1}" for i in range(n)],
             "text": texts,
-            "source": ["src.jsonl"] * n,
-            "url": [None] * n,
+            "source": sources,
+            "url": urls,
             "meta": ["{}"] * n,
         },
         schema=ds.DOC_SCHEMA,
@@ -33,7 +37,7 @@ def make_docs(workdir, texts: list[str | None]) -> ds.DatasetRef:
         w.write_table(table.slice(n // 2))
         return {}
 
-    return ds.materialize(workdir, "scrub", {"texts": texts}, "test", build)
+    return ds.materialize(workdir, "scrub", {"texts": texts, "sources": sources, "urls": urls}, "test", build)
 
 
 def corpus(n: int = 60) -> list[str]:
@@ -41,7 +45,8 @@ def corpus(n: int = 60) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(5, 40)))) + f" doc {i}." for i in range(n)]
 
 
-# several encode batches; no validation floor: these tests check the hash split itself (floor: test_data_checks.py)
+# several encode batches; no validation floor: these tests check the hash split itself (floor: test_data_checks.py,
+# groups: test_split_overlap.py)
 CFG = TokenizeConfig(vocab_size=300, min_frequency=2, val_fraction=0.2, seed=1, batch_size=16, min_val_docs=0,
                      min_val_tokens=0)
 
@@ -85,7 +90,7 @@ def test_tokenize_round_trip_shards_and_side_table(tmp_path):
             text = texts[int(r["doc_id"][1:])]
             assert tok.decode(arr[r["token_start"] : r["token_end"]].tolist()) == text
             assert split_of(r["doc_id"], CFG) == split
-    # val split is by document and deterministic by doc_id hash
+    # lines of one JSONL file are independent: each its own group, split by its doc_id hash, deterministically
     assert {d for d, r in by_id.items() if r["split"] == "val"} == {
         f"d{i:04d}" for i in range(60) if split_of(f"d{i:04d}", CFG) == "val"
     }

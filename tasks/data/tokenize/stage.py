@@ -15,12 +15,13 @@ Output dataset (one `lifecycle.core.dataset` directory, manifest written last):
   documents it was cut from.
 - rejected rows: documents that produce no tokens (`empty_after_tokenize`), so rows in = kept + rejected.
 
-The train/val split is by document and deterministic: sha256(seed, doc_id) mapped to [0, 1) is compared
-with `val_fraction`, so a document never straddles the split and reruns give the same split. The BPE is
-trained on the train split only, so validation text never shapes the vocabulary.
+The train/val split is by group and deterministic (`split.py`): the documents of one page (`url`; or of one
+source file, with `split_by: [url, source]`) form a group, sha256(seed, group key) mapped to [0, 1) is compared
+with `val_fraction`, so a group never straddles the split and reruns give the same split. The BPE is trained on
+the train split only, so validation text never shapes the vocabulary.
 
 The validation split has a floor (`min_val_docs`, `min_val_tokens`; `split.py`): below it the stage says so and
-takes the next documents in hash order until the floor is met (at most `max_val_fraction` of the documents),
+takes the next groups in hash order until the floor is met (at most `max_val_fraction` of the documents),
 then trains the BPE on what is left. The data checks run here, before any training (`checks.py`): the share of
 val documents sharing a word n-gram with the train split is in the manifest (`contamination`), and above
 `max_contamination` the stage fails with `ContaminationError`, so a bad split costs no training time. Score
@@ -29,11 +30,10 @@ columns of the parent (`quality_*`, from the quality step) are carried into the 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -45,10 +45,11 @@ from lifecycle.core.code import code_version
 from lifecycle.tasks.data.tokenize import base, checks
 from lifecycle.tasks.data.tokenize import split as valsplit
 from lifecycle.tasks.data.tokenize.base import base_tokens, tokenizer_rows
-# the readers, importable from here as before
+# the readers and the split's keys, importable from here as before
 from lifecycle.tasks.data.tokenize.shards import (  # noqa: F401
     STAGE, TokenShards, hf_tokenizer, load_tokenizer, token_shards,
 )
+from lifecycle.tasks.data.tokenize.split import split_key, split_of  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,14 @@ class TokenizeConfig(BaseModel):
     min_frequency: int = Field(2, ge=1)
     """A pair must occur at least this often in the training text to be merged."""
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
-    """Share of documents (not tokens) routed to the validation shard, by a hash of doc_id."""
+    """Share of split groups (not tokens) routed to the validation shard, by a hash of the group key."""
+    split_by: tuple[Literal["url", "source"], ...] = ("url",)
+    """What never straddles train and validation: documents with the same value of the first of these columns
+    that is set go to the same side; a document with none of them is its own group; `[]`: split by document.
+    `url`: the sections of one page. Add `source` when every record's `source` names its file (the sections of
+    one file); not by default, because `source` is often a corpus label (the bundled corpus: `python3.11-doc` on
+    every record), which would make one group of everything. A JSONL/Parquet/WARC file that collect named as
+    the `source` of its records (they had none) is never a group: its records are independent documents."""
     seed: int = 0
     """Salt of the split hash: change it to draw a different validation set."""
     min_val_docs: int = Field(50, ge=0)
@@ -126,18 +134,6 @@ class TokenizeConfig(BaseModel):
 
 # --------------------------------------------------------------------------------------------------
 # pure functions
-
-
-def split_key(doc_id: str, cfg: TokenizeConfig) -> float:
-    """sha256(seed, doc_id) mapped to [0, 1): the document's place in the split order."""
-    h = hashlib.sha256(f"{cfg.seed}:{doc_id}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2**64
-
-
-def split_of(doc_id: str, cfg: TokenizeConfig) -> str:
-    """'val' or 'train' by `val_fraction` alone, stable for a doc_id and seed (the floor may move more documents
-    to val: the side table's `split` column is the truth)."""
-    return "val" if split_key(doc_id, cfg) < cfg.val_fraction else "train"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -246,7 +242,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     files = parent.files()
     tok_path = writer.path("tokenizer.json")
     given = given_tokenizer(cfg)
-    vs = valsplit.docs_floor(files, cfg, iter_docs, split_key)
+    vs = valsplit.docs_floor(files, cfg, iter_docs)
     if given is not None:
         fs.atomic_write_bytes(tok_path, Path(given.path).read_bytes())
         if fs.sha256_file(tok_path) != given.sha256:
