@@ -51,31 +51,64 @@ class ParamCount(BaseModel):
     """N less the experts a token does not go through (num_experts - top_k per MoE block): the FLOPs' basis."""
 
 
-def block_params(m: ModelConfig, index: int = 0) -> tuple[int, int]:
-    """(all, active) parameters of block `index`: two norms (RMSNorm weight, or LayerNorm weight without bias),
-    q and o projections d·d, k and v d·(n_kv_head·head_dim) each, q/k/v biases with `qkv_bias` (Qwen2),
-    SwiGLU's gate, up and down (3·d·ffn) or GELU's up and down (2·d·ffn); an MoE block has a router (d·E, no
-    bias) and E such MLPs, of which top_k are active."""
-    d, kv = m.n_embd, m.kv_heads * m.head_dim
-    attn = d * d + 2 * d * kv + d * d + ((d + 2 * kv) if m.qkv_bias else 0)
-    mlp = (3 if m.mlp == "swiglu" else 2) * d * m.mlp_hidden
-    base = 2 * d + attn
-    if m.moe is not None and m.moe.is_moe_block(index):
-        router = d * m.moe.num_experts
-        return base + router + m.moe.num_experts * mlp, base + router + m.moe.top_k * mlp
-    return base + mlp, base + mlp
+def block_tensors(m: ModelConfig, i: int) -> dict[str, int]:
+    """Elements of each parameter of block i: two norms (RMSNorm weight, or LayerNorm weight without bias); q, k
+    and v fused (q d·d, k and v d·(n_kv_head·head_dim) each) with their biases under `qkv_bias` (Qwen2); the
+    output projection d·d; SwiGLU's gate and up fused (2·d·ffn) and down (d·ffn), or GELU's up and down; an MoE
+    block has a router (d·E, no bias) and E such MLPs."""
+    d, kv, ffn = m.n_embd, m.kv_heads * m.head_dim, m.mlp_hidden
+    b = f"blocks.{i}."
+    out = {b + "norm1.weight": d, b + "attn.qkv.weight": d * (d + 2 * kv)}
+    if m.qkv_bias:
+        out[b + "attn.qkv.bias"] = d + 2 * kv
+    out |= {b + "attn.proj.weight": d * d, b + "norm2.weight": d}
+    mlp = {"up.weight": (2 if m.mlp == "swiglu" else 1) * ffn * d, "down.weight": ffn * d}
+    if m.moe is not None and m.moe.is_moe_block(i):
+        out[b + "mlp.gate.weight"] = d * m.moe.num_experts
+        for e in range(m.moe.num_experts):
+            out |= {f"{b}mlp.experts.{e}.{k}": n for k, n in mlp.items()}
+    else:
+        out |= {b + "mlp." + k: n for k, n in mlp.items()}
+    return out
+
+
+def outer_tensors(m: ModelConfig) -> dict[str, int]:
+    """The parameters outside the blocks: token table, learned positions, final norm, an untied head."""
+    if m.vocab_size is None:
+        raise ValueError("ModelConfig.vocab_size is null: fill it from the tokenizer first")
+    out = {"wte.weight": m.vocab_size * m.n_embd}
+    if m.pos == "learned":
+        out["wpe.weight"] = m.seq_len * m.n_embd
+    out["norm_f.weight"] = m.n_embd
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = m.vocab_size * m.n_embd
+    return out
+
+
+def tensors(m: ModelConfig) -> dict[str, int]:
+    """Elements of every parameter `GPT(m)` holds, by its name in `named_parameters()` (a tied head is `wte`)."""
+    out = outer_tensors(m)
+    for i in range(m.n_layer):
+        out |= block_tensors(m, i)
+    return out
 
 
 def param_count(m: ModelConfig) -> ParamCount:
-    """Exact counts of `m` (see ParamCount)."""
-    if m.vocab_size is None:
-        raise ValueError("ModelConfig.vocab_size is null: fill it from the tokenizer first")
-    blocks = [block_params(m, i) for i in range(m.n_layer)]
-    d, head = m.n_embd, m.vocab_size * m.n_embd
-    non_embedding = sum(b[0] for b in blocks) + d + head  # blocks, final norm, output head
-    tables = (0 if m.tie_embeddings else head) + (m.seq_len * d if m.pos == "learned" else 0)
-    return ParamCount(total=non_embedding + tables, non_embedding=non_embedding,
-                      active=sum(b[1] for b in blocks) + d + head)
+    """Exact counts of `m` (see ParamCount), summed from the same tensors as `tensors` (a dense and an MoE block
+    computed once each). A token goes through k = top_k experts: experts k.. of each MoE block are inactive."""
+    outer = outer_tensors(m)
+    kinds: dict[bool, tuple[int, int]] = {}  # MoE block or not -> (all, inactive)
+    total = inactive = 0
+    for i in range(m.n_layer):
+        moe = m.moe is not None and m.moe.is_moe_block(i)
+        if moe not in kinds:
+            t = block_tensors(m, i)
+            kinds[moe] = (sum(t.values()), sum(n for name, n in t.items()
+                                               if ".experts." in name and int(name.split(".")[4]) >= m.moe.top_k))
+        total, inactive = total + kinds[moe][0], inactive + kinds[moe][1]
+    total += sum(outer.values())
+    non_embedding = total - outer.get("wpe.weight", 0) - (0 if m.tie_embeddings else outer["wte.weight"])
+    return ParamCount(total=total, non_embedding=non_embedding, active=non_embedding - inactive)
 
 
 def non_embedding_params(m: ModelConfig) -> int:

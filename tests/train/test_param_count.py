@@ -9,7 +9,7 @@ from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig, MoEArch
 from lifecycle.tasks.train.hf_config import model_fields
 from lifecycle.tasks.train.planner import parse_model, step_time, total_params, Hardware, Layout
-from lifecycle.tasks.train.sizing import flops_per_token, non_embedding_params, param_count
+from lifecycle.tasks.train.sizing import flops_per_token, non_embedding_params, param_count, tensors
 
 TINY = dict(vocab_size=96, n_layer=3, n_head=4, n_embd=32, seq_len=16)
 SHAPES = [
@@ -31,6 +31,7 @@ def test_counts_equal_the_model_the_trainer_builds(kw):
     cfg = ModelConfig(**{**TINY, **kw})
     model = GPT(cfg)
     count = param_count(cfg)
+    assert tensors(cfg) == {name: p.numel() for name, p in model.named_parameters()}  # tensor by tensor
     assert count.total == sum(p.numel() for p in model.parameters())  # parameters() yields a tied matrix once
     assert count.non_embedding == non_embedding_params(cfg) == model.num_params(exclude_embeddings=True)
     assert flops_per_token(cfg) == model.flops_per_token()  # MoE: top_k experts, as the model counts them
