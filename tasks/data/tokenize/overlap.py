@@ -3,7 +3,7 @@
 N-grams are `decontaminate.ngrams`' (lower-cased `\\w+` words), so the figures agree with the decontamination step
 and the evaluate report. The val split's n-grams (the small side) are indexed; the train texts are streamed past
 them once, so memory is bounded by the val split, not the corpus: for each val n-gram, the number of train
-documents holding it, and the first `boilerplate_docs + 1` of them (enough to tell boilerplate from a pair).
+documents holding it and, until it is boilerplate, which ones (at most `boilerplate_docs`; with None, all).
 
 Two readings of the same index:
 - GPT-3's "dirty" (appendix C): a val document sharing any n-gram with train (`contamination_doc_rate`);
