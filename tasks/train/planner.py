@@ -6,10 +6,9 @@ Per-rank memory of a training layout, from two papers:
   Models", section 3.1 and figure 1): mixed-precision Adam keeps 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit
   gradients and KΨ = 12Ψ of optimizer state (fp32 master weights, momentum, variance) for Ψ parameters.
   ZeRO-1 partitions the optimizer state over the Nd data-parallel ranks, ZeRO-2 the gradients too, ZeRO-3 the
-  parameters too: (2+2+12)Ψ, (2+2)Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd. fp32 training, what this project runs on
-  CPU: parameters 4Ψ, gradients 4Ψ, AdamW moments 8Ψ; DeepSpeed's ZeRO optimizers also keep an fp32 copy of
-  their partition even when the weights are fp32 already (stages 1-2: `single_partition_of_fp32_groups`, stage
-  3: `fp32_partitioned_groups_flat`, each a clone), so K is 8 at stage 0 and 12 at stages 1-3.
+  parameters too: (2+2+12)Ψ, (2+2)Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd; fp32 4+4+12 (8 at stage 0). That is what
+  the pinned DeepSpeed holds at the end of backward; lifecycle.tasks.train.zero_memory has the terms, where
+  they live in DeepSpeed and its buffers (measured by `python -m bench.zero_states`).
 - activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   section 4): a transformer layer keeps s·b·h·(34 + 5·a·s/h) bytes for sequence s, micro-batch b, width h and
   a heads (16-bit activations, 1-byte dropout masks); with tensor parallelism t and sequence parallelism
@@ -21,18 +20,19 @@ Per-rank memory of a training layout, from two papers:
   beside the projection output) and fused attention (no a·s² score matrix; its output is kept instead).
 
 On top: buffers (`temp_bytes`), at the larger of two moments: forward/backward (with the activations) and the
-optimizer step (without them). DeepSpeed's gradient bucket: stage 0 all-reduces flattened copies of at most
-`reduce_bucket_size` (5e8) elements, freed after; stages 1-2 (`setup_buckets`, with contiguous_gradients, the
-default) allocate a buffer of reduce_bucket_size elements at each step's first backward and release it at the
-end of backward (two with overlap_comm); stage 3 allocates one at start-up for good. On a GPU the caching
-allocator hands out the whole buffer (1 GB in bf16 even for a small model); on the CPU only the pages gradients
-touch count, min(Ψ, bucket) (`device`). Under ZeRO-3 the gathered parameters: DeepSpeed's defaults keep a
-gathered parameter for its reuse in backward up to stage3_max_live_parameters = 1e9 elements: the whole model
-below that; and beside them the flat all-gather buffer of one prefetch bucket (stage3_prefetch_bucket_size, 5e7
-elements), held until the bucket's last parameter is used. The backward of the output layer (fp32
-log-probabilities and their gradient, 2 x 4·s·b·V bytes). In the step, the flattened gradient partition (Ψ/Nd,
-ZeRO 1-3) and (fp32 only) torch AdamW's per-tensor loop on CPU, which makes two fp32 temporaries the size of the
-largest tensor it updates (a fused GPU Adam makes none).
+optimizer step (without them). DeepSpeed's (zero_memory.engine_buffers): the gradient bucket (stage 0's
+flattened all-reduce copies; stages 1-2 reduce_bucket_size elements from the first gradient to the end of
+backward, two with overlap_comm; stage 3 one for good), the gradient autograd has made for a parameter before
+its hook copies it into the bucket (stages 2-3: the largest tensor's), and in the step the gradients in fp32
+(4Ψ/Nd under ZeRO, 4Ψ at stage 0 in 16 bits) while stage 1 has released the gradients outside its partition.
+On a GPU the caching allocator hands out a whole buffer (1 GB in bf16 even for a small model); on the CPU only
+the pages gradients touch count, min(Ψ, bucket) (`device`). Under ZeRO-3 the gathered parameters: DeepSpeed's
+defaults keep a gathered parameter for its reuse in backward up to stage3_max_live_parameters = 1e9 elements:
+the whole model below that; and beside them the flat all-gather buffer of one prefetch bucket
+(stage3_prefetch_bucket_size, 5e7 elements), held until the bucket's last parameter is used. The backward of the
+output layer (fp32 log-probabilities and their gradient, 2 x 4·s·b·V bytes). In the step (fp32 only) torch
+AdamW's per-tensor loop on CPU, which makes two fp32 temporaries the size of the largest tensor it updates (a
+fused GPU Adam makes none).
 
 Step time (`step_time`) is a simple compute + communication model with the constants of `Hardware`, no
 overlap of communication with compute (an upper bound). Torch-free.
@@ -49,7 +49,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
-from lifecycle.tasks.train.sizing import flops_per_token, param_count
+from lifecycle.tasks.train.sizing import flops_per_token, largest_tensor, param_count
+from lifecycle.tasks.train.zero_memory import (  # noqa: F401  (Precision, PRECISIONS, GRAD_BUCKET: the planner's API)
+    GRAD_BUCKET, PRECISIONS, Precision, engine_buffers, model_states,
+)
 
 GiB = 2**30
 RECOMPUTE = ("none", "selective", "full")
@@ -151,39 +154,8 @@ class Layout:
                 f"recompute={self.recompute}" + (" offload=cpu" if self.offload else ""))
 
 
-@dataclass(frozen=True)
-class Precision:
-    name: str
-    param: int
-    grad: int
-    act: int
-    """Bytes per activation element."""
-
-    def optimizer(self, zero: int) -> int:
-        """K: optimizer bytes per parameter (see the module docstring)."""
-        if self.name == "fp32":
-            return 12 if zero >= 1 else 8
-        return 12
-
-
-PRECISIONS = {"bf16": Precision("bf16", 2, 2, 2), "fp16": Precision("fp16", 2, 2, 2), "fp32": Precision("fp32", 4, 4, 4)}
-GRAD_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size (and stage 0's all-reduce buffer), elements
 ZERO3_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance, elements
 ZERO3_PREFETCH = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size (runtime/zero/config.py:222), elements
-
-
-def model_states(psi: float, zero: int, nd: int, prec: Precision, offload: bool = False) -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer states for Ψ parameters over nd ZeRO ranks."""
-    p, g, k = prec.param * psi, prec.grad * psi, prec.optimizer(zero) * psi
-    if zero >= 1:
-        k /= nd
-    if zero >= 2:
-        g /= nd
-    if zero >= 3:
-        p /= nd
-    if offload:
-        k, g = 0.0, (0.0 if zero >= 2 else g)  # the partition's gradients and the states live on the CPU
-    return {"params": p, "grads": g, "optimizer": k}
 
 
 @dataclass(frozen=True)
@@ -307,14 +279,10 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
         first = layers_first * layer
         last = L / lay.pp * layer + out_layer
     acts = max(first, last) if lay.pp > 1 else first + out_layer
-    # buffers beside the model states and activations (see the module docstring)
-    touched = min(psi_rank, reduce_bucket) * prec.grad  # what the gradients write into a bucket
-    if lay.zero == 0:  # flattened copies of at most 5e8 elements (engine.py's own constant), freed after
-        bucket = min(psi_rank, GRAD_BUCKET) * prec.grad
-    else:
-        overlap = lay.zero == 3 if overlap_comm is None else overlap_comm
-        copies = 2 if overlap and lay.zero in (1, 2) else 1
-        bucket = copies * (reduce_bucket * prec.grad if device == "cuda" else touched)
+    # DeepSpeed's buffers beside the model states (lifecycle.tasks.train.zero_memory)
+    big = largest_tensor(m) / t
+    buf = engine_buffers(psi_rank, lay.zero, nd, prec, big, lay.offload, device, reduce_bucket, overlap_comm)
+    bucket = buf["grad_bucket"]
     # ZeRO-3 keeps a gathered parameter until its next use when that is within stage3_max_reuse_distance (1e9
     # elements), up to stage3_max_live_parameters (1e9): below 1e9 parameters every parameter gathered in forward
     # stays gathered until backward has used it (measured: forward holds the whole model, bench.planner_memory)
@@ -330,23 +298,23 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     # fp32 is this project's CPU training: torch AdamW's per-tensor loop (torch/optim/adam.py:544) computes
     # `(exp_avg_sq.sqrt() / bias_correction2_sqrt)`, two fp32 temporaries the size of the tensor it updates (the
     # flat partition under ZeRO-1/2/3) alive at once. 16-bit on GPU: a fused Adam, no temporary.
-    largest = max(v * h / t, psi_rank / nd if lay.zero else 0)
+    largest = max(big, psi_rank / nd if lay.zero else 0)
     opt_step = 2 * 4 * largest if precision == "fp32" and not lay.offload else 0.0
-    # the step flattens the gradient partition into a new tensor: stages 1-2 stage_1_and_2.py:3114-3116
-    # (`flatten(self.averaged_gradients[i])`), stage 3 stage3.py:2686 (`_prepare_fp32_grad_for_sub_group`)
-    flat_grad = psi_rank / nd * prec.grad if lay.zero and not lay.offload else 0.0  # offload: the CPU's copy
-    # Two moments bound the peak. Forward and backward: the activations, the gradient bucket, ZeRO-3's gathered
-    # parameters and prefetch buffer, the loss's backward. The optimizer step: the activations are gone, stages
-    # 1-2 have released their bucket at the end of backward (stage_1_and_2.py:1061, `_release_ipg_buffers` in
-    # the ipg epilogue), stage 3 holds its bucket for good (stage3.py:782).
-    backward = bucket + gathered + prefetch + loss_bwd
-    step = opt_step + flat_grad + (bucket if lay.zero == 3 else 0.0)
+    # Two moments bound the peak. Forward and backward: the activations, the gradient bucket and the gradient
+    # waiting for it, ZeRO-3's gathered parameters and prefetch buffer, the loss's backward. The optimizer step:
+    # the activations are gone, stages 1-2 have released their bucket at the end of backward (stage_1_and_2.py
+    # `_release_ipg_buffers` in the ipg epilogue), stage 1 its gradients outside the partition; the step makes the
+    # fp32 gradients; stage 3 holds its bucket for good (stage3.py:782).
+    backward = bucket + buf["pending_grad"] + gathered + prefetch + loss_bwd
+    step = opt_step + buf["step_fp32_grads"] - buf["step_grads_released"] + (bucket if lay.zero == 3 else 0.0)
     temp = max(backward, step - acts)  # total = states + max(activations + backward, step)
     return Estimate(lay, sum(ms.values()), acts, temp,
                     {**{f"{k}_bytes": x for k, x in ms.items()}, "activation_per_layer_bytes": layer,
                      "output_layer_bytes": out_layer, "grad_bucket_bytes": bucket, "zero3_gathered_bytes": gathered,
                      "zero3_prefetch_bytes": prefetch, "loss_backward_bytes": loss_bwd,
-                     "optimizer_step_temp_bytes": opt_step, "step_flat_grad_bytes": flat_grad,
+                     "pending_grad_bytes": buf["pending_grad"], "optimizer_step_temp_bytes": opt_step,
+                     "step_fp32_grad_bytes": buf["step_fp32_grads"],
+                     "step_grads_released_bytes": buf["step_grads_released"],
                      "backward_buffers_bytes": backward, "step_buffers_bytes": step})
 
 
@@ -557,13 +525,16 @@ def cmd_memory(args: argparse.Namespace) -> int:
           f"{gib(br['grads_bytes'])}, optimizer {gib(br['optimizer_bytes'])})")
     print(f"          activations  {gib(est.activation_bytes)} ({gib(br['activation_per_layer_bytes'])} per layer, "
           f"output layer {gib(br['output_layer_bytes'])})")
-    print(f"          temporary    {gib(est.temp_bytes)} at the peak, the larger of")
-    print(f"            backward   {gib(br['backward_buffers_bytes'])} (gradient bucket "
-          f"{gib(br['grad_bucket_bytes'])}, loss backward {gib(br['loss_backward_bytes'])}, ZeRO-3 gathered "
-          f"{gib(br['zero3_gathered_bytes'])} and prefetch buffer {gib(br['zero3_prefetch_bytes'])})")
-    print(f"            step       {gib(br['step_buffers_bytes'])} less the activations (optimizer step "
-          f"{gib(br['optimizer_step_temp_bytes'])}, flattened gradients {gib(br['step_flat_grad_bytes'])}, "
-          "ZeRO-3's gradient bucket)")
+    states, acts = est.model_states_bytes, est.activation_bytes
+    print(f"          buffers      backward {gib(br['backward_buffers_bytes'])} (gradient bucket "
+          f"{gib(br['grad_bucket_bytes'])}, a gradient waiting for it {gib(br['pending_grad_bytes'])}, loss backward "
+          f"{gib(br['loss_backward_bytes'])}, ZeRO-3 gathered {gib(br['zero3_gathered_bytes'])} and prefetch buffer "
+          f"{gib(br['zero3_prefetch_bytes'])})")
+    print(f"                       step {gib(br['step_buffers_bytes'] + br['step_grads_released_bytes'])} (fp32 "
+          f"gradients {gib(br['step_fp32_grad_bytes'])}, optimizer step {gib(br['optimizer_step_temp_bytes'])}, ZeRO-3's "
+          f"gradient bucket), and ZeRO-1 has released {gib(br['step_grads_released_bytes'])} of gradients")
+    print(f"          peak of      backward {gib(states + acts + br['backward_buffers_bytes'])} (states + activations "
+          f"+ buffers), step {gib(states + br['step_buffers_bytes'])} (states + buffers - released)")
     print(f"          total        {gib(est.total_bytes)}")
     return 0
 

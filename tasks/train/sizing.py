@@ -93,6 +93,12 @@ def tensors(m: ModelConfig) -> dict[str, int]:
     return out
 
 
+def largest_tensor(m: ModelConfig) -> int:
+    """Elements of the largest parameter tensor (a fused one counts whole: q/k/v, SwiGLU's gate and up)."""
+    firsts = {m.moe is not None and m.moe.is_moe_block(i): i for i in reversed(range(m.n_layer))}.values()
+    return max([*outer_tensors(m).values(), *(max(block_tensors(m, i).values()) for i in firsts)])
+
+
 def param_count(m: ModelConfig) -> ParamCount:
     """Exact counts of `m` (see ParamCount), summed from the same tensors as `tensors` (a dense and an MoE block
     computed once each). A token goes through k = top_k experts: experts k.. of each MoE block are inactive."""

@@ -59,24 +59,43 @@ def test_gradient_bucket_counts_whole_on_a_gpu_and_as_written_on_the_cpu():
 
 def test_peak_is_the_larger_of_backward_and_step():
     """Activations and the backward's buffers (stages 1-2 release their bucket at the end of backward:
-    stage_1_and_2.py `_release_ipg_buffers`) are gone by the optimizer step, whose own buffers are the flattened
-    gradient partition (ZeRO 1-3), fp32 AdamW's two temporaries and stage 3's bucket, held for good."""
+    stage_1_and_2.py `_release_ipg_buffers`) are gone by the optimizer step, whose own buffers are the gradient
+    partition in fp32 (ZeRO 1-3), fp32 AdamW's two temporaries and stage 3's bucket, held for good; stage 1 has
+    released the gradients outside its partition."""
     m = parse_model("demo")
     psi = total_params(m)
     largest = max(m.vocab_size * m.n_embd, psi / 2)
     for zero in (1, 2, 3):
         est = memory(m, Layout(dp=2, zero=zero), precision="fp32", device="cpu")
         b = est.breakdown
-        assert b["step_flat_grad_bytes"] == pytest.approx(psi / 2 * 4)
+        assert b["step_fp32_grad_bytes"] == pytest.approx(psi / 2 * 4)
         assert b["optimizer_step_temp_bytes"] == pytest.approx(2 * 4 * largest)  # sqrt, then the division
         held = b["grad_bucket_bytes"] if zero == 3 else 0.0
-        assert b["step_buffers_bytes"] == pytest.approx(2 * 4 * largest + psi / 2 * 4 + held)
+        released = 4 * psi / 2 if zero == 1 else 0.0
+        assert b["step_grads_released_bytes"] == pytest.approx(released)
+        assert b["step_buffers_bytes"] == pytest.approx(2 * 4 * largest + psi / 2 * 4 + held - released)
         assert est.total_bytes == pytest.approx(est.model_states_bytes + max(
             est.activation_bytes + b["backward_buffers_bytes"], b["step_buffers_bytes"]))
-    # a step-bound case: short sequences, so the activations are small next to the step's buffers
-    short = memory(m, Layout(dp=2, zero=2), precision="fp32", device="cpu", seq_len=8)
+    # a step-bound case: short sequences and a small bucket, so backward holds less than the step's buffers
+    short = memory(m, Layout(dp=2, zero=2), precision="fp32", device="cpu", seq_len=8, reduce_bucket=1e5)
     assert short.total_bytes == pytest.approx(short.model_states_bytes + 2 * 4 * largest + psi / 2 * 4)
-    assert memory(m, Layout(dp=2, zero=2, offload=True), precision="fp32").breakdown["step_flat_grad_bytes"] == 0
+    assert memory(m, Layout(dp=2, zero=2, offload=True), precision="fp32").breakdown["step_fp32_grad_bytes"] == 0
+
+
+def test_the_step_gradients_are_fp32_in_bf16_too():
+    """DeepSpeed converts the gradient partition to the fp32 master's dtype for the step (stage_1_and_2.py
+    `flat_grad_partition.to(...)`), so bf16 pays 4 bytes per element of it, not 2; at stage 0 bf16's
+    FP16_UnfusedOptimizer makes fp32 gradients of every parameter (bench.zero_states measures both)."""
+    m = parse_model("demo")
+    psi = total_params(m)
+    for zero in (1, 2, 3):
+        assert memory(m, Layout(dp=2, zero=zero)).breakdown["step_fp32_grad_bytes"] == pytest.approx(4 * psi / 2)
+    assert memory(m, Layout(dp=2, zero=0)).breakdown["step_fp32_grad_bytes"] == pytest.approx(4 * psi)
+    assert memory(m, Layout(dp=2, zero=0), precision="fp32").breakdown["step_fp32_grad_bytes"] == 0
+    # stages 2-3 hold a gradient autograd has just made until its hook copies it into the bucket: the largest
+    # tensor's, here the tied embedding/head (4096 x 128)
+    assert memory(m, Layout(dp=2, zero=2)).breakdown["pending_grad_bytes"] == pytest.approx(2 * 4096 * 128)
+    assert memory(m, Layout(dp=2, zero=1)).breakdown["pending_grad_bytes"] == 0
 
 
 def test_zero3_prefetch_buffer_is_held_beside_the_gathered_parameters():
