@@ -4,7 +4,7 @@
 measured, error and the prediction's parts, bytes) and a summary line; `--table` adds a readable table on stderr. For each layout (ZeRO 0/1/2/3, two
 micro-batch sizes, one with full activation checkpointing) it starts 2 ranks (gloo, one torch thread each) that
 build the project's model, torch AdamW and the DeepSpeed engine as the trainer does
-(`trainer.ds_config`, fp32) and run 2 optimizer steps on random tokens (no data loader, no checkpointing).
+(`engine.ds_config`, fp32) and run 2 optimizer steps on random tokens (no data loader, no checkpointing).
 
 What is measured, per rank and layout: the kernel's high-water mark of the resident set (VmHWM, reset with
 `/proc/self/clear_refs`) during the training steps, minus the resident set before the model was built (after the
@@ -78,7 +78,7 @@ def worker(steps: int, index: int) -> None:
 
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
     from lifecycle.tasks.train.model import GPT
-    from lifecycle.tasks.train.trainer import ds_config, stub_muon
+    from lifecycle.tasks.train.engine import ds_config, stub_muon
 
     torch.set_num_threads(1)
     stub_muon()
@@ -121,22 +121,28 @@ def worker(steps: int, index: int) -> None:
         del engine, model, opt, decay, no_decay, loss, x
 
 
-def run_ranks(steps: int, index: int) -> list[dict]:
+def run_pair(module: str, args: list[str], env: dict | None = None, timeout: float = 3000) -> list[dict]:
+    """Start 2 CPU ranks of `python -m <module> --worker <args>` (gloo on a free port, one torch thread each) and
+    return the JSON lines they print; `env` adds to their environment."""
     from lifecycle.core.procs import free_port
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "MALLOC_MMAP_THRESHOLD_": "65536"}  # every tensor its own mapping: freed pages leave the RSS at once
-    cmd = [sys.executable, "-m", "bench.planner_memory", "--worker", str(steps), str(index)]
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", module, "--worker", *args]
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     out = []
     for p in procs:
-        stdout, stderr = p.communicate(timeout=3000)
+        stdout, stderr = p.communicate(timeout=timeout)
         if p.returncode:
             raise RuntimeError(f"a rank failed: {stderr[-3000:]}")
         out += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return out
+
+
+def run_ranks(steps: int, index: int) -> list[dict]:
+    # every tensor its own mapping: freed pages leave the RSS at once
+    return run_pair("bench.planner_memory", [str(steps), str(index)], {"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def predict(zero: int, micro: int, ckpt: bool):
