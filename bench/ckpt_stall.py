@@ -52,7 +52,8 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     from lifecycle.tasks.train.async_ckpt import AsyncSaver
     from lifecycle.tasks.train.model import GPT
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
-    from lifecycle.tasks.train.trainer import ds_config, select_device, stub_muon
+    from lifecycle.tasks.train.distributed import select_device
+    from lifecycle.tasks.train.engine import ds_config, stub_muon
 
     stub_muon()
     mcfg = ModelConfig(vocab_size=4096, n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, seq_len=128)

@@ -147,7 +147,7 @@ def peer(a, tokens) -> dict:
     from lifecycle.tasks.train.hardware import datasheet_peak
     from lifecycle.tasks.train.loader import Prefetcher
     from lifecycle.tasks.train.model import GPT
-    from lifecycle.tasks.train.trainer import get_batch
+    from lifecycle.tasks.train.loader import get_batch
 
     cfg = train_config(a)
     shards = token_shards(tokens)
@@ -253,7 +253,7 @@ def loader_capacity(a) -> dict:
     import torch
 
     from lifecycle.tasks.data.tokenize.stage import token_shards
-    from lifecycle.tasks.train.trainer import get_batch
+    from lifecycle.tasks.train.loader import get_batch
 
     cfg = train_config(a)
     pin = a.device == "cuda" and torch.cuda.is_available()

@@ -85,6 +85,7 @@ def breakdown(run_dir: Path, world: int) -> dict[str, float]:
 def one_round(workdir: str, seed: int, overrides: list[str]) -> dict[str, float]:
     """One fresh launch with `max_steps=1` in a temporary work dir: its breakdown."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LIFECYCLE_TIMELINE"] = "1"  # the ranks write their launch timeline (tasks/train/timeline.py)
     from lifecycle.config import load_config, parse_override, set_dotted
     from lifecycle.core.dataset import DatasetRef
     from lifecycle.tasks.train.config import TrainConfig

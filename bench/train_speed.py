@@ -33,7 +33,8 @@ def main(steps: int = 20, rounds: int = 3) -> dict:
     from lifecycle.tasks.train.model import GPT
     from lifecycle.tasks.data.tokenize.stage import token_shards
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
-    from lifecycle.tasks.train.trainer import ds_config, get_batch, stub_muon
+    from lifecycle.tasks.train.engine import ds_config, stub_muon
+    from lifecycle.tasks.train.loader import get_batch
 
     stub_muon()
     torch.set_num_threads(1)

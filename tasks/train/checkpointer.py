@@ -206,6 +206,15 @@ class SaveSchedule:
     def median_step(self) -> float:
         return statistics.median(self.step_times) if self.step_times else 0.0
 
+    def choose(self, step: int, stall: float, device) -> dict:
+        """`every: auto`, after the save at `step` (collective): the next interval from the slowest rank's stall
+        and median step time, as a metrics record."""
+        worst = torch.tensor([stall, self.median_step()], dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank then picks the same next save
+        stall, step_time = worst.tolist()
+        return {"kind": "checkpoint_interval", "step": step, "interval": self.observe(step, stall, step_time),
+                "stall": stall, "step_time": step_time, "overhead": self.share}
+
     def observe(self, step: int, stall: float, step_time: float) -> int:
         """After the save at `step`: its stall and the median step time (both the max over ranks); returns
         the interval to the next save."""

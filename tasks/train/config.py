@@ -287,6 +287,12 @@ class GuardConfig(Section):
     max_rollbacks: int = Field(5, ge=0)
     """Fail the run after this many rollbacks (something other than a bad batch is wrong)."""
 
+    def is_bad(self, loss: float, recent: list[float]) -> bool:
+        """Non-finite, or more than spike_factor times the mean of the last spike_window healthy losses."""
+        return not math.isfinite(loss) or (
+            self.spike_factor is not None and len(recent) >= self.spike_window
+            and loss > self.spike_factor * sum(recent[-self.spike_window:]) / self.spike_window)
+
 
 class CheckpointConfig(Section):
     """When and how committed checkpoints are written (lifecycle.tasks.train.checkpointer). Operational."""

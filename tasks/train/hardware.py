@@ -49,3 +49,15 @@ def mfu_basis(flops_per_token: int, n_matmul: int, n_layer: int, n_embd: int, se
     """The formula and the peak behind a run's MFU, as one line for its log."""
     return (f"MFU = {flops_per_token:,} FLOPs/token (6·N + 12·L·H·Q·T: N={n_matmul:,}, L={n_layer}, H·Q={n_embd}, "
             f"T={seq_len}) × tokens/s / {peak / 1e12:.1f} TFLOP/s per rank, the {source}")
+
+
+def mfu_peak(cfg, device_name: str | None, measured: float | None) -> tuple[float, str]:
+    """(peak FLOP/s per rank, where it comes from) for a TrainConfig `cfg`: `logging.peak_flops_per_rank`, else
+    the datasheet peak of the CUDA device `device_name` for the precision, else the `measured` matmul peak."""
+    if cfg.logging.peak_flops_per_rank:
+        return cfg.logging.peak_flops_per_rank, "peak set in train.logging.peak_flops_per_rank"
+    if device_name is not None and (found := datasheet_peak(device_name, cfg.engine.precision)):
+        return found
+    kind = "cuda" if device_name is not None else "cpu"
+    return measured, (f"peak of a {cfg.engine.precision} matmul measured on this rank at start-up (no datasheet "
+                      f"peak for {kind} devices of this name)")

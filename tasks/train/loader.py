@@ -1,11 +1,12 @@
 """Background prefetch for the training loop, with the time the step waits for data measured.
 
-The sampler (`lifecycle.tasks.train.sampler`, read by `trainer.get_batch`) is a pure function of (seed, data step, sequence index in the global batch), so a
+`get_batch` reads a micro-batch of the train shards where the sampler (`lifecycle.tasks.train.sampler`) says: a pure
+function of (seed, data step, sequence index in the global batch), so a
 prefetching thread can compute batches ahead without changing which batches the step sees: the
 prefetched stream is the same sequence the step would compute itself, in the same order. The state to
 checkpoint is therefore still just the position and the skipped data steps (`data_step`).
 
-torch, pure Python otherwise; no DeepSpeed.
+NumPy and torch; no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,43 @@ import threading
 import time
 from typing import Callable, Hashable, Iterable, Iterator
 
+import numpy as np
+import torch
+
+from lifecycle.tasks.data.tokenize.stage import TokenShards
+from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.sampler import data_step  # noqa: F401  (re-exported: the trainer's import)
+from lifecycle.tasks.train.sampler import first_sequence, windows
+
+
+def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, micro: int, pin: bool = False):
+    """(x, y) int64 tensors (B, T) of random windows: the micro-batch `micro` of data-parallel rank `dp_rank`
+    (lifecycle.tasks.train.sampler: sequence j of a step's global batch is a pure function of (seed, step, j), so
+    every layout with the same global batch trains on the same sequences)."""
+    T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
+    # We recreate np.memmap every batch to avoid a memory leak (nanoGPT): a long-lived map keeps every
+    # page it ever touched accounted to the process.
+    data = shards.memmap("train")
+    first = first_sequence(dp_rank, micro, cfg.batch.grad_accum, B)
+    wins = windows([len(d) for d in data], T, cfg.seed, step, first, B)
+    x = np.stack([data[k][i : i + T] for k, i in wins]).astype(np.int64)
+    y = np.stack([data[k][i + 1 : i + 1 + T] for k, i in wins]).astype(np.int64)
+    if pin:  # page-locked, so the step's copy to the GPU is asynchronous (the prefetch thread pays for the pinning)
+        return torch.from_numpy(x).pin_memory(), torch.from_numpy(y).pin_memory()
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def val_batches(shards: TokenShards, cfg: TrainConfig, rank: int, world: int):
+    """Fixed non-overlapping validation windows, a disjoint slice per data-parallel rank (`rank` of `world`
+    data-parallel ranks; wrapping on a short shard)."""
+    T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
+    data = np.concatenate(shards.memmap("val"))
+    n_win = (len(data) - 1) // T
+    for b in range(cfg.logging.eval_batches):
+        idx = [((b * world + rank) * B + j) % n_win for j in range(B)]
+        x = np.stack([data[i * T : i * T + T] for i in idx]).astype(np.int64)
+        y = np.stack([data[i * T + 1 : i * T + T + 1] for i in idx]).astype(np.int64)
+        yield torch.from_numpy(x), torch.from_numpy(y)
 
 
 class Prefetcher:

@@ -5,7 +5,7 @@ at (non-empty train shard `k`, start `i`), drawn from `default_rng([seed, step, 
 proportional to its usable length (its tokens minus seq_len), then a uniform start in it. Micro-batch `micro` of
 data-parallel rank `dp_rank` holds j = (dp_rank·grad_accum + micro)·B ... + B-1, B the micro-batch size
 (`first_sequence`). So the global batch depends on its size only, not on how dp × grad_accum × micro-batch split
-it, nor on tp/sp/pp (the ranks of one group share dp_rank). The trainer (`trainer.get_batch`) and the step lineage
+it, nor on tp/sp/pp (the ranks of one group share dp_rank). The trainer (`loader.get_batch`) and the step lineage
 (`lifecycle lineage step`, lifecycle.lineage.cli) both read windows from here, so what the lineage says a step
 read is what it read.
 
@@ -49,3 +49,16 @@ def windows(lengths: Sequence[int], seq_len: int, seed: int, step: int, first: i
         k = min(int(np.searchsorted(cum, rng.random(), side="right")), len(lengths) - 1)
         out.append((k, int(rng.integers(0, int(usable[k])))))
     return out
+
+
+LAYOUT_SAMPLER_FIELDS = ("world_size", "micro_batch_size", "grad_accum")
+"""The sampler-state fields that are layout: a resume under another layout (same global batch) may differ in them."""
+
+
+def sampler_state(cfg, next_step: int, world: int, skipped: Sequence[int] = ()) -> dict:
+    """The sampler's position and the settings it depends on, as a checkpoint keeps it (`cfg`: a TrainConfig).
+    `skipped`: data steps thrown away by loss-spike rollbacks; step s reads data step `data_step(s, skipped)`."""
+    return {"kind": "uniform_windows", "next_step": next_step, "seed": cfg.seed, "world_size": world,
+            "micro_batch_size": cfg.batch.micro_batch_size, "grad_accum": cfg.batch.grad_accum,
+            "seq_len": cfg.model.seq_len,
+            "skipped": sorted(skipped)}

@@ -8,7 +8,7 @@ import pytest
 
 from lifecycle.lineage.steps import step_documents
 from lifecycle.tasks.data.tokenize.stage import token_shards
-from lifecycle.tasks.train.trainer import get_batch
+from lifecycle.tasks.train.loader import get_batch
 from tests.conftest import lifecycle_in_process
 from tests.train.test_train import CFG, make_tokens, with_
 

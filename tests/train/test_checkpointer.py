@@ -28,7 +28,7 @@ def engine():
     import deepspeed
     import torch.distributed as dist
 
-    from lifecycle.tasks.train.trainer import ds_config, stub_muon
+    from lifecycle.tasks.train.engine import ds_config, stub_muon
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

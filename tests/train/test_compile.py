@@ -16,7 +16,8 @@ from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.hardware import datasheet_peak, mfu_basis
 from lifecycle.tasks.train.launch import resolve_model, run_train
 from lifecycle.tasks.train.model import GPT
-from lifecycle.tasks.train.trainer import DeviceValue, get_batch
+from lifecycle.tasks.train.distributed import DeviceValue
+from lifecycle.tasks.train.loader import get_batch
 from tests.train.test_train import CFG, make_tokens, with_
 
 

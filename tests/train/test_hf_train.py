@@ -15,7 +15,7 @@ from lifecycle.tasks.eval.export import export_hf
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.hf_import import load_hf
 from lifecycle.tasks.train.launch import run_train
-from lifecycle.tasks.train.trainer import get_batch
+from lifecycle.tasks.train.loader import get_batch
 from tests.conftest import corpus_records
 from tests.data.test_tokenizer import make_docs
 

@@ -297,7 +297,8 @@ def _dense_continue_worker(rank: int, port: int, launch_path: str, universal_roo
     import torch.distributed as dist
 
     from lifecycle.tasks.data.tokenize.stage import TokenShards
-    from lifecycle.tasks.train.trainer import ds_config, get_batch, stub_muon
+    from lifecycle.tasks.train.engine import ds_config, stub_muon
+    from lifecycle.tasks.train.loader import get_batch
 
     torch.set_num_threads(1)
     launch = json.loads(Path(launch_path).read_text())

@@ -27,7 +27,8 @@ from lifecycle.tasks.eval.evaluate.stage import windows
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize, token_shards
 from lifecycle.tasks.train.config import ModelConfig, TrainConfig
 from lifecycle.tasks.train.launch import run_train
-from lifecycle.tasks.train.trainer import ds_config, get_batch
+from lifecycle.tasks.train.engine import ds_config
+from lifecycle.tasks.train.loader import get_batch
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches and then".split()
 
@@ -343,7 +344,7 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
 
 
 def test_metrics_resume_drops_lost_steps_and_a_torn_last_line(tmp_path):
-    from lifecycle.tasks.train.trainer import Metrics
+    from lifecycle.tasks.train.metrics import Metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "train", "step": 5}\n{"kind": "eval", "step": 10}\n{"kind": "train", "step": 15}\n'
@@ -410,16 +411,17 @@ def test_accelerator_picks_device_and_backend(monkeypatch):
     """`train.engine.accelerator`: cpu -> gloo on the CPU; cuda -> this rank's GPU (LOCAL_RANK) and NCCL, or a clear
     error naming the field on a host where torch sees no GPU. The launcher's environment follows the field."""
     from lifecycle.tasks.train import trainer as train_loop
+    from lifecycle.tasks.train.distributed import select_device
     from lifecycle.tasks.train.launch import launch_args
 
-    assert train_loop.select_device(CFG) == (torch.device("cpu"), "gloo")
+    assert select_device(CFG) == (torch.device("cpu"), "gloo")
     cuda = with_(CFG, **{"engine.accelerator": "cuda"})
     if torch.cuda.is_available():
         monkeypatch.setenv("LOCAL_RANK", "0")
-        assert train_loop.select_device(cuda) == (torch.device("cuda", 0), "nccl")
+        assert select_device(cuda) == (torch.device("cuda", 0), "nccl")
     else:
         with pytest.raises(RuntimeError, match="train.engine.accelerator=cuda, but torch sees no CUDA device"):
-            train_loop.select_device(cuda)
+            select_device(cuda)
     assert not hasattr(train_loop, "DEVICE")  # the device is the Trainer's attribute, not module state
     assert launch_args(cuda, 29500, Path("/tmp"), 1) == ["--num_gpus", str(CFG.batch.num_ranks), "--master_port", "29500"]
 
@@ -427,7 +429,7 @@ def test_accelerator_picks_device_and_backend(monkeypatch):
 def test_a_rank_imports_deepspeed_without_mlflow():
     """DeepSpeed's autotuner would import MLflow (and pandas) on every `import deepspeed`: most of that import's
     time in a rank. The rank keeps it out, and DeepSpeed takes it as not installed."""
-    code = ("import sys; from lifecycle.tasks.train.trainer import keep_mlflow_out; keep_mlflow_out(); "
+    code = ("import sys; from lifecycle.tasks.train.engine import keep_mlflow_out; keep_mlflow_out(); "
             "import deepspeed; from deepspeed.autotuning import autotuner; "
             "assert sys.modules['mlflow'] is None and not autotuner.has_mlflow; "
             "assert not [m for m in sys.modules if m.startswith(('mlflow.', 'pandas'))]; print('ok')")
