@@ -133,3 +133,27 @@ def test_the_funnel_shows_what_each_filter_rule_cost():
                                   ("fineweb", 4), ("c4", 1)]
     row, = funnel_rows({"scrub": {"stats": {**stats, "rows_kept": 40}}})
     assert row["top_reasons"] == [("gopher_alpha_ratio", 25), ("gopher_dup_5_grams", 20), ("lang_not_kept", 5)]
+
+
+def test_every_rule_registers_itself_with_its_reason_prefixes():
+    """Issue 42: a new filter rule is one module (rule.register) and one name in `filter.rules`: no list to edit.
+    Every Rule subclass the package defines is registered, and each reason prefix maps back to its rule."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from lifecycle.tasks.data import filter as package
+    from lifecycle.tasks.data.filter.rule import MarkupAware, Rule
+    from lifecycle.tasks.data.filter.stage import RULES, FilterConfig, rule_of
+
+    defined = set()
+    for module in pkgutil.iter_modules(package.__path__):
+        mod = importlib.import_module(f"{package.__name__}.{module.name}")
+        defined |= {c for _, c in inspect.getmembers(mod, inspect.isclass)
+                    if issubclass(c, Rule) and c not in (Rule, MarkupAware) and c.__module__ == mod.__name__}
+    assert defined == {info.config for info in RULES.values()}
+    assert list(FilterConfig.model_fields) == ["rules", *RULES]  # a section per rule, in `order`
+    for name, info in RULES.items():
+        assert isinstance(getattr(FilterConfig(), name), info.config)
+        for prefix in info.reasons:
+            assert rule_of(prefix + "x") == name, prefix

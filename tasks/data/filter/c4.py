@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond
+from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond, register
 from lifecycle.tasks.data.filter.words import split_words
 
 # --------------------------------------------------------------------------------------------------
@@ -50,6 +50,7 @@ C4_END_PUNCT = (".", "?", "!", '"', "'")
 C4_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
 
 
+@register("c4", reasons=("c4_",), doc="C4 rules (c4.py).", order=40)
 class C4Config(Rule):
     """C4 rules (datatrove C4QualityFilter defaults, as FineWeb used them). Kept lines replace the text."""
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond
+from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond, register
 from lifecycle.tasks.data.filter.words import TERMINAL_PUNCTUATION, find_duplicates, split_words
 
 
+@register("fineweb", reasons=("fineweb_",), doc="FineWeb rules (fineweb.py).", order=50)
 class FineWebConfig(Rule):
     """FineWeb quality rules (datatrove FineWebQualityFilter defaults). Every ratio can be set to null to disable
     its rule."""

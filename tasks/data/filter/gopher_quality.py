@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from pydantic import Field, model_validator
 
-from lifecycle.tasks.data.filter.rule import MarkupAware, Verdict, beyond
+from lifecycle.tasks.data.filter.rule import MarkupAware, Verdict, beyond, register
 from lifecycle.tasks.data.filter.words import SYMBOLS, split_words
 
 @lru_cache(maxsize=1 << 17)  # words repeat: one test per distinct word
@@ -31,6 +31,7 @@ def _has_alpha(word: str) -> bool:
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Gopher A.1.1; datatrove STOP_WORDS
 
 
+@register("gopher_quality", reasons=("gopher_",), doc="Gopher quality rules (gopher_quality.py).", order=30)
 class GopherQualityConfig(MarkupAware):
     """Gopher quality rules (datatrove GopherQualityFilter). Every threshold can be set to null to disable its
     rule."""

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from lifecycle.tasks.data.filter.rule import MarkupAware, Verdict, beyond, quoted
+from lifecycle.tasks.data.filter.rule import MarkupAware, Verdict, beyond, quoted, register
 from lifecycle.tasks.data.filter.words import find_duplicates, split_words
 
 _PARAGRAPH = re.compile(r"\n{2,}")
@@ -73,6 +73,14 @@ def dup_ngram_chars(words: list[str], n: int) -> int:
     return _ngram_counts(words).dup_chars(n)
 
 
+def _warm_kernels() -> None:
+    """numba with the compiled n-gram kernels, loaded once in a shard worker before its shards fork."""
+    top_ngram_chars(["warm", "up"], 2)
+    dup_ngram_chars(["warm", "up"], 2)
+
+
+@register("gopher_repetition", reasons=("gopher_dup_", "gopher_top_", "gopher_rep_"),
+          doc="Gopher repetition rules (gopher_repetition.py).", order=20, warm=_warm_kernels)
 class GopherRepetitionConfig(MarkupAware):
     """Gopher repetition rules (datatrove GopherRepetitionFilter defaults). Every threshold can be set to null,
     every n-gram list to [], to disable it."""

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import Field
 
 from lifecycle.core.fs import cache_dir
-from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond
+from lifecycle.tasks.data.filter.rule import Rule, Verdict, beyond, register
 
 
 MODEL_ARRAYS = ("ptc", "pc", "nextmove", "nextmove_row", "out_feat")  # py3langid 0.4's model.npz.xz (modelio.py)
@@ -77,6 +77,8 @@ def detect_language(text: str) -> tuple[str, float]:
     return lang, float(score)
 
 
+@register("language", reasons=("lang_",), doc="Language ID (language.py).", order=10,
+          warm=lambda: _identifier())
 class LanguageConfig(Rule):
     """Keep documents in the listed languages, detected with enough confidence (datatrove LanguageFilter)."""
 

@@ -5,13 +5,21 @@ passes (datatrove's `filter(doc) -> bool | (False, reason)`, with our own reason
 `split_words(text)`, handed in so that consecutive rules split a text once; None makes the rule split it itself
 when it needs words. A rule that rewrites the text it keeps (C4 drops lines) overrides `edit`; the rules after it
 see the edited text. The stage (stage.py) applies the rules listed in `filter.rules`, in that order.
+
+A rule registers itself (`@register`: its name in `filter.rules`, its config section, the prefixes of its reason
+codes, what a shard worker loads once for it), so that a new rule is one module in this package and one name in a
+config's `filter.rules`: `load_rules` imports every module of the package.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import operator
+import pkgutil
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -78,3 +86,38 @@ class MarkupAware(Rule):
         """(the text this rule reads, its words): `words` when they are still the words of that text, else None."""
         seen = self.judged(text)
         return (text, words) if seen == text else (seen, None)
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    """A registered rule: `name` in `filter.rules` and as its config section, the `Rule` subclass, the prefixes of
+    its reason codes, the section's one-line doc, its place among the sections, and what a shard worker loads
+    once before its shards fork (`warm`, or None)."""
+    name: str
+    config: type[Rule]
+    reasons: tuple[str, ...]
+    doc: str
+    order: int
+    warm: Callable[[], None] | None
+
+
+_RULES: dict[str, RuleInfo] = {}
+
+
+def register(name: str, *, reasons: tuple[str, ...], doc: str, order: int = 100,
+             warm: Callable[[], None] | None = None):
+    """Class decorator: register a `Rule` subclass as the rule `name` (see `RuleInfo`)."""
+    def add(cls: type[Rule]) -> type[Rule]:
+        if name in _RULES and _RULES[name].config is not cls:
+            raise ValueError(f"filter rule {name!r} registered twice ({_RULES[name].config.__name__}, {cls.__name__})")
+        _RULES[name] = RuleInfo(name, cls, reasons, doc, order, warm)
+        return cls
+    return add
+
+
+def load_rules() -> dict[str, RuleInfo]:
+    """Every rule of this package, imported once (each registers itself), in section order."""
+    for module in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
+        if module.name != "stage":  # the stage calls this while it is imported
+            importlib.import_module(f"{__package__}.{module.name}")
+    return dict(sorted(_RULES.items(), key=lambda kv: (kv[1].order, kv[0])))

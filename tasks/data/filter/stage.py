@@ -26,45 +26,28 @@ from __future__ import annotations
 from typing import Literal
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
     DatasetRef, StageStats, rejected_table,
 )
 from lifecycle.core.shards import StagePlan, map_tables, plan_per_file, run_plan
-from lifecycle.tasks.data.filter.c4 import C4Config
-from lifecycle.tasks.data.filter.code import CodeConfig
-from lifecycle.tasks.data.filter.fineweb import FineWebConfig
-from lifecycle.tasks.data.filter.gopher_quality import GopherQualityConfig
-from lifecycle.tasks.data.filter.gopher_repetition import GopherRepetitionConfig
 from lifecycle.tasks.data.filter.language import LanguageConfig, detect_language
-from lifecycle.tasks.data.filter.rule import Rule, Verdict
+from lifecycle.tasks.data.filter.rule import Rule, Verdict, load_rules
 from lifecycle.tasks.data.filter.words import split_words
 
 STAGE = "filter"
-RuleName = Literal["language", "gopher_repetition", "gopher_quality", "c4", "fineweb", "code"]
+RULES = load_rules()  # every rule module of this package registers itself (rule.register)
+RuleName = Literal[tuple(RULES)]  # type: ignore[valid-type]  # the registered names
 
 
-class FilterConfig(BaseModel):
-    """Which rules run, in which order, and each rule's own section."""
+class _Filter(BaseModel):
+    """Which rules run, in which order, and each rule's own section (one field per registered rule)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rules: tuple[RuleName, ...] = Field(("language", "gopher_quality"), description=(
-        "The rules to apply, in order; a document's reason is the first it fails. Default: language ID, then "
-        "Gopher quality. FineWeb (datatrove examples/fineweb.py): language, gopher_repetition, gopher_quality, "
-        "c4, fineweb."))
-    language: LanguageConfig = Field(LanguageConfig(), description="Language ID (language.py).")
-    gopher_repetition: GopherRepetitionConfig = Field(GopherRepetitionConfig(), description=(
-        "Gopher repetition rules (gopher_repetition.py)."))
-    gopher_quality: GopherQualityConfig = Field(GopherQualityConfig(), description=(
-        "Gopher quality rules (gopher_quality.py)."))
-    c4: C4Config = Field(C4Config(), description="C4 rules (c4.py).")
-    fineweb: FineWebConfig = Field(FineWebConfig(), description="FineWeb rules (fineweb.py).")
-    code: CodeConfig = Field(CodeConfig(), description="Codex / BigCode rules for source files (code.py).")
-
-    @field_validator("rules")
+    @field_validator("rules", check_fields=False)
     @classmethod
     def _once(cls, rules: tuple[str, ...]) -> tuple[str, ...]:
         twice = sorted({r for r in rules if rules.count(r) > 1})
@@ -74,13 +57,20 @@ class FilterConfig(BaseModel):
 
     def active(self) -> list[Rule]:
         """The listed rules' sections, in order."""
-        return [getattr(self, name) for name in self.rules]
+        return [getattr(self, name) for name in self.rules]  # type: ignore[attr-defined]
 
 
-# reason code prefix -> the rule that gives it (Gopher repetition's codes first: both Gopher rules use `gopher_`)
-REASON_PREFIXES = (("lang_", "language"), ("gopher_dup_", "gopher_repetition"), ("gopher_top_", "gopher_repetition"),
-                   ("gopher_rep_", "gopher_repetition"), ("gopher_", "gopher_quality"), ("c4_", "c4"),
-                   ("fineweb_", "fineweb"), ("code_", "code"))
+FilterConfig = create_model(  # type: ignore[call-overload]
+    "FilterConfig", __base__=_Filter, __module__=__name__,
+    rules=(tuple[RuleName, ...], Field(("language", "gopher_quality"), description=(
+        "The rules to apply, in order; a document's reason is the first it fails. Default: language ID, then "
+        "Gopher quality. FineWeb (datatrove examples/fineweb.py): language, gopher_repetition, gopher_quality, "
+        "c4, fineweb."))),
+    **{name: (info.config, Field(info.config(), description=info.doc)) for name, info in RULES.items()})
+
+# reason code prefix -> the rule that gives it, longest first (gopher_dup_ before gopher_: both Gopher rules use it)
+REASON_PREFIXES = tuple(sorted(((p, name) for name, info in RULES.items() for p in info.reasons),
+                               key=lambda pr: -len(pr[0])))
 
 
 def rule_of(reason: str) -> str:
@@ -156,17 +146,11 @@ def filter_shard(cfg: FilterConfig, files: list[str], writer) -> StageStats:
 
 def warm_shard(cfg: FilterConfig) -> None:
     """Load what every shard loads on its first document, once in the worker before its shard processes fork
-    (`lifecycle.core.shards.warm_worker`), instead of once in each: the language-ID model, always needed for
-    the kept documents' `lang` columns (mapped from the user's cache: ~5 ms, 0.3-0.4 s the first time on a
-    machine), and numba with the compiled n-gram kernels (~0.5 s)."""
-    from lifecycle.tasks.data.filter.language import _identifier
-
-    _identifier()
-    if "gopher_repetition" in cfg.rules:
-        from lifecycle.tasks.data.filter.gopher_repetition import dup_ngram_chars, top_ngram_chars
-
-        top_ngram_chars(["warm", "up"], 2)
-        dup_ngram_chars(["warm", "up"], 2)
+    (`lifecycle.core.shards.warm_worker`), instead of once in each: each listed rule's `warm` (rule.register), and
+    the language-ID model always, for the kept documents' `lang` columns."""
+    for name in dict.fromkeys(("language", *cfg.rules)):
+        if (warm := RULES[name].warm) is not None:
+            warm()
 
 
 def plan_filter(parent: DatasetRef, cfg: FilterConfig, workdir: str) -> StagePlan | DatasetRef:
