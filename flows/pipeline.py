@@ -25,7 +25,11 @@ from lifecycle.core.dataset import DatasetDamaged, DatasetRef, RawFile, sha256_j
 from lifecycle.core.fs import sha256_file
 from lifecycle.core.latest import latest_targets, point_latest
 from lifecycle.core.locking import workdir_lock
-from lifecycle.flows.runner import RunSummary, ShardRunner, StageRunner, interrupt_of, note_interrupted, plain_task, reporter
+from lifecycle.flows.interrupts import interrupt_of, note_interrupted
+from lifecycle.flows.reporting import Reporter
+from lifecycle.flows.retry import plain_task
+from lifecycle.flows.shards import ShardRunner
+from lifecycle.flows.stage_runner import RunSummary, StageRunner
 from lifecycle.lineage import catalog
 from lifecycle.preflight import preflight
 from lifecycle.lineage.card import model_card
@@ -48,10 +52,11 @@ log = logging.getLogger(__name__)
 # annotations, and a served deployment cannot resolve `PipelineConfig` from a string.
 @flow(name="lifecycle", log_prints=True)
 def lifecycle_flow(config: PipelineConfig | None = None, until: str | None = None, config_file: str | None = None,
-                   overrides: list[str] | None = None) -> dict:
+                   overrides: list[str] | None = None, reporter: Reporter | None = None) -> dict:
     """`config`: the resolved config (`lifecycle run` passes it). Or `config_file` and `overrides` (`--set`
     KEY=VALUE): a YAML file read when the run starts, which is what `lifecycle serve` deploys, so that an edited
-    YAML applies to the next scheduled run; its sha256 goes on the flow run's log and the MLflow parent run."""
+    YAML applies to the next scheduled run; its sha256 goes on the flow run's log and the MLflow parent run.
+    `reporter`: who hears of the run's progress (`lifecycle run`'s console; by default no one)."""
     flow_start = time.time()
     flow_run = get_run_context().flow_run
     tags = {}
@@ -70,17 +75,19 @@ def lifecycle_flow(config: PipelineConfig | None = None, until: str | None = Non
     # one run per work dir: a run `lifecycle serve` starts on its schedule refuses while a manual `lifecycle run`
     # holds the work dir, and the other way round (`lifecycle run` holds it already in this process)
     with workdir_lock(config.workdir, holder=f"flow run {flow_run.name} ({flow_run.id})", reentrant=True):
-        return _pipeline(config, until, flow_run, tags, {"flow_start": flow_start})
+        return _pipeline(config, until, flow_run, tags, {"flow_start": flow_start},
+                         reporter if reporter is not None else Reporter())
 
 
-def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, str], timing: dict) -> dict:
+def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, str], timing: dict,
+              reporter: Reporter) -> dict:
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     inputs = plain_task(resolve_inputs, "resolve-inputs")(cfg.collect.inputs)
     if cfg.collect.incremental and not new_inputs(inputs, cfg.workdir):
         # a scheduled tick with nothing new: no dataset, no MLflow run, one line on the flow run
         note = f"no new input files: all {len(inputs)} were collected by earlier runs; nothing to do"
         get_run_logger().info(f"[collect] {note}")
-        reporter().note(note)
+        reporter.note(note)
         return RunSummary(status="no_new_inputs", workdir=cfg.workdir, prefect_flow_run_id=str(flow_run.id),
                           timing={**timing, "flow_end": time.time()}).model_dump()
     shards = ShardRunner(cfg.orchestration, timing)
@@ -91,8 +98,8 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,
                              prefect_flow_run_id=str(flow_run.id))
         summary.timing = timing  # the very dict the workers' start thread writes to (pydantic would copy it)
-        logger = _Logger(tracker, summary)
-        run = StageRunner(cfg, summary, until, on_done=logger.stage_done, shards=shards)
+        logger = _Logger(tracker, summary, reporter)
+        run = StageRunner(cfg, summary, until, on_done=logger.stage_done, shards=shards, reporter=reporter)
         # the parent run is named after the pipeline (one parent per config; the Prefect flow run is a tag)
         summary.mlflow_run_id = tracker.start(run_name=cfg.name, config=cfg, tags={
             "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
@@ -111,7 +118,7 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
         champion = registry.champion_package() if registry is not None else None
         taint = registry.champion_taint() if champion is not None else None  # never a warm start nor a scorer
         if warm:
-            init_weights, tokenize_cfg = _warm_start(tracker, champion, taint, cfg, summary)
+            init_weights, tokenize_cfg = _warm_start(tracker, champion, taint, cfg, summary, reporter)
         docs = run(COLLECT, inputs=inputs)  # after the registry lookup: a server that fails, fails before compute
         kept = run(FILTER, docs)
         unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
@@ -123,22 +130,22 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
             if stage is PERPLEXITY:
                 model, why = (None, tainted_reason(taint)) if taint else _scoring_model(champion)
                 if model is None:
-                    _skip(tracker, summary, stage, why)
+                    _skip(tracker, summary, stage, why, reporter)
                     continue
                 clean = run(stage, clean, model=model)
             elif stage is SELECT and cfg.select.column == PERPLEXITY_COLUMN and PERPLEXITY.name in summary.skipped:
                 _skip(tracker, summary, stage, f"select.column is {PERPLEXITY_COLUMN}, which was not scored "
-                                               f"(perplexity skipped: {summary.skipped[PERPLEXITY.name]})")
+                                               f"(perplexity skipped: {summary.skipped[PERPLEXITY.name]})", reporter)
             else:
                 clean = run(stage, clean)
         tokens = run(TOKENIZE, clean, config=tokenize_cfg)
         trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None,
-                      on_metrics=reporter().train_metrics)
+                      on_metrics=reporter.train_metrics)
         scores = run(EVALUATE, trained, tokens,  # the data checks ran at tokenize, before training
-                     progress=lambda text: reporter().progress("evaluate", text))
+                     progress=lambda text: reporter.progress("evaluate", text))
         model = run(CHECKPOINT, trained, tokens)
         if model is not None:
-            _register(tracker, summary, model, cfg, scores)
+            _register(tracker, summary, model, cfg, scores, reporter)
         _log_charts(tracker, summary, trained)
         tracker.log_parent_metrics({k: v for k, v in summary.metrics.items() if isinstance(v, (int, float))})
         tracker.log_parent_datasets([docs], "source")  # what the run read, and what it trained on
@@ -182,8 +189,8 @@ EVAL_HEADLINE = ("val_loss", "val_bpb", "gen_bleu", "gen_meteor", "gen_meteor_no
 class _Logger:
     """After each stage: its MLflow child run (config, outcome, datasets, metrics) and its summary line."""
 
-    def __init__(self, tracker: Tracker, summary: RunSummary):
-        self.tracker, self.summary = tracker, summary
+    def __init__(self, tracker: Tracker, summary: RunSummary, reporter: Reporter):
+        self.tracker, self.summary, self.reporter = tracker, summary, reporter
         self.parents: dict[str, DatasetRef] = {}
 
     def stage_done(self, stage, value, outcome: str, extra: dict, section) -> None:
@@ -216,7 +223,7 @@ class _Logger:
         self.parents[stage.name] = ref
         _update_catalog(self.summary.workdir, with_models=False)
         print(f"[{stage}] {outcome}: {ref.num_rows} rows -> {ref.path}")
-        reporter().stage_done(stage.name, outcome, stats, "" if stats else f"{ref.num_rows:,} rows")
+        self.reporter.stage_done(stage.name, outcome, stats, "" if stats else f"{ref.num_rows:,} rows")
 
     def _train(self, stage, result, outcome: str, extra: dict, section) -> None:
         tokens = self.parents["tokenize"]
@@ -239,7 +246,7 @@ class _Logger:
         if result.model_params:
             self.summary.metrics["train_params"] = result.model_params
         print(f"[train] {outcome}: step {result.steps}, loss {result.final_loss:.4f} -> {result.checkpoint_dir}")
-        reporter().stage_done("train", outcome, None, f"step {result.steps}, loss {result.final_loss:.4f}")
+        self.reporter.stage_done("train", outcome, None, f"step {result.steps}, loss {result.final_loss:.4f}")
 
     def _eval(self, stage, ref: DatasetRef, outcome: str, extra: dict, section) -> None:
         tokens = self.parents["tokenize"]
@@ -253,8 +260,8 @@ class _Logger:
             self.summary.metrics.update(metrics)
             print(f"[evaluate] {outcome}: " + ", ".join(with_scale(k, v) for k, v in metrics.items()))
             shown = [k for k in EVAL_HEADLINE if k in metrics]  # the rest: the model card, MLflow, --json
-            reporter().stage_done("evaluate", outcome, None, ", ".join(with_scale(k, metrics[k]) for k in shown)
-                                  + f" (+{len(metrics) - len(shown)} more in the model card)")
+            self.reporter.stage_done("evaluate", outcome, None, ", ".join(with_scale(k, metrics[k]) for k in shown)
+                                     + f" (+{len(metrics) - len(shown)} more in the model card)")
         else:  # its console line comes with the registration (`_register`)
             self.tracker.log_stage(stage.name, {"checkpoint_dir": self.summary.checkpoint}, outcome, inputs=[tokens],
                                    outputs=[ref])
@@ -286,7 +293,7 @@ def _per_expert(rows: list[dict]) -> list[str]:
 
 
 def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg: PipelineConfig,
-              scores: DatasetRef) -> None:
+              scores: DatasetRef, reporter: Reporter) -> None:
     """Register the packaged model (or find the version a rerun already registered), decide promotion (on the
     evaluation set's digest; a champion scored on another set is re-scored on this one), and put the model card
     on the parent run."""
@@ -298,7 +305,7 @@ def _register(tracker: Tracker, summary: RunSummary, model_ref: DatasetRef, cfg:
     summary.promotion = registry.promotion(name, version)
     print(f"[checkpoint] {summary.stages['checkpoint']}: registered {name} version {version}; "
           f"champion: {summary.promotion.get('decision')} ({summary.promotion.get('reason')})")
-    reporter().stage_done("checkpoint", summary.stages["checkpoint"], None,
+    reporter.stage_done("checkpoint", summary.stages["checkpoint"], None,
                           f"registered {name} version {version}; champion: {summary.promotion.get('decision')}")
     manifests = {s: json.loads(Path(p).read_text()) for s, p in summary.datasets.items()}
     configs = {s: json.dumps(m.get("config"), sort_keys=True) for s, m in manifests.items()
@@ -348,13 +355,13 @@ def _scoring_model(champion: tuple[str, Path] | None) -> tuple[ScoringModel | No
         return None, f"the champion's package (version {version}) is damaged: {e}"
 
 
-def _skip(tracker: Tracker, summary: RunSummary, stage, reason: str) -> None:
+def _skip(tracker: Tracker, summary: RunSummary, stage, reason: str, reporter: Reporter) -> None:
     """An enabled optional stage that cannot run: said on the console and the flow log, kept in the summary and
     on the MLflow parent run (`lifecycle.skipped.<stage>`); its children read its parent's output."""
     summary.skipped[stage.name] = reason
     tracker.set_parent_tag(f"lifecycle.skipped.{stage.name}", reason[:5000])
     print(f"[{stage.name}] skipped: {reason}")
-    reporter().note(f"{stage.name} skipped: {reason}")
+    reporter.note(f"{stage.name} skipped: {reason}")
 
 
 def tainted_reason(taint: tuple[str, str]) -> str:
@@ -362,7 +369,7 @@ def tainted_reason(taint: tuple[str, str]) -> str:
 
 
 def _warm_start(tracker: Tracker, found: tuple[str, Path] | None, taint: tuple[str, str] | None,
-                cfg: PipelineConfig, summary: RunSummary):
+                cfg: PipelineConfig, summary: RunSummary, reporter: Reporter):
     """`train.init_from: champion`: (champion's weights, tokenize config using its tokenizer) when the model
     config is unchanged, else (None, None: the configured tokenize config). The decision goes on the parent run."""
     if found is None:
@@ -380,5 +387,5 @@ def _warm_start(tracker: Tracker, found: tuple[str, Path] | None, taint: tuple[s
     tracker.set_parent_tag("lifecycle.warm_start", json.dumps(decision))
     note = f"warm start: {'champion version ' + found[0] if weights else 'from scratch'} ({reason})"
     print(f"[train] {note}")
-    reporter().note(note)
+    reporter.note(note)
     return weights, tok_cfg

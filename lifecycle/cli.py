@@ -75,7 +75,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                 EMBEDDED_USED = cfg.workdir
             timing["prefect_launched"] = time.time()
             from lifecycle.flows.pipeline import lifecycle_flow
-            from lifecycle.flows.runner import reporting
 
             if not (cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):  # the work dir's SQLite
                 from lifecycle.lineage.tracking import preload_sqlite_store
@@ -85,9 +84,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             wait_ready()
             timing["prefect_ready"] = time.time()
 
-            with view, reporting(view):
+            with view:
                 timing["flow_call"] = time.time()
-                summary = lifecycle_flow(config=cfg, until=args.until)
+                summary = lifecycle_flow(config=cfg, until=args.until, reporter=view)
             summary["orchestration"] = mode
             if mode == "embedded":
                 summary["left_running"] = left_running(cfg.workdir)
@@ -100,8 +99,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 3
     except (KeyboardInterrupt, Terminated) as e:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
-        if "lifecycle.flows.runner" in sys.modules:  # a flow ran: its run is Cancelled, not Crashed
-            sys.modules["lifecycle.flows.runner"].cancel_interrupted()
+        from lifecycle.flows.interrupts import cancel_interrupted
+
+        cancel_interrupted()  # a flow run the interrupt ended is Cancelled, not Crashed
         print(f"lifecycle: interrupted by {signal.Signals(signum).name}; the ranks are stopped and the last "
               "committed checkpoint stands (rerun to resume)" + (f"; log: {log}" if log else ""), file=err)
         if args.json:
@@ -642,8 +642,9 @@ def finish_run() -> None:
     flushed."""
     import atexit
 
-    if "lifecycle.flows.runner" in sys.modules:  # no exit handler may wait on a shard worker
-        sys.modules["lifecycle.flows.runner"].reap_workers()
+    from lifecycle.flows.pools import reap_workers
+
+    reap_workers()  # no exit handler may wait on a shard worker
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -13,8 +13,8 @@ the stage lines and the final summary there:
 `-v/--verbose` leaves the descriptors alone, so the chatter shows live, and prints plain lines.
 
 This module imports neither Prefect nor the flow: `Capture` must start before Prefect is imported (Prefect's
-console handler decides on colours when it is created). `RunConsole` implements
-`lifecycle.flows.runner.Reporter`, the interface the flow reports to.
+console handler decides on colours when it is created). `RunConsole` is a
+`lifecycle.flows.reporting.Reporter`, the interface the flow reports to.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import TextIO
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
+
+from lifecycle.flows.reporting import Reporter
 
 PLAIN_EVERY_S = 60.0
 """Non-terminal output: the least time between two progress lines of one stage."""
@@ -165,9 +167,9 @@ class _Line:
         self.printed_at = self.t0  # plain mode: when this stage last printed a progress line
 
 
-class RunConsole:
+class RunConsole(Reporter):
     """One line per stage on `out`: live on a terminal, plain lines otherwise (see the module docstring).
-    The flow reports to it through the methods of `lifecycle.flows.runner.Reporter`."""
+    The flow reports to it through the methods of `Reporter`."""
 
     def __init__(self, out: TextIO, max_steps: int | None = None, live: bool | None = None):
         self.out = out

@@ -206,7 +206,6 @@ def preload() -> None:
     """Import what a run imports before its first stage and during its tail."""
     import lifecycle.cli  # noqa: F401  the config, the stages' config models
     import lifecycle.flows.pipeline  # noqa: F401  Prefect, the flow, the stages
-    import lifecycle.flows.runner  # noqa: F401
     from lifecycle.lineage import charts, tracking  # noqa: F401
 
     charts.preload()

@@ -12,7 +12,7 @@ import pytest
 
 from lifecycle import console
 from lifecycle.console import RunConsole, funnel, train_progress
-from lifecycle.flows.runner import Reporter
+from lifecycle.flows.reporting import Reporter
 from tests.conftest import ROOT, corpus_records
 
 STATS = {"rows_in": 2130, "rows_kept": 679, "rows_rejected": 1451,

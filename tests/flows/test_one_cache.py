@@ -130,7 +130,7 @@ def test_an_edit_rebuilds_its_stage_and_the_ones_after_it_only(source_copy, inpu
 def test_an_edit_outside_the_stages_imports_changes_no_data_stage(source_copy):
     """Flows, lineage and the train/eval stages are not imported by a data stage: editing them keeps its version."""
     before = {s: code.code_version(BY_NAME[s].package) for s in DATA_STAGES}
-    for n, f in enumerate(["flows/runner.py", "lineage/tracking.py", "tasks/train/launch.py",
+    for n, f in enumerate(["flows/stage_runner.py", "lineage/tracking.py", "tasks/train/launch.py",
                            "tasks/eval/evaluate/stage.py", "lifecycle/config.py"]):
         append_comment(source_copy, f, n)
     assert {s: code.code_version(BY_NAME[s].package) for s in DATA_STAGES} == before

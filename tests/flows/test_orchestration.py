@@ -8,7 +8,7 @@ import pytest
 from prefect import flow
 from prefect.testing.utilities import prefect_test_harness
 
-from lifecycle.flows.runner import stage_task
+from lifecycle.flows.retry import stage_task
 from lifecycle.config import OrchestrationConfig
 from lifecycle.tasks.data.collect.stage import CollectConfig, InputError, resolve_inputs, run_collect
 
@@ -128,7 +128,7 @@ def test_a_deleted_dataset_is_rebuilt_on_rerun(tmp_path):
     import shutil
 
     from lifecycle.config import load_config
-    from lifecycle.flows.runner import RunSummary, StageRunner
+    from lifecycle.flows.stage_runner import RunSummary, StageRunner
     from lifecycle.tasks.stages import COLLECT, DEDUP, FILTER, SCRUB, TOKENIZE
     from tests.conftest import corpus_records
 

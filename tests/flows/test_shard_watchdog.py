@@ -14,7 +14,7 @@ from prefect.testing.utilities import prefect_test_harness
 from lifecycle.config import OrchestrationConfig
 from lifecycle.core.shards import ShardTimeout, commit_plan
 from lifecycle.core.dataset import DatasetDamaged
-from lifecycle.flows.runner import ShardRunner
+from lifecycle.flows.shards import ShardRunner
 from tests.core.test_watchdog import _plan
 
 
@@ -159,7 +159,7 @@ def test_the_pool_dies_with_its_flow_process():
 
     import psutil
 
-    script = ("from lifecycle.flows.runner import _Pool\nimport time\np = _Pool(2)\np.start()\n"
+    script = ("from lifecycle.flows.pools import LocalPool\nimport time\np = LocalPool(2)\np.start()\n"
               "print(flush=True)\ntime.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
