@@ -36,7 +36,9 @@ FORBIDDEN_OUTSIDE = {
     "distributed": ("lifecycle.flows",),
 }
 # what a DeepSpeed rank imports (`deepspeed ... -m lifecycle.tasks.train.trainer`): never Prefect or MLflow
-RANK_MODULES = [f"lifecycle.tasks.train.{m}" for m in ("trainer", "model", "loader", "checkpoint", "async_ckpt")]
+# (and the persist process each rank starts: `persist`; the memory tier's loader: `memtier`)
+RANK_MODULES = [f"lifecycle.tasks.train.{m}" for m in ("trainer", "model", "loader", "checkpoint", "arena", "persist",
+                                                       "async_saver", "memtier")]
 
 
 def project_modules() -> dict[str, Path]:

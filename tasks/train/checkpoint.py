@@ -12,9 +12,9 @@ ourselves. One checkpoint is one tag directory `<root>/step_<8 digits>/`:
 4. (all ranks) fsync every file they can see in the tag directory; barrier.
 5. (rank 0) write `COMMITTED.json` (path, sha256, bytes of every file in the tag directory, step, time) to
    a temporary name, fsync, rename, fsync the directory; barrier. The sha256 of a file its writer hashed
-   while writing it (`write_model`'s two files; every file of the async save, `lifecycle.tasks.train.async_ckpt`) is taken
-   from that writer, once the size on disk is checked against it; every other file (DeepSpeed's own writes)
-   is fsynced again and hashed from disk here.
+   while writing it (`write_model`'s two files; every file of the async save, `lifecycle.tasks.train.persist`) is
+   taken from that writer, once the size on disk is checked against it; every other file (DeepSpeed's own
+   writes) is fsynced again and hashed from disk here.
 
 A tag directory without `COMMITTED.json` does not exist for resume or export. `latest_valid` re-hashes
 the files and falls back to the previous committed checkpoint, logging why, when one was damaged after

@@ -120,12 +120,12 @@ class SyncCheckpointer(Checkpointer):
 
 
 class AsyncCheckpointer(Checkpointer):
-    """`async_ckpt.AsyncSaver`: `save` snapshots to host memory; a persist process per rank writes the files
+    """`async_saver.AsyncSaver`: `save` snapshots to host memory; a persist process per rank writes the files
     while training goes on, and `poll` commits once every rank's files are durable. One save in flight."""
 
     def __init__(self, engine, root: str | Path, keep_last: int, log: Callable[[str], None] = print,
                  tier: Path | None = None):
-        from lifecycle.tasks.train.async_ckpt import AsyncSaver  # starts nothing until built; needs deepspeed
+        from lifecycle.tasks.train.async_saver import AsyncSaver  # starts nothing until built; needs deepspeed
 
         super().__init__(engine, root, keep_last, log)
         self.base_engine = engine.checkpoint_engine  # AsyncSaver installs its snapshot engine in its place

@@ -316,7 +316,7 @@ class CheckpointConfig(Section):
     keep_last: int = Field(3, ge=1)
     """Committed checkpoints kept (K newest); older ones are deleted after each commit."""
     async_save: bool = True
-    """Checkpoints are snapshotted to host memory and persisted in the background (lifecycle.tasks.train.async_ckpt);
+    """Checkpoints are snapshotted to host memory and persisted in the background (lifecycle.tasks.train.async_saver);
     false = the synchronous save of lifecycle.tasks.train.checkpoint. Either way the commit marker comes last and
     the files are the same."""
     memory_tier: bool = True

@@ -1,8 +1,8 @@
 """In-memory checkpoint tier: the latest committed checkpoint kept in host memory, outside the ranks, so that a
 relaunch after a rank failure restores from memory instead of disk (Gemini, CheckFreq).
 
-The async saver (`lifecycle.tasks.train.async_ckpt`) already copies every checkpoint into a staging arena in
-host memory before its persist process writes the files. With the tier on, those arenas are files on tmpfs,
+The async save already copies every checkpoint into a staging arena in host memory
+(`lifecycle.tasks.train.arena`) before its persist process writes the files. With the tier on, those arenas are files on tmpfs,
 `/dev/shm/lifecycle-<uid>-<hash of the run directory>/rank<r>/arena-<pid>-<n>`, so the staging buffer IS the tier (no
 extra copy) and it outlives the rank. Each rank alternates between two arenas (one holds the last committed
 checkpoint while the next is staged into the other), so memory holds at most two checkpoints per host: the
@@ -18,17 +18,18 @@ Layout of one run's tier (mode 0700, owned by the user):
 
 A restore uses the tier only when its step is the newest commit on disk, the disk copy's files have the sizes
 its marker lists, every rank's index is there and its arenas hold the ranges it lists; else it reads the disk,
-and says why. The tier is then a DeepSpeed checkpoint engine whose `load(path)` reads each tensor out of the
-arena into memory of its own (`read_checked`: pread in pieces, each piece checksummed while it is still in the
-CPU cache, so the bytes are read once), and DeepSpeed's own load logic runs unchanged. A file with a tensor
-whose checksum does not match is read from the disk copy instead (its sha256 checked), and the restore says so.
+and says why. The tier is then a DeepSpeed checkpoint engine (`TierLoader`) whose `load(path)` reads each tensor
+out of the arena into memory of its own (`read_checked`: pread in pieces, each piece checksummed while it is
+still in the CPU cache, so the bytes are read once), and DeepSpeed's own load logic runs unchanged. A file with a
+tensor whose checksum does not match is read from the disk copy instead (its sha256 checked), and the restore
+says so.
 
-The checksum is CRC-32 (zlib's, 6.8 GB/s on this project's 2-core CI machine, against sha256's 2.0 and a
-memory copy's 2.7), not the sha256 of the disk copy. It guards against accidents (a torn or stale arena, a bug that
-writes into one), not against an adversary: the tier is a directory only this user can write (`check_owner`),
-and a sha256 would cost a restore as much time as copying the state out, on the path meant to be fast. The disk
-copy keeps its sha256, which is also the lineage's content address. An index written with another checksum is
-not used (the restore reads the disk and says why).
+The checksum is CRC-32 (zlib's: several times faster than sha256, docs/benchmarks.md "Recovery from memory"),
+not the sha256 of the disk copy. It guards against accidents (a torn or stale arena, a bug that writes into
+one), not against an adversary: the tier is a directory only this user can write (`check_owner`), and a sha256
+would cost a restore as much time as copying the state out, on the path meant to be fast. The disk copy keeps
+its sha256, which is also the lineage's content address. An index written with another checksum is not used
+(the restore reads the disk and says why).
 
 The indexes are pickles: like DeepSpeed's `torch.load(weights_only=False)` of the checkpoint files, they are
 only read from a directory this user created with mode 0700. torch is imported in the functions that need it:
@@ -37,6 +38,7 @@ the supervisor imports this module to clean tiers up.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import json
 import os
@@ -47,6 +49,9 @@ import time
 import zlib
 from pathlib import Path
 from typing import Any
+
+from lifecycle.core.fs import sha256_file
+from lifecycle.tasks.train import checkpoint as ckpt
 
 ROOT = Path("/dev/shm")
 MARKER = "COMMITTED.json"
@@ -233,3 +238,103 @@ def verify_rank(tier: Path, rank: int, step: int, world: int) -> str | None:
         if size < end:
             return f"rank {rank}: arena {name} has {size} bytes, the index needs {end}"
     return None
+
+
+class TierLoader:
+    """A DeepSpeed checkpoint engine for `engine.load_checkpoint` whose `load(path)` returns the state of a file of
+    tag directory `tag_dir` from the tier: the skeleton with every tensor read out of the arena into memory of
+    its own, its CRC-32 checked on the way (`read_checked`), in up to `threads` threads. A file no
+    index lists is read from disk by `base`; so is a file with a tensor whose checksum does not match, after its
+    sha256 is checked against the commit marker (`from_disk` says which and why)."""
+
+    def __init__(self, tier: Path, step: int, world: int, tag_dir: Path, base, threads: int = 1):
+        self.tier, self.tag_dir, self.base, self.threads = tier, Path(tag_dir), base, max(1, threads)
+        self.files: dict[str, tuple[Path, Any]] = {}
+        self.sums: dict[tuple[Path, int], str] = {}
+        for r in range(world):
+            index = read_index(tier, r, step)
+            for rel, (name, skeleton) in index["files"].items():
+                self.files[rel] = (rank_dir(tier, r) / name, skeleton)
+            for name, _start, _end, sums in index["ranges"]:
+                self.sums.update({(rank_dir(tier, r) / name, off): crc for off, crc in sums.items()})
+        self.fds: dict[Path, int] = {}
+        self.from_memory: list[str] = []
+        self.from_disk: list[str] = []
+        self.last: tuple[str, Any] | None = None
+
+    def _fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def load(self, path, map_location=None):
+        import torch
+
+        from lifecycle.tasks.train.arena import map_leaves
+
+        try:
+            rel = Path(path).resolve().relative_to(self.tag_dir.resolve()).as_posix()
+        except ValueError:
+            rel = None
+        if rel not in self.files:
+            return self.base.load(path, map_location=map_location)
+        if self.last is not None and self.last[0] == rel:
+            # DeepSpeed loads the model states file twice in a row (SDLoaderFactory's check_ckpt_list reads
+            # mp_world_size from a first load, then `load` loads it again): the same tensors, new containers
+            return map_leaves(self.last[1], lambda t: t)
+        self.last = None  # not held while another file is read (DeepSpeed has copied the module's weights by now)
+        state = self._read(*self.files[rel])
+        if state is None:
+            return self._from_disk(rel, path, map_location)
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        if device is not None and torch.device(device).type != "cpu":
+            state = map_leaves(state, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+        self.from_memory.append(rel)
+        self.last = (rel, state)
+        return state
+
+    def _read(self, arena: Path, skeleton: Any) -> Any | None:
+        """The state of `skeleton` with every tensor read out of `arena` into memory of its own; None when a
+        tensor does not match its checksum."""
+        import numpy as np
+        import torch
+
+        from lifecycle.tasks.train.arena import Slot, map_leaves
+
+        fd = self._fd(arena)
+        jobs: list[tuple[Slot, torch.Tensor]] = []
+        def own(s):  # a fresh tensor for a slot (filled below); a copy of anything else the skeleton holds
+            if isinstance(s, Slot):
+                t = torch.empty(s.numel, dtype=s.dtype)
+                jobs.append((s, t))
+                return t.view(s.shape)
+            return s.copy() if isinstance(s, np.ndarray) else s.clone()
+        state = map_leaves(skeleton, own)
+        def read(job) -> bool:
+            s, t = job
+            want = self.sums.get((arena, s.offset))
+            return want is not None and read_checked(fd, t.view(torch.uint8).numpy(), s.offset, want)
+        if self.threads > 1 and len(jobs) > 1:
+            with cf.ThreadPoolExecutor(max_workers=self.threads) as pool:
+                ok = all(list(pool.map(read, sorted(jobs, key=lambda j: -j[0].nbytes))))
+        else:
+            ok = all(read(j) for j in jobs)
+        return state if ok else None
+
+    def _from_disk(self, rel: str, path, map_location):
+        """The disk copy of `rel`, once its sha256 matches the commit marker."""
+        want = {f["path"]: f["sha256"] for f in ckpt.read_marker(self.tag_dir)["files"]}.get(rel)
+        if want is None or sha256_file(path) != want:
+            raise RuntimeError(f"{rel} of {self.tag_dir}: the memory tier's copy fails its checksum and the disk "
+                               f"copy its sha256 (or the marker lists no sha256 for it)")
+        self.from_disk.append(f"{rel}: a tensor in the memory tier does not match its checksum")
+        return self.base.load(path, map_location=map_location)
+
+    def close(self) -> None:
+        # Nothing points into the arenas (every tensor was read into memory of its own): no gc.collect() is
+        # needed to free views before an unmap (it walked torch's and DeepSpeed's heap, and took longer than the
+        # rest of the restore: docs/benchmarks.md, "Recovery from memory").
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self.last = None

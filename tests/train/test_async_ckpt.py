@@ -7,7 +7,9 @@ import torch
 
 from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.train import checkpoint as ckpt
-from lifecycle.tasks.train.async_ckpt import PersistProcess, merge_digests, persist, snapshot
+from lifecycle.tasks.train.arena import snapshot
+from lifecycle.tasks.train.async_saver import merge_digests
+from lifecycle.tasks.train.persist import PersistProcess, persist
 from lifecycle.tasks.train.model import GPT, ModelConfig
 
 
@@ -212,7 +214,7 @@ def test_persist_process_prunes_after_the_writes_queued_before(tmp_path):
 
 
 def test_arena_copies_a_tensor_staged_twice_in_one_snapshot_once():
-    from lifecycle.tasks.train.async_ckpt import Arena, unstage
+    from lifecycle.tasks.train.arena import Arena, unstage
 
     w = torch.arange(12.0).view(3, 4)
     arena = Arena(1 << 16)

@@ -235,16 +235,16 @@ def test_a_standby_makes_its_arena_early_only_when_the_host_has_room(engine, tmp
     """`prewarm(memory_share=...)`: a standby world (train.launch.spares) makes the first save's arena before its
     promotion only if it takes at most that share of MemAvailable; otherwise nothing is allocated, the line says
     so, and a later plain `prewarm` makes it."""
-    from lifecycle.tasks.train import async_ckpt
+    from lifecycle.tasks.train import async_saver
 
     base = engine.checkpoint_engine
     checkpointer = AsyncCheckpointer(engine, tmp_path / "checkpoints", keep_last=2)
     try:
-        monkeypatch.setattr(async_ckpt, "mem_available", lambda: 1000)  # a host with 1 kB to spare
+        monkeypatch.setattr(async_saver, "mem_available", lambda: 1000)  # a host with 1 kB to spare
         line = checkpointer.prewarm(tmp_path / "sizing-spare1", memory_share=0.25)
         assert not checkpointer.prewarmed and "not made before training" in line and "25%" in line
         assert checkpointer.saver.writer.arena is None and not (tmp_path / "sizing-spare1").exists()
-        monkeypatch.setattr(async_ckpt, "mem_available", lambda: 1 << 40)
+        monkeypatch.setattr(async_saver, "mem_available", lambda: 1 << 40)
         line = checkpointer.prewarm(tmp_path / "sizing-spare1", memory_share=0.25)
         assert checkpointer.prewarmed and "made and faulted in" in line and checkpointer.saver.writer.arena is not None
     finally:
