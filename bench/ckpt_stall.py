@@ -48,7 +48,7 @@ def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15
     import torch
     import torch.distributed as dist
 
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.async_saver import AsyncSaver
     from lifecycle.tasks.train.model import GPT
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig

@@ -40,7 +40,7 @@ def package(tmp: str):
 
     from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize, token_shards
     from lifecycle.tasks.eval.checkpoint.stage import package_model
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.model import GPT
 
     demo = load_config(ROOT / "deploy/configs/demo.yaml", [f"workdir={tmp}"])

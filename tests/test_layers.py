@@ -37,7 +37,7 @@ FORBIDDEN_OUTSIDE = {
 }
 # what a DeepSpeed rank imports (`deepspeed ... -m lifecycle.tasks.train.trainer`): never Prefect or MLflow
 # (and the persist process each rank starts: `persist`; the memory tier's loader: `memtier`)
-RANK_MODULES = [f"lifecycle.tasks.train.{m}" for m in ("trainer", "model", "loader", "checkpoint", "arena", "persist",
+RANK_MODULES = [f"lifecycle.tasks.train.{m}" for m in ("trainer", "model", "loader", "commit", "arena", "persist",
                                                        "async_saver", "memtier")]
 
 

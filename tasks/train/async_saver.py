@@ -8,10 +8,10 @@ DeepSpeed's `save_checkpoint` builds its state dicts on every rank and hands eac
 place, whose `save` stages the state dict and queues its write; DeepSpeed's engine classes are built on first
 use, so importing this module does not import DeepSpeed.
 
-`AsyncSaver` keeps the commit protocol of `lifecycle.tasks.train.checkpoint` (files durable on every rank, then a
+`AsyncSaver` keeps the commit protocol of `lifecycle.tasks.train.commit` (files durable on every rank, then a
 marker written last by rank 0), only spread over the following steps: `poll()` is collective (every rank calls it
 at the same steps); it all-reduces "my files are durable" and, once every rank says so, gathers every rank's
-digests (or its error: then no rank commits, every rank raises) and rank 0 queues `checkpoint.commit` (write
+digests (or its error: then no rank commits, every rank raises) and rank 0 queues `commit.commit` (write
 COMMITTED.json atomically, with the persist processes' digests; only files no persist process wrote, such as
 DeepSpeed's copy of `zero_to_fp32.py`, are hashed from disk there) on its background thread, which then has rank
 0's persist process prune (unlinking a checkpoint's files and freeing their cached pages costs kernel time: the
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.core.procs import mem_available
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.train.arena import ALIGN, staged_bytes
 from lifecycle.tasks.train.persist import PersistProcess

@@ -17,7 +17,7 @@ whatever it is:
 
 Every method is collective: every rank calls it at the same steps. Both write the same files (DeepSpeed's
 state files, `model.safetensors`, `model_config.json`) and the same `COMMITTED.json` marker through the
-protocol of `lifecycle.tasks.train.checkpoint`; a checkpoint written by one is restored by the other.
+protocol of `lifecycle.tasks.train.commit`; a checkpoint written by one is restored by the other.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.config import CheckpointConfig
 
 
@@ -109,7 +109,7 @@ def load_universal(engine, root: Path, tag: str) -> dict:
 
 
 class SyncCheckpointer(Checkpointer):
-    """`checkpoint.save`: every rank writes its files, then rank 0 commits and prunes, before `save` returns."""
+    """`commit.save`: every rank writes its files, then rank 0 commits and prunes, before `save` returns."""
 
     def save(self, step: int, client_state: dict, model_config: Any, marker: dict, wait: bool = False) -> None:
         tag_dir = ckpt.save(self.engine, self.root, step, client_state, model_config, marker)

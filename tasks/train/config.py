@@ -317,7 +317,7 @@ class CheckpointConfig(Section):
     """Committed checkpoints kept (K newest); older ones are deleted after each commit."""
     async_save: bool = True
     """Checkpoints are snapshotted to host memory and persisted in the background (lifecycle.tasks.train.async_saver);
-    false = the synchronous save of lifecycle.tasks.train.checkpoint. Either way the commit marker comes last and
+    false = the synchronous save of lifecycle.tasks.train.commit. Either way the commit marker comes last and
     the files are the same."""
     memory_tier: bool = True
     """Keep the latest committed checkpoint in host memory (tmpfs, /dev/shm), outside the ranks, so that a

@@ -35,7 +35,7 @@ from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 from lifecycle.core.code import code_version
 from lifecycle.core.procs import free_port, start_time
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import hf_import
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.data.tokenize.stage import token_shards

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle.core.fs import sha256_file
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 
 ROOT = Path("/dev/shm")
 MARKER = "COMMITTED.json"

@@ -3,7 +3,7 @@ arenas (`lifecycle.tasks.train.arena`) while the rank trains on.
 
 The rank sends it each file's skeleton (every tensor replaced by its place in an arena) over a socketpair, with
 each arena's fd passed alongside once. The process rebuilds the state dict over the same memory and writes it
-with `torch.save` to `<path>.tmp` through a hashing writer (`checkpoint.HashingWriter`: sha256 and size of the bytes
+with `torch.save` to `<path>.tmp` through a hashing writer (`commit.HashingWriter`: sha256 and size of the bytes
 as they are written), fsyncs it, renames it into place, fsyncs the directory, and replies with the file's digest.
 
 Why a process and not a thread: a thread's `torch.save` holds the GIL while it pickles and writes (the training
@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.train.arena import Arena, slots, staged_bytes, unstage
 
@@ -218,7 +218,7 @@ class PersistProcess:
 
     def submit(self, kind: str, target: str, state: Any, arg: Any) -> cf.Future:
         """Stage `state` (blocking copy) and queue its write; kind 'states' (torch.save to the file `target`) or
-        'model' (`checkpoint.write_model` into the directory `target`). The future's result is {path: (sha256,
+        'model' (`commit.write_model` into the directory `target`). The future's result is {path: (sha256,
         bytes)} of the files written, once they are durable; with the memory tier, a 'states' file's future
         also gets `tier`: the CRC-32 of every tensor it staged, by arena offset (`memtier.checksum`)."""
         def stage():
@@ -232,7 +232,7 @@ class PersistProcess:
         return self._queue(kind, target, stage, arg)
 
     def prune(self, root: str | Path, keep_last: int, keep: tuple[str | Path, ...]) -> cf.Future:
-        """Queue `checkpoint.prune(root, keep_last, keep)` after the writes already queued; the future's result
+        """Queue `commit.prune(root, keep_last, keep)` after the writes already queued; the future's result
         is {path: None} of the checkpoints deleted."""
         return self._queue("prune", str(root), lambda: (None, None, None), (keep_last, tuple(str(k) for k in keep)))
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.tasks.data.tokenize.stage import TokenShards
-from lifecycle.tasks.train.checkpoint import read_marker
+from lifecycle.tasks.train.commit import read_marker
 from lifecycle.tasks.train.checkpointer import SaveSchedule, make_checkpointer
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.distributed import (DeviceValue, gather_rng, mean_over_ranks, measure_peak_flops,

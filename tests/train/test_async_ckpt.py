@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lifecycle.core.fs import sha256_file
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.arena import snapshot
 from lifecycle.tasks.train.async_saver import merge_digests
 from lifecycle.tasks.train.persist import PersistProcess, persist

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lifecycle.core.fs import sha256_file
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.model import GPT, ModelConfig
 
 
@@ -58,7 +58,7 @@ def test_damaged_commit_falls_back_to_previous(tmp_path, caplog, damage):
         target.unlink()
     else:
         (d / ckpt.MARKER).write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="lifecycle.tasks.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="lifecycle.tasks.train.commit"):
         assert ckpt.latest_valid(tmp_path) == tmp_path / "step_00000010"
     expected = {"flip": "sha256 mismatch", "truncate": "bytes", "delete": "missing file", "marker": "unreadable marker"}
     assert expected[damage] in caplog.text and "step_00000020" in caplog.text

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lifecycle.core.dataset import sha256_file
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.train.checkpointer import AsyncCheckpointer, SyncCheckpointer, make_checkpointer
 from lifecycle.tasks.train.config import CheckpointConfig, ModelConfig, TrainConfig

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lifecycle.tasks.data.tokenize.stage import token_shards
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.hardware import datasheet_peak, mfu_basis
 from lifecycle.tasks.train.launch import resolve_model, run_train

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import layout as lay
 from lifecycle.tasks.train.config import TrainConfig
 from tests.train.test_train import CFG, make_tokens, with_

@@ -124,7 +124,7 @@ def test_config_validation():
 
 
 def test_configs_import_without_torch():
-    code = "import sys, lifecycle.tasks.train.launch, lifecycle.tasks.eval.evaluate.stage, lifecycle.tasks.data.tokenize.stage, lifecycle.tasks.train.checkpoint; print('torch' in sys.modules)"
+    code = "import sys, lifecycle.tasks.train.launch, lifecycle.tasks.eval.evaluate.stage, lifecycle.tasks.data.tokenize.stage, lifecycle.tasks.train.commit; print('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "False"

@@ -180,7 +180,7 @@ def test_capacity_drops_are_counted_per_expert(tmp_path, top_k):
 
 
 def _committed_moe(tmp_path, **moe_kw):
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.model import GPT
 
     torch.manual_seed(0)
@@ -216,7 +216,7 @@ def test_moe_exports_as_mixtral_with_the_dense_logits_tolerance(tmp_path, tokeni
     from transformers import AutoModelForCausalLM
 
     from lifecycle.tasks.eval.export import export_hf
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
 
     tag, ours = _committed_moe(tmp_path)
     assert type(ckpt.load_model(tag).blocks[0].mlp).__name__ == "MoEMLP"  # the checkpoint rebuilds the experts
@@ -289,7 +289,7 @@ def test_ep2_on_two_ranks_trains_the_single_rank_curve(tokens, tmp_path):
     load-balancing loss and the routes dropped per expert; the consolidated checkpoint holds all experts."""
     from safetensors.torch import load_file
 
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.launch import run_train
 
     one = run_train(tokens, moe_cfg(1, 1), str(tmp_path / "one"))
@@ -321,7 +321,7 @@ def test_ep2_resumes_exactly_after_sigkill(tmp_path):
     uninterrupted run's loss curve and final weights bit for bit, with the expert states restored per ep rank."""
     import time
 
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from tests.faults import kill_all, kill_rank_and_relaunch, launch, records, result, wait_ready
 
     tokdir = str(tmp_path / "tokens")

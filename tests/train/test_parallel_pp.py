@@ -228,7 +228,7 @@ def test_pp2_trains_the_single_rank_loss_curve_and_exports_the_same_model(runs, 
     from safetensors.torch import load_file
 
     from lifecycle.tasks.eval.export import export_hf
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
 
     dense, pipe = runs["dense"], runs["pp"]
     a = [r["loss"] for r in _records(pipe.metrics_path, "train")]
@@ -276,7 +276,7 @@ def test_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
     import time
 
     from lifecycle.core import fs
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from tests.faults import ROOT, kill_all, records
 
     tokdir, workdir = tmp_path / "tok", tmp_path / "w"
@@ -315,7 +315,7 @@ def test_pp2_checkpoint_converts_to_a_dense_run_that_continues_the_loss(runs, to
 
     from safetensors.torch import load_file
 
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.launch import run_train
     from lifecycle.tasks.train.parallel import pp
 
@@ -380,7 +380,7 @@ def test_pp2_by_dp2_on_four_ranks_trains_the_single_rank_loss_curve(runs, tokens
 def test_pp2_bf16_zero1_trains(runs, tokens, tmp_path):
     """bf16 weights and activations through the pipeline (DeepSpeed's BF16_Optimizer keeps fp32 masters): it
     learns, and stays near the fp32 single-rank curve (bf16 rounding, not a reduction-order bound)."""
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.launch import run_train
 
     r = run_train(tokens, pp_config(**{"engine.precision": "bf16"}), str(tmp_path))

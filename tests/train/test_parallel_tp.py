@@ -227,7 +227,7 @@ def test_a_tp_trained_model_exports_to_hf_as_a_dense_one_with_the_same_weights(t
     """`lifecycle export hf` of the tp=2 checkpoint against the export of a checkpoint a dense model with the same
     weights writes: the same model.safetensors in the checkpoint, and the same exported files, byte for byte."""
     from lifecycle.tasks.eval.export import export_hf
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
 
     _, tp2 = tp_and_dense_runs
     twin = tmp_path / "dense" / "step_00000020"
@@ -251,7 +251,7 @@ def test_tp2_resumes_exactly_after_a_sigkill(tmp_path):
     the loss curve and the final consolidated weights are bitwise those of the uninterrupted run."""
     import time
 
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from tests import faults
 
     opts = {"accelerator": "cpu", "ranks": 2, "precision": "fp32", "init_from": "scratch",

@@ -22,7 +22,7 @@ import torch
 
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.eval.evaluate.stage import windows
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize, token_shards
 from lifecycle.tasks.train.config import ModelConfig, TrainConfig
