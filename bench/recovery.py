@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lifecycle.tasks.train.launch import rank_threads  # noqa: E402
+from lifecycle.tasks.train.launcher import rank_threads  # noqa: E402
 from tests.faults import kill_rank_and_relaunch, kill_rank_with_spare  # noqa: E402
 
 MODELS = {

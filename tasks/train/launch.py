@@ -1,5 +1,6 @@
 """Train task: write a launch config, start the ranks (`python -m lifecycle.tasks.train.trainer`, one process per local
-rank with the environment DeepSpeed's launcher would give it, or DeepSpeed's runner with a hostfile), supervise them.
+rank with the environment DeepSpeed's launcher would give it, or DeepSpeed's runner with a hostfile: `launcher.py`),
+supervise them (`supervise.py`) and return the final commit.
 
 One run directory `<workdir>/train/<fingerprint[:20]>/` per trajectory: config.json (read by every rank),
 ds_config.json, train.log (appended per launch), metrics.jsonl (rank 0), checkpoints/step_<8 digits>/.
@@ -20,12 +21,9 @@ import fcntl
 import json
 import logging
 import os
-import shutil
-import socket
 import sys
 import time
 import warnings
-from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -39,15 +37,15 @@ from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import hf_import
 from lifecycle.tasks.train import memtier
 from lifecycle.tasks.data.tokenize.stage import token_shards
-from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
+from lifecycle.tasks.train.config import TrainConfig
+from lifecycle.tasks.train.heartbeats import Heartbeats
+from lifecycle.tasks.train.launcher import Launch, launcher_cmd, local_rank_envs, rank_threads
 from lifecycle.tasks.train.layout import (Sibling, batch_for_siblings, describe, layout_of, siblings,
                                          trajectory_key)
 from lifecycle.tasks.train.layout import convert as convert_layout
-from lifecycle.tasks.train.supervise import (Heartbeats, Launch, Ownership, RankFailed, World, local_rank_envs,
-                                             prebuild_shm_op)
+from lifecycle.tasks.train.supervise import Ownership, Supervision, World, prebuild_shm_op
 
 log = logging.getLogger(__name__)
-LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 
 
 class TrainResult(BaseModel):
@@ -130,11 +128,6 @@ def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple
 
 class RepeatedDataWarning(UserWarning):
     """max_steps passes over the train tokens more often than train.max_epochs."""
-
-
-def rank_threads(configured: int | None, ranks: int) -> int:
-    """Threads per local rank (OMP_NUM_THREADS): `train.launch.threads_per_rank`, else this host's cores // ranks."""
-    return configured or max(1, (os.cpu_count() or 1) // ranks)
 
 
 class _MetricsTail:
@@ -278,92 +271,6 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         return _result(final, run_dir, resumed_from, launched=True, sizing=sizing, promotions=promotions)
 
 
-class Supervision:
-    """Watch a launch to its end. Its world of ranks fails the launch when a rank exits non-zero or stalls, or when
-    `launch.timeout_s` passes; every process is stopped first. With `launch.spares`, a rank failure or stall
-    instead promotes a standby world (lifecycle.tasks.train.supervise.World), which restores the newest commit
-    and trains on, `spares` times at most. The standby is started once the training world steps (so it does not
-    slow the ranks' own start-up), and again after each promotion while failures remain; a standby that fails
-    itself is stopped and not replaced. Each promotion is a `[supervisor]` line in train.log and a line of
-    `<run_dir>/promotions.jsonl`."""
-
-    def __init__(self, world: World, cfg: TrainConfig, cmd: list[str], env: dict, run_dir: Path, log, tail):
-        self.world, self.cfg, self.cmd, self.env, self.run_dir, self.log, self.tail = (
-            world, cfg, cmd, env, run_dir, log, tail)
-        self.spare: World | None = None
-        self.promotions = self.standbys = 0
-        self.log_path = run_dir / "train.log"
-
-    def run(self) -> int:
-        """Block until the ranks exit 0; returns how many standby worlds were promoted."""
-        limit, start = self.cfg.launch.timeout_s, time.monotonic()
-        try:
-            while True:
-                try:
-                    if self.world.launch.poll():  # a rank that exits non-zero stops its world, raises RankFailed
-                        break
-                    if (stall := self.world.beats.check()) is not None:
-                        raise TimeoutError(f"{stall}; ranks killed")
-                except (TimeoutError, RankFailed) as failure:
-                    if self.spare is None:
-                        raise
-                    self.promote(failure)
-                    continue
-                self.tail.poll()
-                if limit is not None and time.monotonic() - start > limit:
-                    raise TimeoutError(f"training exceeded train.launch.timeout_s={limit}; ranks killed")
-                self.tend_spare()
-                time.sleep(0.1 if self.cfg.launch.spares else 0.5)
-        except BaseException as e:
-            self.world.launch.stop()  # the standby, if any, is stopped below
-            if isinstance(e, (TimeoutError, RankFailed)):
-                raise RuntimeError(f"{e}. Last lines of {self.log_path}:\n{_tail(self.log_path)}") from e
-            raise
-        finally:
-            self.world.owner.release()
-            if self.spare is not None:
-                self.spare.stop()  # still waiting: its ranks have nothing to keep
-            for old in self.run_dir.glob("heartbeat-spare*"):
-                shutil.rmtree(old, ignore_errors=True)
-        return self.promotions
-
-    def promote(self, failure: BaseException) -> None:
-        failed, spare = self.world, self.spare
-        t0 = time.time()
-        failed.stop()  # after a rank exit its world is stopped already; after a stall it is stopped here
-        spare.promote(self.cfg.launch.startup_s)
-        self.world, self.spare = spare, None
-        self.promotions += 1
-        left = self.cfg.launch.spares - self.promotions
-        failed.launch._say(f"{failure}: promoted standby world {spare.name} (port {spare.port}, "
-                           f"{'ready' if spare.ready() else 'still starting'}) after {time.time() - t0:.2f}s; it "
-                           f"restores the newest commit and trains on ({left} more failure(s) recovered this way)")
-        with open(self.run_dir / "promotions.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "failed_at": t0, "world": spare.name, "port": spare.port,
-                                "failure": str(failure), "left": left}) + "\n")
-
-    def tend_spare(self) -> None:
-        """Start a standby once the training world steps, while failures remain; drop one that fails."""
-        if self.spare is None:
-            if self.standbys < self.cfg.launch.spares and self.world.beats.stepping():  # each promotion used one
-                self.standbys += 1
-                name = f"spare{self.standbys}"
-                self.spare = World.start_standby(name, self.cmd, self.env, self.cfg.batch.num_ranks, self.run_dir,
-                                                 self.log, self.cfg.launch.stall_s)
-                self.spare.launch._say(f"standby world {name} started on port {self.spare.port}")
-            return
-        try:
-            self.spare.launch.poll()
-            problem = self.spare.beats.check()
-        except RankFailed as e:
-            problem = str(e)
-        if problem is not None:
-            self.spare.stop()
-            self.spare.launch._say(f"standby world {self.spare.name} failed ({problem}); the launch goes on "
-                                   "without a standby")
-            self.spare = None
-
-
 LAYOUT_CHANGE = "layout_change.json"
 
 
@@ -421,93 +328,3 @@ def memory_tier(cfg: TrainConfig, run_dir: Path) -> Path | None:
     if not (c.memory_tier and c.async_save and cfg.launch.hostfile is None and memtier.ROOT.is_dir()):
         return None
     return memtier.path_for(run_dir)
-
-
-def read_hostfile(path: str | Path) -> dict[str, int]:
-    """{host: slots} of a DeepSpeed hostfile, validated line by line (DeepSpeed's own parser names neither
-    the file nor the line, and accepts trailing garbage after `slots=N`)."""
-    path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"train.launch.hostfile {path}: cannot read it ({e.strerror})") from None
-    hosts: dict[str, int] = {}
-    for n, raw in enumerate(lines, start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit() or int(parts[1][6:]) < 1:
-            raise ValueError(f"hostfile {path}, line {n}: expected '<host> slots=<ranks >= 1>', got {raw.strip()!r}")
-        if parts[0] in hosts:
-            raise ValueError(f"hostfile {path}, line {n}: host {parts[0]!r} is listed twice")
-        hosts[parts[0]] = int(parts[1][6:])
-    if not hosts:
-        raise ValueError(f"hostfile {path}: no '<host> slots=<ranks>' line")
-    return hosts
-
-
-def select_hosts(hosts: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
-    """{host: ranks} that the launcher's `--include`/`--exclude`/`--num_nodes` leave of a hostfile (the
-    selection rules of deepspeed/launcher/runner.py), so the world size is checked before anything starts."""
-    def parse(spec: str) -> dict[str, int | None]:  # "node1@node2:0,2" -> {node1: None (all), node2: 2}
-        out = {}
-        for part in spec.split("@"):
-            host, _, slots = part.partition(":")
-            if host not in hosts:
-                raise ValueError(f"host {host!r} of {spec!r} is not in hostfile {cfg.hostfile}")
-            out[host] = len(slots.split(",")) if slots else None
-        return out
-
-    if cfg.include:
-        return {h: n or hosts[h] for h, n in parse(cfg.include).items()}
-    if cfg.exclude:
-        drop = parse(cfg.exclude)
-        left = {h: hosts[h] - (drop[h] or hosts[h]) if h in drop else hosts[h] for h in hosts}
-        return {h: n for h, n in left.items() if n > 0}
-    return dict(list(hosts.items())[: cfg.num_nodes or len(hosts)])
-
-
-def launcher_cmd(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:
-    """The `deepspeed` runner command before the module, for a hostfile launch (multi-node, or a hostfile's single
-    host). Ranks on this machine only (no hostfile) are started by `run_train` itself (`supervise.Launch.start_local`,
-    with the environment DeepSpeed's per-node launcher would give them): neither the runner nor the per-node
-    launcher, whose interpreters import torch and DeepSpeed only to compute that environment (about 3.3 s of the
-    launch overhead even on an idle 2-core machine: bench/launch_overhead.py)."""
-    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
-    if launcher is None:
-        raise RuntimeError(f"the deepspeed launcher is neither next to {sys.executable} nor on PATH")
-    return [launcher, *launch_args(cfg, port, run_dir, threads)]
-
-
-def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> list[str]:
-    """Arguments of the `deepspeed` launcher before the module: `--num_gpus` local ranks, or the hostfile
-    with its host selection. With a hostfile, the rank environment that the launcher does not forward over
-    ssh itself (it forwards PYTHON* variables) is written to `<run_dir>/.deepspeed_env`, which it reads
-    from its working directory."""
-    hl = cfg.launch
-    if hl.hostfile is None:
-        return ["--num_gpus", str(cfg.batch.num_ranks), "--master_port", str(port)]
-    chosen = select_hosts(read_hostfile(hl.hostfile), hl)
-    if sum(chosen.values()) != cfg.batch.num_ranks:
-        raise ValueError(f"hostfile {hl.hostfile} gives {sum(chosen.values())} ranks "
-                         f"({', '.join(f'{h}: {n}' for h, n in chosen.items())}) but "
-                         f"train.batch.num_ranks={cfg.batch.num_ranks}")
-    args = ["--hostfile", str(Path(hl.hostfile).resolve()), "--master_port", str(port), "--launcher", hl.launcher]
-    one_host = len(chosen) == 1
-    master = hl.master_addr or ("127.0.0.1" if one_host and next(iter(chosen)) in LOCAL_HOSTS else None)
-    if master:
-        args += ["--master_addr", master]
-    if one_host:  # DeepSpeed starts a single host's ranks locally, but would still try ssh to it first
-        args.append("--no_ssh_check")
-    for flag, value in (("--num_nodes", hl.num_nodes), ("--include", hl.include), ("--exclude", hl.exclude)):
-        if value:
-            args += [flag, str(value)]
-    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.engine.accelerator}\nOMP_NUM_THREADS={threads}\n")
-    return args
-
-
-def _tail(path: Path, n: int = 60) -> str:
-    with open(path, "rb") as f:
-        return b"".join(deque(f, maxlen=n)).decode(errors="replace")
-

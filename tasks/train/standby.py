@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from lifecycle.core.fs import atomic_write_json
-from lifecycle.tasks.train.supervise import STANDBY_ENV, WORLD_ENV, ready_path
+from lifecycle.tasks.train.heartbeats import STANDBY_ENV, WORLD_ENV, ready_path
 
 # The first save's arena is made before training only when it takes at most this share of the host's available
 # memory (else the first save makes it, as it would without a prewarm): a 300M-parameter relaunch on a 23 GB host

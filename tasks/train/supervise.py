@@ -1,5 +1,6 @@
-"""What `launch.run_train` does around a launch so that no wait is unbounded: the JIT build lock of DeepSpeed's CPU
-shm op, the shared-memory buffers a launch leaves behind, and the ranks' heartbeats.
+"""The supervisor's side of a launch: `Supervision` watches the ranks that `launch.run_train` started
+(`lifecycle.tasks.train.launcher`) to their end, promotes a standby world (`World`, `train.launch.spares`) when a
+rank fails, and sees to it that no wait is unbounded:
 
 - **Build lock.** DeepSpeed JIT-builds its CPU comm op under torch's `FileBaton`: a plain `lock` file in the build
   directory, created with O_EXCL and deleted after the build. A process killed during the build leaves it, and
@@ -9,11 +10,8 @@ shm op, the shared-memory buffers a launch leaves behind, and the ranks' heartbe
 - **Shared memory.** DeepSpeed names its buffers `deepspeed_allreduce_buffer_<uid>_<master addr>_<master port>_<rank>`
   and never unlinks them. A launch releases exactly its own port's buffers when it ends, and records which port it
   owns (`Ownership`), so a later launch releases the leftovers of a supervisor that died, never a live one's.
-- **Heartbeats.** Each rank writes `<run_dir>/heartbeat/rank<N>` after every step; `Heartbeats.check` fails the
-  launch when a rank makes no step for `stall_bound` (see `LaunchConfig.stall_s`, `startup_s`). Before its first
-  step (imports, engine set-up, a JIT build, a restore: up to `startup_s`), a rank shows it is alive instead: a
-  thread started on its first lines rewrites `heartbeat/rank<N>.alive` every `ALIVE_EVERY_S`, so a rank that is
-  stopped, dead or stuck holding the GIL in start-up is named after `stall_s`, not after `startup_s`.
+- **Heartbeats** (`lifecycle.tasks.train.heartbeats`): a rank that makes no step, or shows no sign of life in
+  start-up, for long enough fails the launch (or promotes the standby).
 
 No torch here: the supervisor never imports it.
 """
@@ -25,15 +23,19 @@ import json
 import logging
 import os
 import re
-import statistics
+import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
 from lifecycle.core import fs
 from lifecycle.core.procs import same_process, start_time
+from lifecycle.tasks.train.config import TrainConfig
+from lifecycle.tasks.train.heartbeats import STANDBY_ENV, WORLD_ENV, Heartbeats, ready_path
+from lifecycle.tasks.train.launcher import Launch, RankFailed, local_rank_envs
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +138,8 @@ def shm_buffers(port: int) -> list[Path]:
 
 
 def release_shm(port: int) -> list[str]:
-    """Unlink the DeepSpeed all-reduce buffers of the launch on `port` (two of 66 MiB per launch here; DeepSpeed
-    unlinks none, not even on a clean exit). Call it only once that launch's ranks are gone."""
+    """Unlink the DeepSpeed all-reduce buffers of the launch on `port` (two per launch; DeepSpeed unlinks none, not
+    even on a clean exit). Call it only once that launch's ranks are gone."""
     released = []
     for p in shm_buffers(port):
         p.unlink(missing_ok=True)
@@ -193,259 +195,12 @@ class Ownership:
             return None  # torn by a kill mid-write: nothing to release
 
 
-# ------------------------------------------------------------------------------------------ heartbeats
-
-
-WORLD_ENV = "LIFECYCLE_WORLD"  # a rank's world: "" for the launch's first, "spare<k>" for its k-th standby world
-STANDBY_ENV = "LIFECYCLE_STANDBY"  # a standby world's go file: its ranks wait for it before they restore and train
-
-
-def heartbeat_dir(run_dir: Path, world: str = "") -> Path:
-    """`heartbeat/` of the launch's first world of ranks, `heartbeat-<world>/` of a standby world (`launch.spares`)."""
-    return Path(run_dir) / (f"heartbeat-{world}" if world else "heartbeat")
-
-
-def write_heartbeat(run_dir: Path, rank: int, step: int, step_time: float | None, pid: int | None = None,
-                    world: str = "") -> None:
-    """A rank's `heartbeat/rank<N>`: its last completed step, when, its pid (this process's unless given), and how
-    long that step took."""
-    _write_beat(heartbeat_dir(run_dir, world) / f"rank{rank}",
-                {"step": step, "time": time.time(), "pid": pid or os.getpid(), "step_time": step_time})
-
-
-def _write_beat(path: Path, beat: dict) -> None:
-    """`beat` as `path`'s whole content, never half of it (written beside it, then renamed over it)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(beat))
-    os.replace(tmp, path)
-
-
-ALIVE_EVERY_S = 2.0  # a rank's start-up liveness beat (`start_alive_beat`); silence is judged after 3 of them at least
-
-
-def alive_path(run_dir: Path, rank: int, world: str = "") -> Path:
-    return heartbeat_dir(run_dir, world) / f"rank{rank}.alive"
-
-
-def ready_path(run_dir: Path, rank: int, world: str) -> Path:
-    """Written by a standby world's rank once it is built and waits for its go file (`Trainer.wait_for_promotion`)."""
-    return heartbeat_dir(run_dir, world) / f"rank{rank}.ready"
+# ------------------------------------------------------------------------------------------ worlds of ranks
 
 
 def standby_ready(run_dir: Path, ranks: int, world: str) -> bool:
     """Every rank of standby world `world` is built and waiting."""
     return all(ready_path(run_dir, r, world).exists() for r in range(ranks))
-
-
-def start_alive_beat(run_dir: Path, rank: int, every: float = ALIVE_EVERY_S, world: str = "") -> None:
-    """In a rank, from its first lines (stdlib only, before the slow imports): a daemon thread that rewrites
-    `heartbeat/rank<N>.alive` every `every` seconds. It goes quiet when the rank is stopped (SIGSTOP), dead, or
-    stuck in native code that holds the GIL; a rank merely waiting (a JIT build in a subprocess, a collective, a
-    restore) keeps it going."""
-    import threading
-
-    path = alive_path(run_dir, rank, world)
-
-    def beat() -> None:
-        while True:
-            try:
-                _write_beat(path, {"time": time.time(), "pid": os.getpid()})
-            except OSError:  # the run dir is gone (the launch is over) or full: the supervisor judges the silence
-                pass
-            time.sleep(every)
-
-    threading.Thread(target=beat, name="lifecycle-alive", daemon=True).start()
-
-
-def rank_alive_beat(argv: list[str]) -> None:
-    """`start_alive_beat` for the rank that `argv` (`... --config <run_dir>/config.json`) and $RANK describe."""
-    config = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if config is None and "--config" in argv[:-1]:
-        config = argv[argv.index("--config") + 1]
-    if config is not None:
-        start_alive_beat(Path(config).parent, int(os.environ.get("RANK", "0")), world=os.environ.get(WORLD_ENV, ""))
-
-
-def _state(pid: int) -> str:
-    """`stopped`, `gone`, ... of a local pid, from /proc (empty where it cannot be read, e.g. a remote rank)."""
-    try:
-        code = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-    return {"T": "stopped", "t": "stopped", "Z": "gone", "D": "in uninterruptible I/O"}.get(code, "running")
-
-
-class Heartbeats:
-    """The supervisor's view of the ranks' heartbeats. A rank that made no step for `stall_bound()` seconds (or that
-    sent none `startup_s` after the launch) stalls the launch; `check()` then returns a message naming it."""
-
-    def __init__(self, run_dir: Path, ranks: int, stall_s: float, startup_s: float, world: str = ""):
-        self.dir, self.ranks, self.stall_s, self.startup_s = heartbeat_dir(run_dir, world), ranks, stall_s, startup_s
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for old in self.dir.iterdir():  # a previous launch's
-            old.unlink(missing_ok=True)
-        self.started = time.time()
-        self.step_times: dict[tuple[int, int], float] = {}
-
-    def read(self) -> dict[int, dict]:
-        beats = {}
-        for r in range(self.ranks):
-            try:
-                beats[r] = json.loads((self.dir / f"rank{r}").read_text())
-            except (OSError, ValueError):
-                continue
-            if beats[r].get("step_time") is not None:
-                self.step_times[(r, beats[r]["step"])] = beats[r]["step_time"]
-        return beats
-
-    def _silent_in_start_up(self, ranks: list[int], now: float) -> str | None:
-        """A rank still starting whose liveness beat (`start_alive_beat`) is older than `stall_s` (3 beats at least),
-        or that has sent none that long after the launch: it is stopped, dead or wedged, and the others wait on it."""
-        silent, bound = [], max(self.stall_s, 3 * ALIVE_EVERY_S)
-        for r in ranks:
-            try:
-                alive = json.loads((self.dir / f"rank{r}.alive").read_text())
-            except (OSError, ValueError):
-                alive = None
-            since = alive["time"] if alive else self.started
-            if now - since > bound:
-                who = f"rank {r} (pid {alive['pid']}, {_state(alive['pid'])})" if alive else f"rank {r}"
-                silent.append(f"{who} silent for {now - since:.0f} s" if alive else
-                              f"{who} gave no sign of life {now - since:.0f} s after the launch")
-        if not silent:
-            return None
-        return (f"training stalled in start-up, before the first step: {'; '.join(silent)} "
-                f"(train.launch.stall_s={self.stall_s:g})")
-
-    def stepping(self) -> bool:
-        """Every rank has made a step in this launch (a beat with its step time; the beat after start-up has none)."""
-        beats = self.read()
-        return len(beats) == self.ranks and all(b.get("step_time") is not None for b in beats.values())
-
-    def stall_bound(self) -> float:
-        """max(stall_s, 10 x the median step time seen so far)."""
-        median = statistics.median(self.step_times.values()) if self.step_times else 0.0
-        return max(self.stall_s, 10 * median)
-
-    def check(self, now: float | None = None) -> str | None:
-        now = now or time.time()
-        beats = self.read()
-        if len(beats) < self.ranks:  # still starting: imports, the op build, restore, the first step
-            missing = [r for r in range(self.ranks) if r not in beats]
-            if now - self.started > self.startup_s:
-                return (f"rank(s) {', '.join(map(str, missing))} sent no heartbeat {now - self.started:.0f} s after "
-                        f"the launch (train.launch.startup_s={self.startup_s:g})")
-            return self._silent_in_start_up(missing, now)
-        bound = self.stall_bound()
-        if max(now - b["time"] for b in beats.values()) <= bound:
-            return None
-        # every rank waits in a collective for the one that stopped; name the one whose process is not running
-        # (stopped, gone), else the one with the oldest heartbeat
-        order = sorted(beats, key=lambda r: (_state(beats[r]["pid"]) == "running", beats[r]["time"]))
-        parts = [f"rank {r} (pid {beats[r]['pid']}, {_state(beats[r]['pid'])}) last step {beats[r]['step']} "
-                 f"{now - beats[r]['time']:.0f} s ago" for r in order]
-        return f"training stalled: no step for more than {bound:.0f} s: " + "; ".join(parts)
-
-
-# ------------------------------------------------------------------------------------------ the ranks' processes
-
-
-def local_rank_envs(env: dict, ranks: int, master_port: int, master_addr: str = "127.0.0.1") -> list[dict]:
-    """Each local rank's environment, exactly as DeepSpeed's per-node launcher (deepspeed/launcher/launch.py, 0.19)
-    sets it for the world `{localhost: [0, ..., ranks - 1]}` at node rank 0: the accelerator's visible devices
-    (CUDA_VISIBLE_DEVICES for DeepSpeed's CPU and CUDA accelerators alike), MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
-    CROSS_RANK, CROSS_SIZE, LOCAL_SIZE, then RANK and LOCAL_RANK per rank; and, because the launcher's own
-    `import deepspeed` put it in the environment it copies, PYTORCH_NVML_BASED_CUDA_CHECK=1 unless set. It sets no
-    thread variable unless it binds cores (we do not): OMP_NUM_THREADS comes in `env`.
-    tests/train/test_supervise.py compares this with what the launcher gives."""
-    node = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks))),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port), "WORLD_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
-            "LOCAL_SIZE": str(ranks)}
-    return [{**node, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(ranks)]
-
-
-class RankFailed(RuntimeError):
-    """A rank (or the launcher) exited with a non-zero code; the others were stopped."""
-
-
-class Launch:
-    """The processes of one launch, all in one process group that this process owns: the local ranks started
-    directly (`start_local`), or DeepSpeed's launcher with everything it starts (`start_launcher`, the hostfile
-    path). Each dies with the thread that started it (PR_SET_PDEATHSIG) and, from the trainer's first lines, with
-    the supervisor (`watch_parent_run` kills the group). Stdin is /dev/null; stdout and stderr go to `log`.
-
-    What DeepSpeed's per-node launcher did for the ranks it started, `poll` and `stop` do now: a rank that exits
-    non-zero stops the others (SIGTERM to the group, SIGKILL after `term_timeout`; the launcher gave 30 s) and fails
-    the launch naming it; the supervisor's ^C/SIGTERM stops them the same way (run_train calls `stop`)."""
-
-    def __init__(self, procs: list[tuple[str, subprocess.Popen]], log):
-        self.procs, self.log, self.pgid = procs, log, procs[0][1].pid
-        self.reported: set[str] = set()
-
-    @classmethod
-    def start_local(cls, cmd: list[str], envs: list[dict], cwd: Path, log) -> "Launch":
-        """One process per rank, `cmd` with `envs[r]`; rank 0 leads a new process group, the others join it (a new
-        group, not a session: a group can only be joined inside its session). A terminal's ^C reaches only the
-        foreground group, so only the supervisor, which then stops the ranks."""
-        from lifecycle.core.procs import die_with_parent
-
-        procs: list[tuple[str, subprocess.Popen]] = []
-        try:
-            for r, env in enumerate(envs):
-                p = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT, process_group=procs[0][1].pid if procs else 0,
-                                     preexec_fn=die_with_parent)
-                procs.append((f"rank {r}", p))
-        except BaseException:
-            if procs:
-                cls(procs, log).stop()
-            raise
-        return cls(procs, log)
-
-    @classmethod
-    def start_launcher(cls, cmd: list[str], env: dict, cwd: Path, log) -> "Launch":
-        """DeepSpeed's launcher in its own session: its ranks are its children, in its group."""
-        from lifecycle.core.procs import die_with_parent
-
-        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True, preexec_fn=die_with_parent)
-        return cls([("deepspeed", p)], log)
-
-    @property
-    def pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self.procs}
-
-    def poll(self) -> bool:
-        """True once every process has exited 0. A non-zero exit stops the rest and raises RankFailed."""
-        codes = {name: p.poll() for name, p in self.procs}
-        for name, code in codes.items():
-            if code is not None and name not in self.reported:
-                self.reported.add(name)
-                self._say(f"{name} (pid {self.pids[name]}) exited with code {code}")
-        failed = [(name, code) for name, code in codes.items() if code not in (None, 0)]
-        if failed:
-            name, code = failed[0]
-            others = [n for n, c in codes.items() if c is None]
-            self.stop()
-            raise RankFailed(f"{name} exited with code {code}"
-                             + (f"; stopped {', '.join(others)}" if others else ""))
-        return all(code == 0 for code in codes.values())
-
-    def stop(self, term_timeout: float = 15, kill_timeout: float = 10) -> None:
-        """SIGTERM the group, SIGKILL what is left after `term_timeout`, and collect every exit."""
-        from lifecycle.core.procs import stop_group
-
-        stop_group(self.pgid, term_timeout=term_timeout, kill_timeout=kill_timeout)
-        for _, p in self.procs:
-            try:
-                p.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:  # left the group (setsid) and survived SIGKILL of it: not ours now
-                log.warning("process %d of the launch is still running after stopping group %d", p.pid, self.pgid)
-
-    def _say(self, line: str) -> None:
-        self.log.write(f"[supervisor] {line}\n".encode())
-        self.log.flush()
 
 
 class World:
@@ -499,3 +254,94 @@ class World:
         """Stop every process of the world and release its buffers."""
         self.launch.stop(term_timeout=term_timeout)
         self.owner.release()
+
+
+class Supervision:
+    """Watch a launch to its end. Its world of ranks fails the launch when a rank exits non-zero or stalls, or when
+    `launch.timeout_s` passes; every process is stopped first. With `launch.spares`, a rank failure or stall
+    instead promotes a standby world (`World`), which restores the newest commit and trains on, `spares` times at
+    most. The standby is started once the training world steps (so it does not slow the ranks' own start-up), and
+    again after each promotion while failures remain; a standby that fails itself is stopped and not replaced.
+    Each promotion is a `[supervisor]` line in train.log and a line of `<run_dir>/promotions.jsonl`."""
+
+    def __init__(self, world: World, cfg: TrainConfig, cmd: list[str], env: dict, run_dir: Path, log, tail):
+        self.world, self.cfg, self.cmd, self.env, self.run_dir, self.log, self.tail = (
+            world, cfg, cmd, env, run_dir, log, tail)
+        self.spare: World | None = None
+        self.promotions = self.standbys = 0
+        self.log_path = run_dir / "train.log"
+
+    def run(self) -> int:
+        """Block until the ranks exit 0; returns how many standby worlds were promoted."""
+        limit, start = self.cfg.launch.timeout_s, time.monotonic()
+        try:
+            while True:
+                try:
+                    if self.world.launch.poll():  # a rank that exits non-zero stops its world, raises RankFailed
+                        break
+                    if (stall := self.world.beats.check()) is not None:
+                        raise TimeoutError(f"{stall}; ranks killed")
+                except (TimeoutError, RankFailed) as failure:
+                    if self.spare is None:
+                        raise
+                    self.promote(failure)
+                    continue
+                self.tail.poll()
+                if limit is not None and time.monotonic() - start > limit:
+                    raise TimeoutError(f"training exceeded train.launch.timeout_s={limit}; ranks killed")
+                self.tend_spare()
+                time.sleep(0.1 if self.cfg.launch.spares else 0.5)
+        except BaseException as e:
+            self.world.launch.stop()  # the standby, if any, is stopped below
+            if isinstance(e, (TimeoutError, RankFailed)):
+                raise RuntimeError(f"{e}. Last lines of {self.log_path}:\n{_tail(self.log_path)}") from e
+            raise
+        finally:
+            self.world.owner.release()
+            if self.spare is not None:
+                self.spare.stop()  # still waiting: its ranks have nothing to keep
+            for old in self.run_dir.glob("heartbeat-spare*"):
+                shutil.rmtree(old, ignore_errors=True)
+        return self.promotions
+
+    def promote(self, failure: BaseException) -> None:
+        failed, spare = self.world, self.spare
+        t0 = time.time()
+        failed.stop()  # after a rank exit its world is stopped already; after a stall it is stopped here
+        spare.promote(self.cfg.launch.startup_s)
+        self.world, self.spare = spare, None
+        self.promotions += 1
+        left = self.cfg.launch.spares - self.promotions
+        failed.launch._say(f"{failure}: promoted standby world {spare.name} (port {spare.port}, "
+                           f"{'ready' if spare.ready() else 'still starting'}) after {time.time() - t0:.2f}s; it "
+                           f"restores the newest commit and trains on ({left} more failure(s) recovered this way)")
+        with open(self.run_dir / "promotions.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "failed_at": t0, "world": spare.name, "port": spare.port,
+                                "failure": str(failure), "left": left}) + "\n")
+
+    def tend_spare(self) -> None:
+        """Start a standby once the training world steps, while failures remain; drop one that fails."""
+        if self.spare is None:
+            if self.standbys < self.cfg.launch.spares and self.world.beats.stepping():  # each promotion used one
+                self.standbys += 1
+                name = f"spare{self.standbys}"
+                self.spare = World.start_standby(name, self.cmd, self.env, self.cfg.batch.num_ranks, self.run_dir,
+                                                 self.log, self.cfg.launch.stall_s)
+                self.spare.launch._say(f"standby world {name} started on port {self.spare.port}")
+            return
+        try:
+            self.spare.launch.poll()
+            problem = self.spare.beats.check()
+        except RankFailed as e:
+            problem = str(e)
+        if problem is not None:
+            self.spare.stop()
+            self.spare.launch._say(f"standby world {self.spare.name} failed ({problem}); the launch goes on "
+                                   "without a standby")
+            self.spare = None
+
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    with open(path, "rb") as f:
+        return b"".join(deque(f, maxlen=n)).decode(errors="replace")

@@ -29,7 +29,7 @@ T_START = time.time()
 
 if __name__ == "__main__":  # a rank: die with the process that started it and with the run, before the slow imports
     from lifecycle.core.procs import die_with_parent, watch_parent_run
-    from lifecycle.tasks.train.supervise import rank_alive_beat
+    from lifecycle.tasks.train.heartbeats import rank_alive_beat
 
     die_with_parent()
     watch_parent_run()
@@ -55,7 +55,7 @@ from lifecycle.tasks.train.profiling import profile_step, profiled
 from lifecycle.tasks.train.resume import check_resume
 from lifecycle.tasks.train.sampler import data_step, sampler_state
 from lifecycle.tasks.train.standby import Standby, prewarm_first_save, world_name
-from lifecycle.tasks.train.supervise import write_heartbeat
+from lifecycle.tasks.train.heartbeats import write_heartbeat
 from lifecycle.tasks.train.timeline import Timeline
 
 TIMELINE = Timeline(T_START)  # this rank's launch phases, recorded when a benchmark asks (tasks/train/timeline.py)

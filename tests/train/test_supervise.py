@@ -1,7 +1,7 @@
-"""No training wait is unbounded (lifecycle.tasks.train.supervise, lifecycle.core.procs): a stale JIT build lock is
-removed, a shared-memory buffer is released only by the run that owns it, the ranks die with their supervisor, and
-a rank that stops stepping fails the launch naming it. Fast unit tests first, then real 2-rank DeepSpeed launches
-(20-60 s each on 2 cores) in a private TORCH_EXTENSIONS_DIR."""
+"""No training wait is unbounded (lifecycle.tasks.train.supervise, heartbeats, launcher; lifecycle.core.procs): a
+stale JIT build lock is removed, a shared-memory buffer is released only by the run that owns it, the ranks die
+with their supervisor, and a rank that stops stepping fails the launch naming it. Fast unit tests first, then
+real 2-rank DeepSpeed launches (20-60 s each on 2 cores) in a private TORCH_EXTENSIONS_DIR."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from lifecycle.core.procs import start_time
+from lifecycle.tasks.train import heartbeats
+from lifecycle.tasks.train import launcher
 from lifecycle.tasks.train import supervise as sv
 from lifecycle.tasks.train.launch import run_train
 from tests.faults import ROOT, descendants_of_supervisor
@@ -110,20 +112,20 @@ def test_a_stale_build_lock_is_removed_and_a_live_builds_lock_is_kept(tmp_path, 
 
 
 def test_heartbeats_bound_start_up_and_steps_and_name_the_stopped_rank(tmp_path):
-    beats = sv.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100)
+    beats = heartbeats.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100)
     t0 = beats.started
     for r in range(2):  # alive (`start_alive_beat`) but no step yet: start-up's own bound
-        sv.alive_path(tmp_path, r).write_text(f'{{"time": {t0 + 98}, "pid": {os.getpid()}}}')
+        heartbeats.alive_path(tmp_path, r).write_text(f'{{"time": {t0 + 98}, "pid": {os.getpid()}}}')
     assert beats.check(t0 + 99) is None  # still starting, no heartbeat yet
     assert "rank(s) 0, 1 sent no heartbeat 101 s after the launch (train.launch.startup_s=100)" in beats.check(t0 + 101)
     stopped, running = _sleeper(), _sleeper()
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
-        while sv._state(stopped.pid) != "stopped":  # the signal is delivered asynchronously
+        while heartbeats._state(stopped.pid) != "stopped":  # the signal is delivered asynchronously
             time.sleep(0.01)
         for rank, pid in ((0, running.pid), (1, stopped.pid)):
             for step in range(1, 4):
-                sv.write_heartbeat(tmp_path, rank, step, step_time=1.0, pid=pid)
+                heartbeats.write_heartbeat(tmp_path, rank, step, step_time=1.0, pid=pid)
         now = time.time()
         assert beats.check(now + 9) is None  # 10 x the median step time (1 s) is above stall_s
         assert beats.stall_bound() == 10
@@ -135,37 +137,37 @@ def test_heartbeats_bound_start_up_and_steps_and_name_the_stopped_rank(tmp_path)
         for p in (stopped, running):
             p.kill()
             p.wait()
-    assert sv.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100).read() == {}  # a new launch starts clean
+    assert heartbeats.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100).read() == {}  # a new launch starts clean
 
 
 def test_a_rank_silent_in_start_up_is_named_after_stall_s_not_startup_s(tmp_path):
     """Before the first step there is no step heartbeat; the rank's liveness beat (a thread from its first lines)
     shows it alive. A SIGSTOPped rank's beat goes quiet, and the launch stalls after stall_s (chaos round 12 on
     1cd513d: a rank stopped during start-up held the run for the whole startup_s, 900 s)."""
-    beats = sv.Heartbeats(tmp_path, ranks=2, stall_s=6, startup_s=100)
+    beats = heartbeats.Heartbeats(tmp_path, ranks=2, stall_s=6, startup_s=100)
     t0 = beats.started
     assert beats.check(t0 + 5) is None
     msg = beats.check(t0 + 7)  # no rank has said anything since the launch
     assert msg == ("training stalled in start-up, before the first step: rank 0 gave no sign of life 7 s after the "
                    "launch; rank 1 gave no sign of life 7 s after the launch (train.launch.stall_s=6)"), msg
-    cmd = [sys.executable, "-c", "import sys, time; from lifecycle.tasks.train.supervise import rank_alive_beat; "
+    cmd = [sys.executable, "-c", "import sys, time; from lifecycle.tasks.train.heartbeats import rank_alive_beat; "
            "rank_alive_beat(sys.argv); time.sleep(60)", "--config", str(tmp_path / "config.json")]
     ranks = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r)}) for r in range(2)]
     try:
-        while not all(sv.alive_path(tmp_path, r).exists() for r in range(2)):
+        while not all(heartbeats.alive_path(tmp_path, r).exists() for r in range(2)):
             time.sleep(0.05)
         time.sleep(0.2)
         assert beats.check() is None  # both alive, no step yet
         os.kill(ranks[1].pid, signal.SIGSTOP)
         stopped_at = time.time()
         while (msg := beats.check()) is None:
-            assert time.time() - stopped_at < 6 + sv.ALIVE_EVERY_S + 5, "the stopped rank was not named"
+            assert time.time() - stopped_at < 6 + heartbeats.ALIVE_EVERY_S + 5, "the stopped rank was not named"
             time.sleep(0.2)
         assert msg.startswith(f"training stalled in start-up, before the first step: rank 1 (pid {ranks[1].pid}, "
                               "stopped) silent for "), msg
         assert "rank 0" not in msg  # it is alive: its beat goes on
-        sv.write_heartbeat(tmp_path, 0, 1, step_time=0.5)
-        sv.write_heartbeat(tmp_path, 1, 1, step_time=0.5)
+        heartbeats.write_heartbeat(tmp_path, 0, 1, step_time=0.5)
+        heartbeats.write_heartbeat(tmp_path, 1, 1, step_time=0.5)
         assert beats.check() is None  # past the first step the step heartbeats judge (bound: stall_s)
     finally:
         for p in ranks:
@@ -194,8 +196,8 @@ def test_local_ranks_get_exactly_the_environment_and_arguments_of_deepspeeds_lau
                     "--master_addr=127.0.0.1", "--master_port=29517", "--module", "--no_local_rank", "rankenv",
                     str(theirs)], env=env, check=True, capture_output=True, timeout=300)
     with open(tmp_path / "log", "ab") as log:
-        launch = sv.Launch.start_local([sys.executable, "-u", "-m", "rankenv", str(ours)],
-                                       sv.local_rank_envs(env, 2, 29517), tmp_path, log)
+        launch = launcher.Launch.start_local([sys.executable, "-u", "-m", "rankenv", str(ours)],
+                                       launcher.local_rank_envs(env, 2, 29517), tmp_path, log)
         while not launch.poll():
             time.sleep(0.05)
     for rank in (0, 1):
@@ -209,7 +211,7 @@ def test_local_ranks_get_exactly_the_environment_and_arguments_of_deepspeeds_lau
 
 
 def _gone(pid: int) -> bool:
-    return sv._state(pid) == "gone"
+    return heartbeats._state(pid) == "gone"
 
 
 def test_a_failed_rank_stops_the_others_and_fails_the_launch_naming_it(tmp_path):
@@ -218,12 +220,12 @@ def test_a_failed_rank_stops_the_others_and_fails_the_launch_naming_it(tmp_path)
     code = ("import os, sys, time; r = int(os.environ['RANK']); print('rank', r, 'up', flush=True); "
             "time.sleep(0.5 if r == 1 else 120); sys.exit(3)")
     with open(tmp_path / "train.log", "ab") as log:
-        launch = sv.Launch.start_local([sys.executable, "-c", code], sv.local_rank_envs(os.environ, 3, 1),
+        launch = launcher.Launch.start_local([sys.executable, "-c", code], launcher.local_rank_envs(os.environ, 3, 1),
                                        tmp_path, log)
         pids = [p.pid for _, p in launch.procs]
         assert [os.getpgid(p) for p in pids] == [pids[0]] * 3 and pids[0] != os.getpgrp()  # one group of theirs
         t0 = time.monotonic()
-        with pytest.raises(sv.RankFailed, match=r"^rank 1 exited with code 3; stopped rank 0, rank 2$"):
+        with pytest.raises(launcher.RankFailed, match=r"^rank 1 exited with code 3; stopped rank 0, rank 2$"):
             while not launch.poll():
                 time.sleep(0.05)
         assert time.monotonic() - t0 < 10
@@ -238,7 +240,7 @@ def test_stopping_a_launch_stops_every_rank_even_one_that_ignores_sigterm(tmp_pa
     code = ("import os, signal, time; r = int(os.environ['RANK']); "
             "signal.signal(signal.SIGTERM, signal.SIG_IGN) if r == 1 else None; print('up', flush=True); time.sleep(120)")
     with open(tmp_path / "train.log", "ab") as log:
-        launch = sv.Launch.start_local([sys.executable, "-c", code], sv.local_rank_envs(os.environ, 2, 1),
+        launch = launcher.Launch.start_local([sys.executable, "-c", code], launcher.local_rank_envs(os.environ, 2, 1),
                                        tmp_path, log)
         while (tmp_path / "train.log").read_text().count("up") < 2:
             time.sleep(0.05)

@@ -229,7 +229,7 @@ def test_model_size_auto_sizes_from_train_tokens_and_warns_on_repeats():
 
 
 def test_hostfile_is_validated_and_selects_the_ranks(tmp_path):
-    from lifecycle.tasks.train.launch import launch_args
+    from lifecycle.tasks.train.launcher import launch_args
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=2  # first\n\n# a comment\nnode2 slots=2\n")
@@ -412,7 +412,7 @@ def test_accelerator_picks_device_and_backend(monkeypatch):
     error naming the field on a host where torch sees no GPU. The launcher's environment follows the field."""
     from lifecycle.tasks.train import trainer as train_loop
     from lifecycle.tasks.train.distributed import select_device
-    from lifecycle.tasks.train.launch import launch_args
+    from lifecycle.tasks.train.launcher import launch_args
 
     assert select_device(CFG) == (torch.device("cpu"), "gloo")
     cuda = with_(CFG, **{"engine.accelerator": "cuda"})
