@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import time
 
-COMMAND_START = time.time()  # the run's `timing.command_start`: before the imports below (config, pydantic)
-LAUNCH = "cold"  # "warm" in a run the warm runner forked (lifecycle/launch.py; it also sets COMMAND_START)
+COMMAND_START = time.time()  # a cold run's `timing.command_start`: before the imports below (config, pydantic)
 
 import argparse
 import json
@@ -65,12 +64,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                        + (f" (log: {log})" if log else ""))
             for note in checked.notes:
                 view.print(f"  note: {note}")
-            timing = {"command_start": COMMAND_START, "prefect_start": time.time()}
-            from lifecycle.flows.servers import prepare_environment, wait_ready
+            timing = {"command_start": args.command_start, "prefect_start": time.time()}
+            from lifecycle.flows.startup.environment import start_environment
 
             # Prefect's environment, before anything imports Prefect; an embedded server that has to start does so
             # while the flow's modules are imported
-            mode = prepare_environment(cfg.workdir, wait=False)
+            mode, server = start_environment(cfg.workdir)
             if mode == "embedded":
                 EMBEDDED_USED = cfg.workdir
             timing["prefect_launched"] = time.time()
@@ -81,7 +80,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
                 preload_sqlite_store()
             timing["imports_done"] = time.time()
-            wait_ready()
+            if server is not None:
+                server.wait()
             timing["prefect_ready"] = time.time()
 
             with view:
@@ -90,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             summary["orchestration"] = mode
             if mode == "embedded":
                 summary["left_running"] = left_running(cfg.workdir)
-            summary["launch"] = LAUNCH
+            summary["launch"] = args.launch
             summary["timing"] = {**timing, **summary.get("timing", {})}
     except WorkdirBusy as e:
         print(f"lifecycle run: error: {e}", file=err)
@@ -125,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def left_running(workdir: str) -> str:
     """What an embedded run leaves up for the next one in its work dir, and until when."""
-    from lifecycle.flows.servers import EMBEDDED_IDLE_ENV, EMBEDDED_IDLE_S
+    from lifecycle.flows.startup.embedded import EMBEDDED_IDLE_ENV, EMBEDDED_IDLE_S
 
     idle = float(os.environ.get(EMBEDDED_IDLE_ENV) or EMBEDDED_IDLE_S)
     return (f"this work dir's Prefect server and a warm runner, for faster later runs; both stop after "
@@ -159,7 +159,7 @@ def check_inputs(patterns: list[str]) -> None:
 
 # the figures a user decides on, printed in the summary; the rest are in the model card, MLflow and --json
 HEADLINE_METRICS = ("train_loss", "train_steps", "train_params", "val_loss", "val_bpb", "val_perplexity", "gen_bleu",
-                    "gen_meteor", "gen_meteor_nosyn", "contamination_doc_rate")
+                    "gen_meteor", "gen_meteor_nosyn", "contamination_near_copy_rate")
 
 
 def print_summary(s: dict, file=None) -> None:
@@ -208,7 +208,7 @@ def metric_lines(metrics: dict) -> list[str]:
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
-COMMAND_MODULES: list[str] = ["lifecycle.flows.servers", "lifecycle.flows.serve", "lifecycle.tasks.train.planner", "lifecycle.tasks.eval.export", "lifecycle.tasks.eval.code.cli", "lifecycle.lineage.cli"]
+COMMAND_MODULES: list[str] = ["lifecycle.flows.startup.commands", "lifecycle.flows.serve", "lifecycle.tasks.train.planner", "lifecycle.tasks.eval.export", "lifecycle.tasks.eval.code.cli", "lifecycle.lineage.cli"]
 
 
 def register_run(sub) -> None:
@@ -450,7 +450,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
                                       f"workdir={json.dumps(cfg.workdir)}"]
         print("retraining: a full run (collect.incremental=false, dedup.incremental=false)", file=info)
         return cmd_run(argparse.Namespace(config=args.config, set=rebuild, until=None, json=args.json,
-                                          verbose=args.verbose, wait=args.wait))
+                                          verbose=args.verbose, wait=args.wait, command_start=args.command_start,
+                                          launch=args.launch))
     result = {"status": "recorded", "tombstones": rows, "tainted_versions": tainted}
     if args.unlearn:
         with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget --unlearn"):
@@ -613,12 +614,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The `lifecycle` command (`argv` None: the process's own arguments; a list: called in-process, e.g. tests)."""
-    rc = _main(argv)
+def main(argv: list[str] | None = None, command_start: float | None = None, launch: str = "cold") -> int:
+    """The `lifecycle` command (`argv` None: the process's own arguments; a list: called in-process, e.g. tests).
+    A run the warm runner forked (lifecycle/launch.py) passes the command's start and `launch="warm"`."""
+    rc = _main(argv, COMMAND_START if command_start is None else command_start, launch)
     if argv is None and getattr(_main, "ran", None) == "run":
-        if EMBEDDED_USED is not None and LAUNCH == "cold":  # the next run in this work dir goes warm
-            from lifecycle.flows.servers import start_embedded_runner
+        if EMBEDDED_USED is not None and launch == "cold":  # the next run in this work dir goes warm
+            from lifecycle.flows.startup.embedded_runner import start_embedded_runner
 
             try:
                 start_embedded_runner(EMBEDDED_USED, START_ENV, os.getcwd())
@@ -653,9 +655,10 @@ def finish_run() -> None:
             pass
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None, command_start: float, launch: str) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
+    args.command_start, args.launch = command_start, launch  # a run's `timing.command_start` and `launch`
     if extra:  # named by the subcommand that does not take them, not by `lifecycle`
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
