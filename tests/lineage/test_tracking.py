@@ -103,3 +103,18 @@ def test_a_stage_run_spans_its_stage_and_a_failed_stage_gets_a_failed_run(tmp_pa
     assert t.client.get_run(t.parent_id).info.status == "FAILED"
     # the UI shows the experiment as model training, not as GenAI evaluations (issue 41 §3)
     assert t.client.get_experiment(t.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_the_parent_run_is_named_after_the_pipeline_and_shows_its_datasets(tmp_path):
+    """Issue 41 §3: the parent run was named after the Prefect flow run (`fair-kelpie`) and showed no datasets."""
+    from tests.conftest import docs_table, make_collect
+
+    ref = make_collect(tmp_path / "wd", [docs_table(["one document", "another"])])
+    t = Tracker(TrackingConfig(model_name="m"), str(tmp_path), "exp")
+    t.start("my-pipeline", Cfg(workdir=str(tmp_path)), {"prefect.flow_run_id": "fr-1"})
+    t.log_parent_datasets([ref], "source")
+    run = t.client.get_run(t.parent_id)
+    assert run.info.run_name == "my-pipeline"
+    [dataset] = run.inputs.dataset_inputs
+    assert dataset.dataset.name == f"collect-{ref.fingerprint[:12]}"
+    assert {tag.key: tag.value for tag in dataset.tags}["lifecycle.sha256"] == ref.sha256
