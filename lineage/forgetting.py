@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from lifecycle.core.dataset import DatasetRef
+from lifecycle.core.errors import UsageError
 from lifecycle.lineage.registry import CHAMPION, Registry
 from lifecycle.lineage.tracking import Tracker
 from lifecycle.tasks.data.collect import tombstones as tb
@@ -80,6 +81,12 @@ def unlearn_champion(cfg, tombstones: list[dict], ucfg: ul.UnlearnConfig, log=pr
         raise LookupError(f"model {tracker.cfg.model_name} has no @{CHAMPION} version to unlearn from "
                           "(run the lifecycle first, or use --retrain)")
     version, package = found
+    asked = len(tombstones)
+    tombstones = covering_tombstones(tombstones, registry.champion_taint(),
+                                     tb.read_ledger(cfg.workdir).drop_columns(["signature"]).to_pylist())
+    if len(tombstones) > asked:
+        log(f"unlearning also forgets {len(tombstones) - asked} earlier tombstone(s) the champion is tainted by: "
+            + ", ".join(t["tombstone_id"] for t in tombstones[asked:]))
     champion = DatasetRef.from_dir(package)
     lineage = json.loads((package / "lineage.json").read_text())
     tok = next(d for d in lineage["datasets"] if d["stage"] == "tokenize")
@@ -120,6 +127,21 @@ def unlearn_champion(cfg, tombstones: list[dict], ucfg: ul.UnlearnConfig, log=pr
     tracker.end("FINISHED")
     return {"status": "registered", "model": {"name": name, "version": new_version}, "champion": request.champion,
             "promotion": promotion, "metrics": metrics, "package": str(ref.manifest_path)}
+
+
+def covering_tombstones(requested: list[dict], taint: tuple[str, str] | None, ledger: list[dict]) -> list[dict]:
+    """The tombstones an unlearning of the champion must cover: the ones requested now and every one the champion
+    is tainted with (`Registry.champion_taint`: (version, comma-separated tombstone ids)), such as those of an
+    earlier unlearning that was interrupted or refused. A version that forgets fewer would move `@champion` to a
+    model that still holds a forgotten document. `ledger`: the tombstone ledger's rows."""
+    want = {t["tombstone_id"] for t in requested} | (set(filter(None, taint[1].split(","))) if taint else set())
+    have = {t["tombstone_id"] for t in requested}
+    extra = [r for r in ledger if r["tombstone_id"] in want - have]
+    missing = want - have - {r["tombstone_id"] for r in extra}
+    if missing:
+        raise UsageError(f"the champion is tainted by tombstone(s) {', '.join(sorted(missing))} that the ledger "
+                         "does not hold: refusing to unlearn only part of what it must forget")
+    return [*requested, *extra]
 
 
 def _val(model, tokens: DatasetRef, package: Path, batches: int | None, batch_size: int) -> dict[str, float]:

@@ -75,3 +75,16 @@ def test_lineage_forget_prints_its_answer_before_any_file_list(capsys, tmp_path)
     assert out[2].startswith("  raw record  d1  /data/doc7.rst  record 0")
     print_forget(r, tmp_path / "report.json", files=True)
     assert len(capsys.readouterr().out.splitlines()) == 3000 + 4
+
+
+def test_an_unlearning_covers_every_tombstone_its_champion_is_tainted_by():
+    """Issue 44, 1b: `forget A --unlearn` was stopped after its tombstone; `forget B --unlearn` then unlearned only B
+    from the champion tainted by A and B, and moved @champion to a version still trained on A."""
+    from lifecycle.lineage.forgetting import covering_tombstones
+
+    a = {"tombstone_id": "tA", "doc_id": "dA"}
+    b = {"tombstone_id": "tB", "doc_id": "dB"}
+    assert covering_tombstones([b], ("1", "tA,tB"), [a, b]) == [b, a]  # A's pending tombstone joins B's
+    assert covering_tombstones([b], None, [a, b]) == [b]  # an untainted champion: only what was asked
+    with pytest.raises(UsageError, match="tainted by tombstone.*tC.*refusing to unlearn only part"):
+        covering_tombstones([b], ("1", "tB,tC"), [a, b])
