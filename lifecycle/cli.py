@@ -454,9 +454,16 @@ def cmd_forget(args: argparse.Namespace) -> int:
                                           launch=args.launch))
     result = {"status": "recorded", "tombstones": rows, "tainted_versions": tainted}
     if args.unlearn:
-        with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget --unlearn"):
-            result = {**unlearn_champion(cfg, rows, ucfg, log=lambda s: print(s, file=info)), "tombstones": rows,
-                      "tainted_versions": tainted}
+        signal.signal(signal.SIGTERM, Terminated.raise_for)  # a stopped unlearning says so and marks its run KILLED
+        try:
+            with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget --unlearn"):
+                result = {**unlearn_champion(cfg, rows, ucfg, log=lambda s: print(s, file=info)),
+                          "tombstones": rows, "tainted_versions": tainted}
+        except (KeyboardInterrupt, Terminated) as e:
+            name = signal.Signals(e.signum if isinstance(e, Terminated) else signal.SIGINT).name
+            print(f"lifecycle forget: unlearning stopped by {name}: the tombstones are recorded, nothing was "
+                  "unlearned and the champion stays tainted; rerun with --unlearn (or --retrain)", file=sys.stderr)
+            return 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
         if result["status"] == "registered":
             m, p = result["model"], result["promotion"]
             print(f"unlearned: registered {m['name']} version {m['version']} (from {result['champion']}); "

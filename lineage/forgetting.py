@@ -106,8 +106,12 @@ def unlearn_champion(cfg, tombstones: list[dict], ucfg: ul.UnlearnConfig, log=pr
         tracker.set_parent_tag("lifecycle.unlearn.reason", str(e)[:5000])
         tracker.end("FINISHED")
         return {"status": "refused", "reason": str(e), "champion": request.champion, "metrics": e.metrics}
-    except BaseException:
-        tracker.end("FAILED")
+    except BaseException as e:  # stopped (SIGTERM, ^C: KILLED) or failed; nothing was registered
+        stopped = not isinstance(e, Exception)
+        tracker.set_parent_tag("lifecycle.unlearn.status", "stopped" if stopped else "failed")
+        tracker.set_parent_tag("lifecycle.unlearn.undone", f"tombstones {', '.join(ids)} still to forget: the "
+                               f"champion stays tainted; rerun `lifecycle forget ... --unlearn` (or --retrain)")
+        tracker.end("KILLED" if stopped else "FAILED")
         raise
     tracker.log_metrics("unlearn", metrics)
     extra = {"unlearned_from": request.champion, "champion_package_sha256": champion.sha256,

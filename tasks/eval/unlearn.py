@@ -230,6 +230,7 @@ def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConf
     draw = np.random.default_rng([cfg.seed, 1])
     history = []
     el = f"el{cfg.el_n}"
+    pace = _Pace(-(-len(forget) // cfg.chunk_size), log)
     for c in range(0, len(forget), cfg.chunk_size):
         chunk = forget[c : c + cfg.chunk_size]
         x = torch.from_numpy(chunk.astype(np.int64))
@@ -255,16 +256,43 @@ def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConf
                 opt.step()
                 steps += 1
             model.eval()
+            pace.step(c // cfg.chunk_size, steps, cfg.max_epochs)
             # MA is one forward pass: every check. EL_n costs a greedy continuation per prefix: only once MA says
             # the chunk may be done (until then the stale EL keeps the loop going, MA being above the level anyway)
             now = {"ma": float(memorisation_accuracy(model, chunk).mean()), el: now[el]}
             if now["ma"] <= target["ma"]:
                 now = measure(model, chunk, cfg)
         history.append({"chunk": c // cfg.chunk_size, "sequences": len(chunk), "steps": steps, **now})
+        pace.chunk_done()
         log(f"[unlearn] chunk {c // cfg.chunk_size}: {len(chunk)} sequence(s) forgotten in {steps} step(s), "
             f"MA {now['ma']:.3f}, EL_{cfg.el_n} {now[el]:.3f}")
     model.eval()
     return history
+
+
+class _Pace:
+    """A progress line at most every `every` seconds while chunks are unlearned (issue 44: 25 minutes went by
+    without one): the chunk, its steps against `max_epochs`, and an ETA from the chunks done so far (none before
+    the first is done: a chunk stops when its memorisation reaches the never-seen level, not at a known step)."""
+
+    def __init__(self, chunks: int, log, every: float = 15.0):
+        self.chunks, self.log, self.every = chunks, log, every
+        self.t0 = self.last = time.time()
+        self.done = 0
+
+    def step(self, chunk: int, steps: int, max_steps: int) -> None:
+        now = time.time()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        eta = ""
+        if self.done:
+            eta = f", ETA {(now - self.t0) / self.done * (self.chunks - self.done):.0f} s at the pace of the chunks done"
+        self.log(f"[unlearn] chunk {chunk + 1}/{self.chunks}: step {steps} (at most {max_steps}), "
+                 f"{now - self.t0:.0f} s so far{eta}")
+
+    def chunk_done(self) -> None:
+        self.done += 1
 
 
 def val_loss(model, tokens: DatasetRef, tokenizer, batches: int | None, batch_size: int | None = None
