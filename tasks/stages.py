@@ -5,20 +5,22 @@ from here. A stage declares:
 
 - `name`, which is also its dataset's folder under `<workdir>/datasets/` and its config section's name;
 - `package`, the folder holding its code: its code version is that folder's sources plus the core and what they
-  import (`lifecycle.core.code`), so nothing is listed by hand;
+  import (`lifecycle.core.code`), so nothing is listed by hand; its `stage.py` exports the stage's code as one
+  object, `STAGE` (`lifecycle.core.shards.StageCode` or `PerFileStage`: `plan`, `run`, `shard`, `warm`);
 - `parents`, the stages whose outputs it takes, in call order;
-- how it runs: `plan` (planned shards on the shard runner, then a commit), `run` (one task), or both (dedup:
-  sharded signatures, then one task that decides over all of them; `run` gets the sharded dataset as `shards=`).
+- how the flow runs it: `plan` (planned shards on the shard runner, then a commit), `run` (one task), or both
+  (dedup: sharded signatures, then one task that decides over all of them; `run` gets the sharded dataset as
+  `sharded_arg=`).
 
-Entry points are "module:function" strings, imported when the stage runs, so that importing the registry costs
-nothing (the lineage CLI reads it to order stages). How to add a stage: docs/architecture.md.
+`entry` imports the stage's package only when the stage runs, so that importing the registry costs nothing (the
+lineage CLI reads it to order stages). How to add a stage: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 
 @dataclass(frozen=True)
@@ -27,10 +29,13 @@ class Stage:
     package: str
     group: Literal["data", "train", "eval"]
     parents: tuple[str, ...] = ()
-    plan: str | None = None
-    """"module:function" planning the sharded part: fn(*parents, config, workdir, **kw) -> StagePlan | DatasetRef."""
-    run: str | None = None
-    """"module:function" of the single task: fn(*parents, config, workdir, **kw) -> DatasetRef | TrainResult."""
+    plan: bool = False
+    """Whether it has a sharded part, which the flow plans (`STAGE.plan(*parents, config, workdir, **kw)` ->
+    StagePlan | DatasetRef), maps over the shard runner (`STAGE.shard`) and commits."""
+    run: bool = False
+    """Whether the flow runs `STAGE.run(*parents, config, workdir, **kw)` -> DatasetRef | TrainResult as one task
+    (after the sharded part, if any). A sharded-only stage's `STAGE.run` is the whole stage in one process, for
+    library use and tests."""
     sharded_name: str | None = None
     """Dataset name of the sharded part when the stage also has a `run` part (dedup: dedup-signatures)."""
     sharded_arg: str = "shards"
@@ -41,41 +46,59 @@ class Stage:
     """Whether its rows are documents (doc_id, source_id, text): the lineage catalog indexes those."""
     optional: bool = False
     """Off unless its config turns it on (`enabled`); when off it does not run and its children read its parent."""
+    code: Any = None
+    """The stage object itself, for a package that does not export one as `<package>.stage.STAGE` (train)."""
+
+    def stage_code(self) -> Any:
+        """The stage's code object (`STAGE` in `<package>/stage.py`), its package imported on first use."""
+        if self.code is not None:
+            return self.code
+        return importlib.import_module(f"{self.package}.stage").STAGE
 
     def entry(self, which: Literal["plan", "run"]) -> Callable:
-        spec = getattr(self, which)
-        if spec is None:
+        """The callable the flow runs for the stage's sharded part (`plan`) or its single task (`run`)."""
+        if not getattr(self, which):
             raise ValueError(f"stage {self.name} has no {which} entry point")
-        module, _, fn = spec.partition(":")
-        return getattr(importlib.import_module(module), fn)
+        fn = getattr(self.stage_code(), which)
+        if fn is None:
+            raise ValueError(f"stage {self.name}: {self.package}'s STAGE has no `{which}`, which the registry expects")
+        return fn
 
     def __str__(self) -> str:
         return self.name
 
 
+class _TrainCode:
+    """train's stage object, until tasks/train exports its own (`STAGE` in tasks/train/stage.py): `run` is
+    `lifecycle.tasks.train.launch.run_train`, imported when the flow asks for it."""
+
+    plan = shard = warm = None
+
+    @property
+    def run(self) -> Callable:
+        from lifecycle.tasks.train.launch import run_train
+
+        return run_train
+
+
 _D = "lifecycle.tasks.data"
-COLLECT = Stage("collect", f"{_D}.collect", "data", plan=f"{_D}.collect.stage:plan_collect", documents=True)
-FILTER = Stage("filter", f"{_D}.filter", "data", ("collect",), plan=f"{_D}.filter.stage:plan_filter",
-               documents=True)
-DEDUP = Stage("dedup", f"{_D}.dedup", "data", ("filter",), plan=f"{_D}.dedup.stage:plan_signatures",
-              run=f"{_D}.dedup.stage:run_dedup", sharded_name="dedup-signatures", sharded_arg="signatures",
-              documents=True)
-SCRUB = Stage("scrub", f"{_D}.scrub", "data", ("dedup",), plan=f"{_D}.scrub.stage:plan_scrub", documents=True)
-DECONTAMINATE = Stage("decontaminate", f"{_D}.decontaminate", "data", ("scrub",),
-                      plan=f"{_D}.decontaminate.stage:plan_decontaminate", documents=True, optional=True)
-QUALITY = Stage("quality", f"{_D}.quality", "data", ("decontaminate",), run=f"{_D}.quality.stage:run_quality",
-                documents=True, optional=True)
+COLLECT = Stage("collect", f"{_D}.collect", "data", plan=True, documents=True)
+FILTER = Stage("filter", f"{_D}.filter", "data", ("collect",), plan=True, documents=True)
+DEDUP = Stage("dedup", f"{_D}.dedup", "data", ("filter",), plan=True, run=True, sharded_name="dedup-signatures",
+              sharded_arg="signatures", documents=True)
+SCRUB = Stage("scrub", f"{_D}.scrub", "data", ("dedup",), plan=True, documents=True)
+DECONTAMINATE = Stage("decontaminate", f"{_D}.decontaminate", "data", ("scrub",), plan=True, documents=True,
+                      optional=True)
+QUALITY = Stage("quality", f"{_D}.quality", "data", ("decontaminate",), run=True, documents=True, optional=True)
 # a data stage in the funnel whose code lives in the eval layer: it loads the champion model (train's code)
-PERPLEXITY = Stage("perplexity", "lifecycle.tasks.eval.perplexity", "data", ("quality",),
-                   run="lifecycle.tasks.eval.perplexity.stage:run_perplexity", documents=True, optional=True)
-SELECT = Stage("select", f"{_D}.select", "data", ("perplexity",), plan=f"{_D}.select.stage:plan_select",
-               documents=True, optional=True)
-TOKENIZE = Stage("tokenize", f"{_D}.tokenize", "data", ("select",), run=f"{_D}.tokenize.stage:run_tokenize")
-TRAIN = Stage("train", "lifecycle.tasks.train", "train", ("tokenize",), run="lifecycle.tasks.train.launch:run_train")
-EVALUATE = Stage("evaluate", "lifecycle.tasks.eval.evaluate", "eval", ("train", "tokenize"),
-                 run="lifecycle.tasks.eval.evaluate.stage:evaluate_stage")
-CHECKPOINT = Stage("checkpoint", "lifecycle.tasks.eval.checkpoint", "eval", ("train", "tokenize"),
-                   run="lifecycle.tasks.eval.checkpoint.stage:package_model", configured=False)
+PERPLEXITY = Stage("perplexity", "lifecycle.tasks.eval.perplexity", "data", ("quality",), run=True, documents=True,
+                   optional=True)
+SELECT = Stage("select", f"{_D}.select", "data", ("perplexity",), plan=True, documents=True, optional=True)
+TOKENIZE = Stage("tokenize", f"{_D}.tokenize", "data", ("select",), run=True)
+TRAIN = Stage("train", "lifecycle.tasks.train", "train", ("tokenize",), run=True, code=_TrainCode())
+EVALUATE = Stage("evaluate", "lifecycle.tasks.eval.evaluate", "eval", ("train", "tokenize"), run=True)
+CHECKPOINT = Stage("checkpoint", "lifecycle.tasks.eval.checkpoint", "eval", ("train", "tokenize"), run=True,
+                   configured=False)
 
 STAGES: tuple[Stage, ...] = (COLLECT, FILTER, DEDUP, SCRUB, DECONTAMINATE, QUALITY, PERPLEXITY, SELECT, TOKENIZE, TRAIN,
                               EVALUATE, CHECKPOINT)

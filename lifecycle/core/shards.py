@@ -1,5 +1,9 @@
 """Sharded stages: plan -> `run_shard` for each shard (in parallel, on any worker that shares the work dir)
--> `commit_plan`. Built on the dataset store (`lifecycle.core.dataset`)."""
+-> `commit_plan`. Built on the dataset store (`lifecycle.core.dataset`).
+
+A stage package exports its code as one object, `STAGE` in its `stage.py`, which the registry
+(`lifecycle.tasks.stages`) finds: a `StageCode` of callables, or a `PerFileStage`, the shape of every stage that
+maps each file of its parent to one output file (filter, scrub, decontaminate, select, dedup's signatures)."""
 
 from __future__ import annotations
 
@@ -19,12 +23,14 @@ import time
 import traceback
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
+from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, DatasetWriter, RawFile, StageStats, _FileWriter, dataset_dir, find_committed, fingerprint, read_parquet
 from lifecycle.core.fs import atomic_write_json, fsync_path
 
@@ -51,6 +57,7 @@ class StagePlan(BaseModel):
     config: Any
     shard_fn: str  # "module:function", called as fn(config, items, writer: ShardWriter) -> StageStats
     shards: list[list[str]]
+    warm_fn: str | None = None  # "module:function", called as fn(config) once per worker before its shards fork
     parents: list[DatasetRef] = []
     inputs: list[RawFile] = []
 
@@ -93,6 +100,28 @@ class ShardWriter(_FileWriter):
         fsync_path(self.final.parent)
 
 
+def by_name(fn: Callable) -> str:
+    """"module:qualname" of a module-level function, which a shard worker (another process, or another machine
+    sharing the work dir) imports by that name (`resolve`)."""
+    name = f"{fn.__module__}:{fn.__qualname__}"
+    try:
+        found = resolve(name)
+    except (ImportError, AttributeError):
+        found = None
+    if found is not fn:
+        raise TypeError(f"{name} is not a module-level function: a shard worker could not import it by name")
+    return name
+
+
+def resolve(name: str) -> Any:
+    """The object a "module:qualname" string names (the module imported if need be)."""
+    module, _, qualname = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def plan_stage(
     workdir: str | Path,
     stage: str,
@@ -102,17 +131,19 @@ def plan_stage(
     shards: list[list[str]],
     parents: Iterable[DatasetRef] = (),
     inputs: Iterable[RawFile] = (),
+    warm: Callable | None = None,
 ) -> StagePlan | DatasetRef:
     """The committed dataset if there is one, else the plan to build it (leftover temporary shard
-    directories of a killed run are removed; finished shards are kept)."""
+    directories of a killed run are removed; finished shards are kept). `warm(config)`: what a worker loads
+    once before its shard processes fork (`warm_worker`)."""
     parents, inputs = list(parents), list(inputs)
     fp = fingerprint(stage, config, code, parents, inputs)
     done = find_committed(workdir, stage, fp)
     if done is not None:
         return done
     plan = StagePlan(stage=stage, workdir=str(workdir), fingerprint=fp, code=code, config=config,
-                     shard_fn=f"{shard_fn.__module__}:{shard_fn.__qualname__}", shards=shards,
-                     parents=parents, inputs=inputs)
+                     shard_fn=by_name(shard_fn), shards=shards, parents=parents, inputs=inputs,
+                     warm_fn=by_name(warm) if warm is not None else None)
     plan.building.mkdir(parents=True, exist_ok=True)
     for stale in plan.building.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -123,8 +154,7 @@ def run_shard(plan: StagePlan, index: int) -> dict:
     """Build shard `index` of `plan` unless a finished copy exists. Idempotent; safe to retry."""
     if (plan.shard_dir(index) / SHARD_MARKER).exists():
         return {"index": index, "reused": True}
-    module, _, name = plan.shard_fn.partition(":")
-    fn = getattr(importlib.import_module(module), name)
+    fn = resolve(plan.shard_fn)
     writer = ShardWriter(plan, index)
     try:
         stats = fn(plan.config, plan.shards[index], writer)
@@ -184,14 +214,15 @@ _warmed: set[tuple[str, str]] = set()  # (stage module, fingerprint) already war
 def warm_worker(plan: StagePlan) -> None:
     """Load, once in this process, what each forked shard process would otherwise load again for itself and
     lose at its exit: the stage's module, pandas (which pyarrow imports when it builds its first table, 0.5-1 s),
-    and whatever the module's `warm_shard(config)` loads (filter: the language-ID model and the n-gram kernels)."""
+    and whatever the stage's `warm(config)` loads (its stage object's, carried by the plan as `warm_fn`; filter:
+    the language-ID model and the n-gram kernels; dedup's signatures: the MinHash kernel)."""
     module = plan.shard_fn.partition(":")[0]
     if (module, plan.fingerprint) in _warmed:
         return
-    mod = importlib.import_module(module)
+    resolve(plan.shard_fn)
     pa.table({"warm": [0]})
-    if (warm := getattr(mod, "warm_shard", None)) is not None:
-        warm(plan.config)
+    if plan.warm_fn is not None:
+        resolve(plan.warm_fn)(plan.config)
     _warmed.add((module, plan.fingerprint))
 
 
@@ -329,13 +360,68 @@ def group_files(files: list[tuple[str, int]], size: int) -> list[list[str]]:
     return shards
 
 
-def plan_per_file(workdir: str | Path, stage: str, config: Any, code: str, parent: DatasetRef,
-                  shard_fn: Callable) -> StagePlan | DatasetRef:
-    """A stage that maps each kept file of `parent` to one output file; small consecutive files share a shard
-    (`group_files`), so the shards depend on the parent alone."""
-    files = [(str(Path(parent.path) / f["path"]), f["bytes"]) for f in parent.manifest()["files"]]
-    return plan_stage(workdir, stage, config, code, shard_fn, group_files(files, PER_FILE_SHARD_BYTES),
-                      parents=[parent])
+# --------------------------------------------------------------------------------------------------
+# stage objects: what a stage package exports as `STAGE` (`lifecycle.tasks.stages.Stage.entry` finds it)
+
+
+@dataclass(frozen=True)
+class StageCode:
+    """A stage's callables, exported by its package as `STAGE` in its `stage.py`:
+
+    - `run(*parents, config, workdir, **kw)`: the whole stage in this process, returning its committed output (a
+      sharded stage plans, builds every shard here and commits: library use and tests). The flow runs it as one
+      task where the registry says `run` (dedup: after its sharded part, passed as the registry's `sharded_arg`);
+    - `plan(*parents, config, workdir, **kw) -> StagePlan | DatasetRef`: the sharded part, if the stage has one;
+    - `shard(config, items, writer) -> StageStats`: one shard of that plan. A module-level function: the plan
+      carries it by name and shard workers import it (`by_name`, `resolve`);
+    - `warm(config)`: what a worker loads once before its shard processes fork (`warm_worker`), if anything."""
+
+    run: Callable
+    plan: Callable | None = None
+    shard: Callable | None = None
+    warm: Callable | None = None
+
+
+@dataclass(frozen=True)
+class PerFileStage:
+    """A sharded stage that maps each kept file of its parent to one output file, rejected rows beside it
+    (filter, scrub, decontaminate, select, dedup's signatures): one declaration gives its `plan`, `run`, `shard`
+    and `warm`, e.g. `STAGE = PerFileStage("scrub", __package__, scrub_shard)`.
+
+    Its plan shards the parent's files: consecutive files together up to `PER_FILE_SHARD_BYTES` (`group_files`, so
+    the shards depend on the parent alone), or one file per shard when not `grouped`. Its fingerprint is
+    the stage `name`, `config(parent, section)` (default: the section itself), the code version of `package`, the
+    parent, and the raw files `inputs(section)` names (decontaminate's eval sets)."""
+
+    name: str
+    """The dataset's name under `<workdir>/datasets/` (dedup's sharded half: dedup-signatures)."""
+    package: str
+    """The package whose code version is fingerprinted: the stage module's `__package__`."""
+    shard: Callable[[Any, list[str], Any], StageStats]
+    """fn(config, files, writer) -> StageStats, module-level (shard workers import it by name)."""
+    warm: Callable[[Any], None] | None = None
+    """fn(config), module-level: loaded once per worker before its shard processes fork."""
+    config: Callable[[DatasetRef, Any], Any] | None = None
+    """fn(parent, section) -> the config the shards get and the fingerprint holds (select: the resolved cut)."""
+    inputs: Callable[[Any], list[RawFile]] | None = None
+    """fn(section) -> raw files beside the parent in the fingerprint."""
+    grouped: bool = True
+    """Small consecutive files share a shard (up to `PER_FILE_SHARD_BYTES`); False: one file per shard."""
+
+    def plan(self, parent: DatasetRef, cfg: Any, workdir: str | Path) -> StagePlan | DatasetRef:
+        """One shard per file of `parent`, or per group of small files; the committed dataset instead if it exists."""
+        if self.grouped:
+            files = [(str(Path(parent.path) / f["path"]), f["bytes"]) for f in parent.manifest()["files"]]
+            shards = group_files(files, PER_FILE_SHARD_BYTES)
+        else:
+            shards = [[str(p)] for p in parent.files()]
+        return plan_stage(workdir, self.name, self.config(parent, cfg) if self.config is not None else cfg,
+                          code_version(self.package), self.shard, shards, parents=[parent],
+                          inputs=self.inputs(cfg) if self.inputs is not None else (), warm=self.warm)
+
+    def run(self, parent: DatasetRef, cfg: Any, workdir: str | Path) -> DatasetRef:
+        """Every file of `parent`, one file at a time, into the committed dataset (here, shard after shard)."""
+        return run_plan(self.plan(parent, cfg, workdir))
 
 
 def map_tables(paths: list[str], writer: _FileWriter,

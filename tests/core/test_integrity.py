@@ -20,7 +20,7 @@ from lifecycle.core.dataset import (
 
 from lifecycle.core.shards import run_plan
 from lifecycle.tasks.data.collect.stage import CollectConfig, plan_collect, resolve_inputs
-from lifecycle.tasks.data.scrub.stage import ScrubConfig, plan_scrub
+from lifecycle.tasks.data.scrub.stage import STAGE as SCRUB, ScrubConfig
 from tests.core.test_shards import write_inputs
 
 
@@ -159,13 +159,13 @@ def test_flipped_parts_of_real_stages_are_rebuilt(tmp_path, caplog):
     wd = str(tmp_path / "w")
     ccfg = CollectConfig(inputs=[str(tmp_path / "in" / "*.jsonl")], shard_bytes=1)
     docs = run_plan(plan_collect(ccfg, wd, inputs))
-    clean = run_plan(plan_scrub(docs, ScrubConfig(), wd))
-    assert run_plan(plan_collect(ccfg, wd, inputs)).reused and run_plan(plan_scrub(docs, ScrubConfig(), wd)).reused
+    clean = run_plan(SCRUB.plan(docs, ScrubConfig(), wd))
+    assert run_plan(plan_collect(ccfg, wd, inputs)).reused and run_plan(SCRUB.plan(docs, ScrubConfig(), wd)).reused
     for ref in (docs, clean):
         flip(ref.files()[0])
     with caplog.at_level(logging.WARNING, logger="lifecycle.core.dataset"):
         docs2 = run_plan(plan_collect(ccfg, wd, inputs))
-        clean2 = run_plan(plan_scrub(docs2, ScrubConfig(), wd))
+        clean2 = run_plan(SCRUB.plan(docs2, ScrubConfig(), wd))
     assert not docs2.reused and not clean2.reused
     assert (docs2.sha256, clean2.sha256) == (docs.sha256, clean.sha256)
     for ref in (docs, clean):

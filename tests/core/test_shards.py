@@ -21,9 +21,12 @@ import pytest
 
 from lifecycle.core.dataset import StageStats
 
-from lifecycle.core.shards import SHARD_MARKER, commit_plan, group_files, plan_stage, run_plan, run_shard
+from lifecycle.core.shards import (
+    SHARD_MARKER, PerFileStage, commit_plan, group_files, map_tables, plan_stage, resolve, run_plan, run_shard,
+    warm_worker,
+)
 from lifecycle.tasks.data.collect.stage import CollectConfig, plan_collect, resolve_inputs, shard_inputs
-from lifecycle.tasks.data.filter.stage import FilterConfig, plan_filter
+from lifecycle.tasks.data.filter.stage import STAGE as FILTER, FilterConfig
 from tests.conftest import ROOT, corpus_records, last_json, lifecycle, make_collect
 
 
@@ -127,6 +130,36 @@ def _boom(cfg, files, writer) -> StageStats:
     raise ValueError("shard failed")
 
 
+WARMED: list = []
+
+
+def _warm(cfg) -> None:
+    WARMED.append(cfg)
+
+
+def _copy(cfg, files, writer) -> StageStats:
+    return map_tables(files, writer, lambda t: (t, t.slice(0, 0), StageStats(rows_in=t.num_rows, rows_kept=t.num_rows)))
+
+
+def test_the_warm_up_comes_from_the_stage_object(tmp_path):
+    """A per-file stage object's plan carries its shard and warm-up functions by name (shard workers import them);
+    `warm_worker` runs the warm-up once per plan in a process, found through the plan, not by a module-level name;
+    a function a worker could not import by name is refused when the plan is made."""
+    parent = make_collect(str(tmp_path), [pa.table({"text": ["a b c"]}), pa.table({"text": ["d e"]})], "two")
+    stage = PerFileStage("copy", "lifecycle.core", _copy, warm=_warm, grouped=False)
+    plan = stage.plan(parent, {"v": 1}, str(tmp_path))
+    assert (resolve(plan.shard_fn), resolve(plan.warm_fn)) == (_copy, _warm)
+    assert plan.shards == [[str(p)] for p in parent.files()]
+    WARMED.clear()
+    warm_worker(plan)
+    warm_worker(plan)
+    assert WARMED == [{"v": 1}]
+    assert stage.run(parent, {"v": 1}, str(tmp_path)).num_rows == 2
+    assert FILTER.plan(parent, FilterConfig(), str(tmp_path)).warm_fn == "lifecycle.tasks.data.filter.stage:warm_filter"
+    with pytest.raises(TypeError, match="not a module-level function"):
+        PerFileStage("nope", "lifecycle.core", lambda cfg, files, writer: StageStats()).plan(parent, {}, str(tmp_path))
+
+
 def test_filter_plan_groups_small_parent_files(tmp_path, monkeypatch):
     """A per-file stage's shard is one parent file, or consecutive small ones up to 1 MiB together (a shard costs
     a task and a process: more than filtering 15 documents)."""
@@ -137,23 +170,23 @@ def test_filter_plan_groups_small_parent_files(tmp_path, monkeypatch):
     collect = run_plan(plan_collect(cfg, str(tmp_path), inputs))
     files = [str(p) for p in collect.files()]
     assert len(files) == 9  # 3 files x ceil(10/4)
-    assert plan_filter(collect, FilterConfig(), str(tmp_path)).shards == [files]  # 9 small files: one shard
+    assert FILTER.plan(collect, FilterConfig(), str(tmp_path)).shards == [files]  # 9 small files: one shard
     sizes = [(f, os.path.getsize(f)) for f in files]
     assert group_files(sizes, 1) == [[f] for f in files]
     two = sizes[0][1] + sizes[1][1]
     assert group_files(sizes[:3], two) == [files[:2], files[2:3]]  # up to the size, in order
     monkeypatch.setattr(shards, "PER_FILE_SHARD_BYTES", 1)
-    plan = plan_filter(collect, FilterConfig(), str(tmp_path))
+    plan = FILTER.plan(collect, FilterConfig(), str(tmp_path))
     assert plan.shards == [[f] for f in files]
     filtered = run_plan(plan)
-    assert plan_filter(collect, FilterConfig(), str(tmp_path)) == filtered.model_copy(update={"reused": True})
+    assert FILTER.plan(collect, FilterConfig(), str(tmp_path)) == filtered.model_copy(update={"reused": True})
 
 
 def test_dedup_signatures_resume_only_unfinished_shards(tmp_path, monkeypatch):
     """dedup's costly half (signatures) is sharded per parent file: after a crash the rerun hashes only the
     documents of unfinished shards, and the dedup dataset equals an uninterrupted run's."""
     from lifecycle.tasks.data.dedup import minhash
-    from lifecycle.tasks.data.dedup.stage import DedupConfig, plan_signatures, run_dedup
+    from lifecycle.tasks.data.dedup.stage import SIGNATURES, DedupConfig, run_dedup
 
     import lifecycle.core.shards as shards
 
@@ -165,7 +198,7 @@ def test_dedup_signatures_resume_only_unfinished_shards(tmp_path, monkeypatch):
     reference = run_dedup(parent, cfg, str(tmp_path / "ref"))
 
     wd = str(tmp_path / "w")
-    plan = plan_signatures(parent, cfg, wd)
+    plan = SIGNATURES.plan(parent, cfg, wd)
     assert plan.shards == [[str(p)] for p in parent.files()] and len(plan.shards) == 6
     run_shard(plan, 0)
     run_shard(plan, 3)
@@ -173,7 +206,7 @@ def test_dedup_signatures_resume_only_unfinished_shards(tmp_path, monkeypatch):
     hashed = []
     real = minhash.signatures
     monkeypatch.setattr(minhash, "signatures", lambda t, *a, **k: hashed.extend(pa.array(t).to_pylist()) or real(t, *a, **k))
-    again = plan_signatures(parent, cfg, wd)  # the rerun
+    again = SIGNATURES.plan(parent, cfg, wd)  # the rerun
     assert again.fingerprint == plan.fingerprint and again.done_shards() == [0, 3]
     sigs = run_plan(again)
     # the finished shards were kept as they were (the building directory became the dataset)

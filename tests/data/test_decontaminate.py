@@ -8,10 +8,9 @@ import pytest
 
 from lifecycle.config import PipelineConfig
 from lifecycle.core.dataset import DatasetRef
-from lifecycle.core.shards import run_plan
 from lifecycle.tasks.data.decontaminate.ngrams import overlap, words
 from lifecycle.tasks.data.decontaminate.sets import read_items, resolve_set
-from lifecycle.tasks.data.decontaminate.stage import DecontaminateConfig, plan_decontaminate
+from lifecycle.tasks.data.decontaminate.stage import DecontaminateConfig, run_decontaminate
 from lifecycle.tasks.stages import BY_NAME, enabled, input_of
 from tests.conftest import docs_table, make_collect
 
@@ -28,7 +27,7 @@ def eval_file(tmp_path, text=ITEM):
 
 def decontaminate(tmp_path, texts, cfg):
     parent = make_collect(tmp_path, [docs_table(texts)])
-    return run_plan(plan_decontaminate(parent, cfg, str(tmp_path)))
+    return run_decontaminate(parent, cfg, str(tmp_path))
 
 
 def test_overlap_counts_docs_sharing_a_13gram():

@@ -6,10 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from lifecycle.core.shards import run_plan
 from lifecycle.tasks.data.quality.classifier import prf
 from lifecycle.tasks.data.quality.stage import COLUMN, QualityConfig, run_quality
-from lifecycle.tasks.data.select.stage import SelectConfig, plan_select
+from lifecycle.tasks.data.select.stage import SelectConfig, run_select
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize
 from lifecycle.core.fs import sha256_file
 from tests.conftest import corpus_records, docs_table, make_collect
@@ -47,7 +46,7 @@ def test_scores_every_document_and_drops_none(scored):
 
 def test_select_threshold_and_a_new_threshold_reuses_the_scores(scored):
     tmp, parent, cfg, ref = scored
-    sel = run_plan(plan_select(ref, SelectConfig(threshold=0.5), str(tmp)))
+    sel = run_select(ref, SelectConfig(threshold=0.5), str(tmp))
     scores = dict(zip(*ref.read(["doc_id", COLUMN]).to_pydict().values()))
     kept = sel.read(["doc_id"]).column(0).to_pylist()
     assert kept == [d for d, s in scores.items() if s >= 0.5] and 0 < len(kept) < 120
@@ -56,15 +55,15 @@ def test_select_threshold_and_a_new_threshold_reuses_the_scores(scored):
     detail = json.loads(rej[0]["detail"])
     assert detail["column"] == COLUMN and detail["threshold"] == 0.5 and detail["score"] < 0.5
     again = run_quality(parent, cfg, str(tmp))  # the flow asks for the scores again: reused, same folder
-    stricter = run_plan(plan_select(again, SelectConfig(threshold=0.9), str(tmp)))
+    stricter = run_select(again, SelectConfig(threshold=0.9), str(tmp))
     assert again.reused and again.path == ref.path and stricter.path != sel.path
     assert stricter.num_rows <= sel.num_rows
-    assert run_plan(plan_select(again, SelectConfig(threshold=0.5), str(tmp))).reused
+    assert run_select(again, SelectConfig(threshold=0.5), str(tmp)).reused
 
 
 def test_select_top_fraction_keeps_that_share(scored):
     tmp, _, _, ref = scored
-    sel = run_plan(plan_select(ref, SelectConfig(threshold=None, top_fraction=0.25), str(tmp)))
+    sel = run_select(ref, SelectConfig(threshold=None, top_fraction=0.25), str(tmp))
     assert sel.num_rows == 30
     best = sorted(zip(*ref.read(["doc_id", COLUMN]).to_pydict().values()), key=lambda r: (-r[1], r[0]))[:30]
     assert set(sel.read(["doc_id"]).column(0).to_pylist()) == {d for d, _ in best}
@@ -74,7 +73,7 @@ def test_select_top_fraction_keeps_that_share(scored):
 
 def test_scores_reach_the_token_side_table(scored):
     tmp, _, _, ref = scored
-    sel = run_plan(plan_select(ref, SelectConfig(threshold=0.0), str(tmp)))
+    sel = run_select(ref, SelectConfig(threshold=0.0), str(tmp))
     tokens = run_tokenize(sel, TokenizeConfig(vocab_size=300, val_fraction=0.1, min_val_docs=5, min_val_tokens=0,
                                               max_contamination=1.0), str(tmp))
     side = tokens.read(["doc_id", COLUMN]).to_pydict()

@@ -51,7 +51,7 @@ from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
     DOC_SCHEMA, MANIFEST, DatasetRef, RawFile, StageStats, dataset_dir, fingerprint, rejected_table,
 )
-from lifecycle.core.shards import StagePlan, group_files, heartbeat, plan_stage, run_plan
+from lifecycle.core.shards import StageCode, StagePlan, group_files, heartbeat, plan_stage, run_plan
 from lifecycle.core.fs import atomic_write_bytes
 from lifecycle.core.fs import is_remote, is_url
 from lifecycle.core.paths import confine_matches
@@ -60,7 +60,7 @@ from lifecycle.tasks.data.collect.inputs import path_bytes, raw_name, remote_pro
 from lifecycle.tasks.data.collect.streams import COMPRESSED, STREAM_ERRORS, open_stream, truncated_reason
 from lifecycle.tasks.data.collect.tombstones import REASON as FORGOTTEN, ForgetFilter
 
-STAGE = "collect"
+NAME = "collect"
 KNOWN_FIELDS = ("id", "text", "source", "url")
 WHERE = "_where"  # a reader's (record number, byte start, byte end) of a record in its raw file, beside the row
 POSITIONS = "raw-positions.parquet"  # per shard: where each kept row came from (an `extra` file)
@@ -495,7 +495,7 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
             kept.clear()
             held = 0
         if rejected and (final or held_rejected >= budget):
-            writer.write_table(rejected_table(rejected, STAGE), kind="rejected")
+            writer.write_table(rejected_table(rejected, NAME), kind="rejected")
             rejected.clear()
             held_rejected = 0
 
@@ -620,15 +620,19 @@ def collect_committed(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | 
     """Whether this run's collect dataset is committed already (its manifest is there; `plan_collect` verifies
     it). Cheap: no shard planning, no file read. The flow starts its Dask workers early only when it is not."""
     cfg, inputs = _run_inputs(cfg, workdir, inputs)
-    fp = fingerprint(STAGE, cfg, code_version(__package__), [], inputs)
-    return (dataset_dir(workdir, STAGE, fp) / MANIFEST).exists()
+    fp = fingerprint(NAME, cfg, code_version(__package__), [], inputs)
+    return (dataset_dir(workdir, NAME, fp) / MANIFEST).exists()
 
 
 def plan_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> StagePlan | DatasetRef:
     cfg, inputs = _run_inputs(cfg, workdir, inputs)
-    return plan_stage(workdir, STAGE, cfg, code_version(__package__), collect_shard,
+    return plan_stage(workdir, NAME, cfg, code_version(__package__), collect_shard,
                       shard_inputs(inputs, cfg.shard_bytes, cfg.split_bytes, cfg.min_shards), inputs=inputs)
 
 
 def run_collect(cfg: CollectConfig, workdir: str, inputs: list[RawFile] | None = None) -> DatasetRef:
     return run_plan(plan_collect(cfg, workdir, inputs))
+
+
+# sharded over its raw inputs (no parent): its own plan, not a per-file stage's
+STAGE = StageCode(run=run_collect, plan=plan_collect, shard=collect_shard)

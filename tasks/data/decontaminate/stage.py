@@ -18,13 +18,12 @@ from functools import lru_cache
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lifecycle.core.code import code_version
-from lifecycle.core.dataset import DatasetRef, StageStats, rejected_table
-from lifecycle.core.shards import StagePlan, map_tables, plan_stage, run_plan
+from lifecycle.core.dataset import StageStats, rejected_table
+from lifecycle.core.shards import PerFileStage, map_tables
 from lifecycle.tasks.data.decontaminate.ngrams import ngram_hashes, words
 from lifecycle.tasks.data.decontaminate.sets import raw_inputs, read_items, resolve_set
 
-STAGE = "decontaminate"
+NAME = "decontaminate"
 REASON = "contaminated"
 
 
@@ -110,7 +109,7 @@ def decontaminate_table(table: pa.Table, index: NgramIndex) -> tuple[pa.Table, p
                          "detail": json.dumps({"set": set_name, "item": item, "ngram": shared}, sort_keys=True)})
     stats.rows_kept = len(keep)
     kept = table if len(keep) == table.num_rows else table.take(pa.array(keep, type=pa.int64()))
-    return kept, rejected_table(rejected, STAGE), stats
+    return kept, rejected_table(rejected, NAME), stats
 
 
 def decontaminate_shard(cfg: DecontaminateConfig, files: list[str], writer) -> StageStats:
@@ -118,11 +117,11 @@ def decontaminate_shard(cfg: DecontaminateConfig, files: list[str], writer) -> S
     return map_tables(files, writer, lambda t: decontaminate_table(t, index))
 
 
-def plan_decontaminate(parent: DatasetRef, cfg: DecontaminateConfig, workdir: str) -> StagePlan | DatasetRef:
-    """One shard per kept file of `parent`; the sets' digests are raw inputs, so in the fingerprint."""
-    return plan_stage(workdir, STAGE, cfg, code_version(__package__), decontaminate_shard,
-                      [[str(p)] for p in parent.files()], parents=[parent], inputs=raw_inputs(cfg.sets))
+def set_inputs(cfg: DecontaminateConfig) -> list:
+    """The eval sets as raw inputs: their digests are in the fingerprint."""
+    return raw_inputs(cfg.sets)
 
 
-def run_decontaminate(parent: DatasetRef, cfg: DecontaminateConfig, workdir: str) -> DatasetRef:
-    return run_plan(plan_decontaminate(parent, cfg, workdir))
+# one shard per kept file of the parent (each builds the n-gram index of the sets)
+STAGE = PerFileStage(NAME, __package__, decontaminate_shard, inputs=set_inputs, grouped=False)
+run_decontaminate = STAGE.run

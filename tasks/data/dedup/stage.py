@@ -1,8 +1,8 @@
 """dedup: exact duplicates over normalised text (one DuckDB query), then MinHash LSH near-duplicates,
 within this run and, incrementally, against everything kept by earlier runs.
 
-Two halves. The costly one is sharded: `plan_signatures` plans one shard per kept file of the parent, and
-`signature_shard` writes, for every row in the parent's order, its doc_id, source_id, normalised-text hash
+Two halves. The costly one is sharded (`SIGNATURES`, a per-file stage): it plans one shard per kept file of the
+parent, and `signature_shard` writes, for every row in the parent's order, its doc_id, source_id, normalised-text hash
 (`exact_hash`), MinHash signature and LSH band keys, into the `dedup-signatures` dataset (committed like any
 sharded stage, so a killed run rebuilds only unfinished shards). The global half, `dedup`, decides every row in
 DuckDB over those files (`decide`): exact copies by a window over the hashes, LSH buckets by grouping the
@@ -59,7 +59,7 @@ from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
     DatasetRef, DatasetWriter, StageStats, materialize, read_parquet, rejected_table, sha256_json,
 )
-from lifecycle.core.shards import StagePlan, plan_per_file, run_plan
+from lifecycle.core.shards import PerFileStage, StageCode
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.tasks.data.dedup import paragraphs as para
 from lifecycle.tasks.data.dedup import substring as sub
@@ -67,7 +67,7 @@ from lifecycle.tasks.data.dedup.history import base_parts, collected_incremental
 from lifecycle.tasks.data.dedup.paragraphs import ParagraphConfig
 from lifecycle.tasks.data.dedup.substring import SubstringConfig
 
-STAGE = "dedup"
+NAME = "dedup"
 SIG_STAGE = "dedup-signatures"  # the sharded first half: one signature file per parent file
 INDEX_FILE = "dedup-index.parquet"  # the kept documents' index rows, inside the dataset
 INDEX_MANIFEST = "_index.json"
@@ -213,7 +213,7 @@ def signature_config(cfg: DedupConfig) -> SignatureConfig:
 _EXACT_HASH = r"md5(regexp_replace(lower(trim(text)), '\s+', ' ', 'g'))"  # lower-case, collapsed whitespace
 
 
-def warm_shard(cfg: SignatureConfig) -> None:
+def warm_signatures(cfg: SignatureConfig) -> None:
     """Load numba and the compiled MinHash kernel once in the worker, before its shard processes fork
     (`lifecycle.core.shards.warm_worker`), instead of once in each (about 1 s)."""
     if cfg.minhash:
@@ -271,9 +271,13 @@ def _matrix(col: pa.ChunkedArray | pa.Array, width: int, dtype) -> np.ndarray:
     return col.flatten().to_numpy().astype(dtype, copy=False).reshape(-1, width) if len(col) else np.zeros((0, width), dtype)
 
 
-def plan_signatures(parent: DatasetRef, cfg: DedupConfig, workdir: str) -> StagePlan | DatasetRef:
-    """One shard per kept file of `parent` (the committed signature dataset instead if it exists)."""
-    return plan_per_file(workdir, SIG_STAGE, signature_config(cfg), code_version(__package__), parent, signature_shard)
+def _signature_config(parent: DatasetRef, cfg: DedupConfig) -> SignatureConfig:
+    return signature_config(cfg)
+
+
+# the sharded half: one signature file per kept file of the parent (small files grouped in a shard)
+SIGNATURES = PerFileStage(SIG_STAGE, __package__, signature_shard, warm=warm_signatures, config=_signature_config)
+plan_signatures = SIGNATURES.plan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,7 +309,7 @@ class Index:
         return self.num_rows
 
     def dataset_of(self, part: int) -> str:
-        return f"kept by an earlier run: datasets/{STAGE}/{self.parts[part]['dataset'][:20]}"
+        return f"kept by an earlier run: datasets/{NAME}/{self.parts[part]['dataset'][:20]}"
 
 
 MINHASH_SOURCE = Path(__file__).with_name("minhash.py")  # the signature code (not imported here: numba)
@@ -572,7 +576,7 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
         if kept.num_rows:
             writer.write_table(kept)
         if rejected:
-            writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
+            writer.write_table(rejected_table(rejected, NAME, REJECTED_FIELDS), kind="rejected")
         if index_out is not None:
             rows = pq.read_table(sig_path, columns=index_schema.names, page_checksum_verification=True).filter(keep)
             index_out.write_table(rows.cast(index_schema))
@@ -622,7 +626,7 @@ def dedup(parent: DatasetRef, cfg: DedupConfig, writer: DatasetWriter, sigs: Dat
             pending.append((stash, np.asarray(keep, dtype=bool).copy(), sig_path))
             if rejected:
                 stats.rejected[REJECT_REASON] += len(rejected)
-                writer.write_table(rejected_table(rejected, STAGE, REJECTED_FIELDS), kind="rejected")
+                writer.write_table(rejected_table(rejected, NAME, REJECTED_FIELDS), kind="rejected")
         if suffixes is not None:
             suffixes.build()
             for stash, mask, sig_path in pending:
@@ -668,7 +672,7 @@ def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: Da
     Paragraph dedup (`paragraphs.enabled`) starts from the published filter when `incremental`, from an empty
     one otherwise; its state is part of the fingerprint like the index's."""
     if signatures is None:
-        signatures = run_plan(plan_signatures(parent, cfg, workdir))
+        signatures = SIGNATURES.run(parent, cfg, workdir)
     code = code_version(__package__)
     extra = {"signatures": {"stage": signatures.stage, "sha256": signatures.sha256,
                             "manifest": str(signatures.manifest_path)}}
@@ -695,9 +699,13 @@ def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: Da
         return {"stats": stats, "extra": {**extra, **({"paragraph_bloom": bloom.report(cfg.paragraphs)} if bloom else {}),
                                           **report}}
 
-    ref = materialize(workdir, STAGE, fp_config, code, build, parents=[parent])
+    ref = materialize(workdir, NAME, fp_config, code, build, parents=[parent])
     if cfg.incremental:
         publish(ref, parent, cfg, workdir)
         if bloom is not None:
             para.publish_bloom(ref, parent, cfg.paragraphs, workdir)
     return ref
+
+
+# the sharded half on the shard runner, then `run_dedup` (one task) over its dataset (the registry's `signatures=`)
+STAGE = StageCode(run=run_dedup, plan=SIGNATURES.plan, shard=SIGNATURES.shard, warm=SIGNATURES.warm)

@@ -28,16 +28,15 @@ from typing import Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DatasetRef, StageStats, rejected_table,
+    StageStats, rejected_table,
 )
-from lifecycle.core.shards import StagePlan, map_tables, plan_per_file, run_plan
+from lifecycle.core.shards import PerFileStage, map_tables
 from lifecycle.tasks.data.filter.language import LanguageConfig, detect_language
 from lifecycle.tasks.data.filter.rule import Rule, Verdict, load_rules
 from lifecycle.tasks.data.filter.words import split_words
 
-STAGE = "filter"
+NAME = "filter"
 RULES = load_rules()  # every rule module of this package registers itself (rule.register)
 RuleName = Literal[tuple(RULES)]  # type: ignore[valid-type]  # the registered names
 
@@ -112,7 +111,7 @@ def filter_table(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, pa.Table
     stats = StageStats(rows_in=table.num_rows)
     for doc_id, source_id, text in zip(doc_ids, source_ids, texts):
         if text is None:
-            raise ValueError(f"{STAGE}: row doc_id={doc_id!r} source_id={source_id!r} has a null text")
+            raise ValueError(f"{NAME}: row doc_id={doc_id!r} source_id={source_id!r} has a null text")
         size = len(text.encode("utf-8"))
         stats.bytes_in += size
         verdict, new_text, lang, score = document_verdict(text, cfg)
@@ -133,7 +132,7 @@ def filter_table(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, pa.Table
     kept = kept.set_column(idx, kept.schema.field(idx), pa.array(out_texts, pa.string()))
     kept = kept.append_column("lang", pa.array(langs, pa.string()))
     kept = kept.append_column("lang_score", pa.array(scores, pa.float32()))
-    return kept, rejected_table(rejected, STAGE), stats
+    return kept, rejected_table(rejected, NAME), stats
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ def filter_shard(cfg: FilterConfig, files: list[str], writer) -> StageStats:
     return map_tables(files, writer, lambda table: filter_table(table, cfg))
 
 
-def warm_shard(cfg: FilterConfig) -> None:
+def warm_filter(cfg: FilterConfig) -> None:
     """Load what every shard loads on its first document, once in the worker before its shard processes fork
     (`lifecycle.core.shards.warm_worker`), instead of once in each: each listed rule's `warm` (rule.register), and
     the language-ID model always, for the kept documents' `lang` columns."""
@@ -153,11 +152,5 @@ def warm_shard(cfg: FilterConfig) -> None:
             warm()
 
 
-def plan_filter(parent: DatasetRef, cfg: FilterConfig, workdir: str) -> StagePlan | DatasetRef:
-    """One shard per kept file of `parent`; the committed dataset instead if it exists."""
-    return plan_per_file(workdir, STAGE, cfg, code_version(__package__), parent, filter_shard)
-
-
-def run_filter(parent: DatasetRef, cfg: FilterConfig, workdir: str) -> DatasetRef:
-    """Filter every kept file of `parent`, one file at a time, into a committed `filter` dataset."""
-    return run_plan(plan_filter(parent, cfg, workdir))
+STAGE = PerFileStage(NAME, __package__, filter_shard, warm=warm_filter)
+run_filter = STAGE.run  # filter every kept file of a parent into a committed `filter` dataset, here

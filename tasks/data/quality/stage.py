@@ -21,10 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 from lifecycle.core.code import code_version
+from lifecycle.core.shards import StageCode
 from lifecycle.tasks.data.collect.stage import CollectConfig, collect_shard, resolve_inputs
 from lifecycle.tasks.data.quality import classifier
 
-STAGE = "quality"
+NAME = "quality"
 COLUMN = "quality_fasttext"
 MODEL_FILE = "quality.bin"
 
@@ -128,7 +129,7 @@ def _build(parent: ds.DatasetRef, cfg: QualityConfig, writer: ds.DatasetWriter) 
     for f in files:
         table = ds.read_parquet(f)
         if COLUMN in table.column_names:
-            raise ValueError(f"{STAGE}: {f} already has a {COLUMN} column; was it scored already?")
+            raise ValueError(f"{NAME}: {f} already has a {COLUMN} column; was it scored already?")
         texts = table.column("text").to_pylist()
         scores: list[float] = []
         for i in range(0, len(texts), cfg.batch_rows):
@@ -146,5 +147,8 @@ def _build(parent: ds.DatasetRef, cfg: QualityConfig, writer: ds.DatasetWriter) 
 
 def run_quality(parent: ds.DatasetRef, cfg: QualityConfig, workdir: str) -> ds.DatasetRef:
     """Score every document of `parent` (never dropping one) into a committed `quality` dataset."""
-    return ds.materialize(workdir, STAGE, cfg, code_version(__package__), lambda w: _build(parent, cfg, w),
+    return ds.materialize(workdir, NAME, cfg, code_version(__package__), lambda w: _build(parent, cfg, w),
                           parents=[parent], inputs=resolve_inputs(cfg.reference_inputs))
+
+
+STAGE = StageCode(run=run_quality)  # what the registry (`lifecycle.tasks.stages`) runs, as one task

@@ -50,14 +50,13 @@ import phonenumbers
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
-    DatasetRef, StageStats, rejected_table,
+    StageStats, rejected_table,
 )
-from lifecycle.core.shards import StagePlan, map_tables, plan_per_file, run_plan
+from lifecycle.core.shards import PerFileStage, map_tables
 from lifecycle.tasks.data.scrub.detectors import DETECTORS, PRIORITY, shield_spans
 
-STAGE = "scrub"
+NAME = "scrub"
 # column order: the original three first (the flow and the lineage CLI read them), then the newer types
 PII_TYPES = ("email", "ipv4", "phone", "ipv6", "credit_card", "iban", "ssn", "aws_key", "github_token",
              "private_key", "secret")
@@ -198,13 +197,13 @@ def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, 
     ones included."""
     clash = [f"pii_{k}" for k in PII_TYPES if f"pii_{k}" in table.column_names]
     if clash:
-        raise ValueError(f"{STAGE}: input already has column(s) {clash}; was it scrubbed already?")
+        raise ValueError(f"{NAME}: input already has column(s) {clash}; was it scrubbed already?")
     stats = StageStats(rows_in=table.num_rows)
     keep, texts, cols, rejected = [], [], {k: [] for k in PII_TYPES}, []
     doc_ids, source_ids = table.column("doc_id").to_pylist(), table.column("source_id").to_pylist()
     for i, (doc_id, text) in enumerate(zip(doc_ids, table.column("text").to_pylist())):
         if text is None:
-            raise ValueError(f"{STAGE}: row doc_id={doc_id!r} has a null text")
+            raise ValueError(f"{NAME}: row doc_id={doc_id!r} has a null text")
         clean, counts = scrub_text(text, cfg)
         stats.bytes_in += len(text.encode("utf-8"))
         for kind, n in counts.items():
@@ -230,7 +229,7 @@ def scrub_table(table: pa.Table, cfg: ScrubConfig) -> tuple[pa.Table, pa.Table, 
     out = out.set_column(idx, out.schema.field(idx), pa.array(texts, type=pa.string()))
     for kind in PII_TYPES:
         out = out.append_column(pa.field(f"pii_{kind}", pa.int32()), pa.array(cols[kind], type=pa.int32()))
-    return scrub_metadata(out, cfg, stats), rejected_table(rejected, STAGE), stats
+    return scrub_metadata(out, cfg, stats), rejected_table(rejected, NAME), stats
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,11 +240,5 @@ def scrub_shard(cfg: ScrubConfig, files: list[str], writer) -> StageStats:
     return map_tables(files, writer, lambda table: scrub_table(table, cfg))
 
 
-def plan_scrub(parent: DatasetRef, cfg: ScrubConfig, workdir: str) -> StagePlan | DatasetRef:
-    """One shard per kept file of `parent`; the committed dataset instead if it exists."""
-    return plan_per_file(workdir, STAGE, cfg, code_version(__package__), parent, scrub_shard)
-
-
-def run_scrub(parent: DatasetRef, cfg: ScrubConfig, workdir: str) -> DatasetRef:
-    """Scrub every kept file of `parent`, one file at a time, into a committed `scrub` dataset."""
-    return run_plan(plan_scrub(parent, cfg, workdir))
+STAGE = PerFileStage(NAME, __package__, scrub_shard)
+run_scrub = STAGE.run  # scrub every kept file of a parent into a committed `scrub` dataset, here

@@ -16,11 +16,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, StageStats, rejected_table
-from lifecycle.core.shards import StagePlan, map_tables, plan_stage, run_plan
+from lifecycle.core.shards import PerFileStage, map_tables
 
-STAGE = "select"
+NAME = "select"
 REASON = "low_quality"
 
 
@@ -99,18 +98,13 @@ def select_table(table: pa.Table, cfg: SelectRun) -> tuple[pa.Table, pa.Table, S
     stats.rows_kept = kept.num_rows
     stats.bytes_in = int(pc.sum(pc.binary_length(table.column("text"))).as_py() or 0)
     stats.bytes_out = int(pc.sum(pc.binary_length(kept.column("text"))).as_py() or 0)
-    return kept, rejected_table(rejected, STAGE), stats
+    return kept, rejected_table(rejected, NAME), stats
 
 
 def select_shard(cfg: SelectRun, files: list[str], writer) -> StageStats:
     return map_tables(files, writer, lambda t: select_table(t, cfg))
 
 
-def plan_select(parent: DatasetRef, cfg: SelectConfig, workdir: str) -> StagePlan | DatasetRef:
-    """One shard per file of the scored dataset, the cut resolved first (top_fraction is global)."""
-    return plan_stage(workdir, STAGE, resolve_cut(parent, cfg), code_version(__package__), select_shard,
-                      [[str(p)] for p in parent.files()], parents=[parent])
-
-
-def run_select(parent: DatasetRef, cfg: SelectConfig, workdir: str) -> DatasetRef:
-    return run_plan(plan_select(parent, cfg, workdir))
+# one shard per file of the scored dataset, the cut resolved first (top_fraction is global)
+STAGE = PerFileStage(NAME, __package__, select_shard, config=resolve_cut, grouped=False)
+run_select = STAGE.run

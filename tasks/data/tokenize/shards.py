@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 
-STAGE = "tokenize"
+NAME = "tokenize"
 
 
 class TokenShards(BaseModel):
@@ -34,7 +34,7 @@ class TokenShards(BaseModel):
 
 def token_shards(ref: ds.DatasetRef) -> TokenShards:
     m = ref.manifest()
-    if m.get("stage") != STAGE or "tokenizer_sha256" not in m:
+    if m.get("stage") != NAME or "tokenizer_sha256" not in m:
         raise ValueError(f"{ref.manifest_path} is not a tokenize dataset (stage={m.get('stage')!r})")
     d = ref.dir
     return TokenShards(

@@ -43,12 +43,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from lifecycle.core import dataset as ds
 from lifecycle.core import fs
 from lifecycle.core.code import code_version
+from lifecycle.core.shards import StageCode
 from lifecycle.tasks.data.tokenize import base, checks
 from lifecycle.tasks.data.tokenize import split as valsplit
 from lifecycle.tasks.data.tokenize.base import base_tokens, tokenizer_rows
 # the readers and the split's keys, importable from here as before
 from lifecycle.tasks.data.tokenize.shards import (  # noqa: F401
-    STAGE, TokenShards, hf_tokenizer, load_tokenizer, token_shards,
+    NAME, TokenShards, hf_tokenizer, load_tokenizer, token_shards,
 )
 from lifecycle.tasks.data.tokenize.split import split_key, split_of  # noqa: F401
 
@@ -343,7 +344,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     for s in SPLITS:
         writer.add_file(shards[s], kind="extra")
     if rejected:
-        writer.write_table(ds.rejected_table(rejected, STAGE), kind="rejected")
+        writer.write_table(ds.rejected_table(rejected, NAME), kind="rejected")
     stats.bytes_out = sum(offsets.values()) * dtype.itemsize
     stats.counters.update({f"tokens_{s}": offsets[s] for s in SPLITS} | {f"docs_{s}": docs[s] for s in SPLITS})
     vs.tokens = offsets["val"]
@@ -375,8 +376,11 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
 def run_tokenize(parent: ds.DatasetRef, cfg: TokenizeConfig, workdir: str) -> ds.DatasetRef:
     """Return the committed token dataset for (parent, cfg, this code), building it if needed."""
     code = code_version(__package__)
-    ref = ds.materialize(workdir, STAGE, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent],
+    ref = ds.materialize(workdir, NAME, cfg, code, lambda w: _build(parent, cfg, w), parents=[parent],
                          inputs=given_inputs(cfg))
     # the data checks, on the committed result (a rerun of a failed check reuses the dataset and fails again)
     checks.check_overlap(ref.manifest()["contamination"], cfg, ref.dir / checks.REPORT)
     return ref
+
+
+STAGE = StageCode(run=run_tokenize)  # what the registry (`lifecycle.tasks.stages`) runs, as one task

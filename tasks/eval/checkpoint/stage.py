@@ -15,9 +15,10 @@ from pathlib import Path
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, DatasetWriter, materialize
 from lifecycle.core.fs import sha256_file
+from lifecycle.core.shards import StageCode
 from lifecycle.tasks.train.checkpoint import MARKER, read_marker, verify
 
-STAGE = "checkpoint"
+NAME = "checkpoint"
 MODEL_FILES = ("model.safetensors", "model_config.json")
 
 
@@ -77,7 +78,10 @@ def package_model(train, tokens: DatasetRef, workdir: str) -> DatasetRef:
         return {"num_rows": 0, "extra": {"checkpoint_marker_sha256": marker_sha,
                                          "tokenizer_sha256": tok_manifest.get("tokenizer_sha256")}}
 
-    return materialize(workdir, STAGE, config, code_version(__package__), build, parents=[tokens])
+    return materialize(workdir, NAME, config, code_version(__package__), build, parents=[tokens])
+
+
+STAGE = StageCode(run=package_model)  # what the registry (`lifecycle.tasks.stages`) runs, as one task
 
 
 def warm_start(package_dir: str | Path, train_cfg) -> tuple[Path | None, str]:

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, materialize
 from lifecycle.core.fs import sha256_file
+from lifecycle.core.shards import StageCode
 from lifecycle.tasks.eval.evaluate import gate, metrics_text
 from lifecycle.tasks.eval.evaluate.robustness import RobustnessConfig, robustness
 from lifecycle.tasks.eval.evaluate.safety import SafetyConfig, safety
@@ -240,7 +241,7 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig,
     return {"metrics": metrics, "examples": examples, "bias": bias, "eval_set": eval_set, "eval_set_sha256": digest}
 
 
-STAGE = "evaluate"
+NAME = "evaluate"
 
 
 def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str,
@@ -262,7 +263,10 @@ def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str,
         return {"num_rows": 0, "extra": {"metrics": result["metrics"], "checkpoint_dir": checkpoint_dir,
                                          "eval_set_sha256": result["eval_set_sha256"]}}
 
-    return materialize(workdir, STAGE, config, code_version(__package__), build, parents=[tokens])
+    return materialize(workdir, NAME, config, code_version(__package__), build, parents=[tokens])
+
+
+STAGE = StageCode(run=evaluate_stage)  # what the registry (`lifecycle.tasks.stages`) runs, as one task
 
 
 def examples_of(ref: DatasetRef) -> list[dict]:

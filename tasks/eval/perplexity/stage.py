@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core import dataset as ds
 from lifecycle.core.code import code_version
+from lifecycle.core.shards import StageCode
 
-STAGE = "perplexity"
+NAME = "perplexity"
 COLUMN = "quality_perplexity"  # `quality_*`: carried into the token side table, shown by `lineage doc`
 
 
@@ -135,7 +136,7 @@ def _build(parent: ds.DatasetRef, cfg: PerplexityRun, model: ScoringModel, write
         for f in parent.files():
             table = ds.read_parquet(f)
             if COLUMN in table.column_names:
-                raise ValueError(f"{STAGE}: {f} already has a {COLUMN} column; was it scored already?")
+                raise ValueError(f"{NAME}: {f} already has a {COLUMN} column; was it scored already?")
             texts = table.column("text").to_pylist()
             scores = scorer.perplexities(texts)
             writer.write_table(table.append_column(pa.field(COLUMN, pa.float32()), pa.array(scores, pa.float32())))
@@ -152,9 +153,12 @@ def run_perplexity(parent: ds.DatasetRef, cfg: PerplexityConfig, workdir: str,
                    model: ScoringModel | None = None) -> ds.DatasetRef:
     """Score every document of `parent` (never dropping one) with the champion `model` into a committed dataset."""
     if model is None:
-        raise ValueError(f"{STAGE}: no scoring model given; the flow skips this stage when no champion is "
+        raise ValueError(f"{NAME}: no scoring model given; the flow skips this stage when no champion is "
                          "registered (perplexity.enabled needs a registered champion)")
     run = PerplexityRun(**cfg.model_dump(), champion_version=model.version,
                         champion_package_sha256=model.package_sha256)
-    return ds.materialize(workdir, STAGE, run, code_version(__package__),
+    return ds.materialize(workdir, NAME, run, code_version(__package__),
                           lambda w: _build(parent, run, model, w), parents=[parent])
+
+
+STAGE = StageCode(run=run_perplexity)  # what the registry (`lifecycle.tasks.stages`) runs, as one task
