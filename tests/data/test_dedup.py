@@ -56,7 +56,7 @@ def test_switches_and_verification(tmp_path):
     assert [r["source_id"] for r in only_near.read().to_pylist()] == ["d0"]
     assert only_near.read().to_pylist()[0]["cluster_size"] == 3
     # a strict true-Jaccard check refuses the near pair (Jaccard of 5-gram sets is about 0.85 here)
-    strict = run_dedup(parent, DedupConfig(verify_jaccard=0.99), str(tmp_path / "w"))
+    strict = run_dedup(parent, DedupConfig(minhash={"verify_jaccard": 0.99}), str(tmp_path / "w"))
     assert [r["source_id"] for r in strict.read().to_pylist()] == ["d0", "d2"]
 
 
@@ -88,8 +88,9 @@ def _jaccard(a: str, b: str, n: int = 5) -> float:
 
 def _reference_kept(texts: list[str], cfg: DedupConfig) -> list[int]:
     """The previous near-duplicate path: datasketch's per-document signature + MinHashLSH + union-find."""
-    lsh = MinHashLSH(num_perm=cfg.num_perm, params=(cfg.bands, cfg.rows))
-    sigs = [signature(shingles(t, cfg.ngram), cfg) for t in texts]
+    p = cfg.minhash
+    lsh = MinHashLSH(num_perm=p.num_perm, params=(p.bands, p.rows))
+    sigs = [signature(shingles(t, p.ngram), p) for t in texts]
     for i, s in enumerate(sigs):
         lsh.insert(i, s)
     root = list(range(len(texts)))
@@ -160,12 +161,12 @@ def test_decisions_do_not_depend_on_how_the_parent_is_split_into_files(tmp_path)
                 sorted((r["source_id"], by_id[r["duplicate_of"]], r["duplicate_kind"])
                        for r in ref.read_rejected().to_pylist()))
 
-    for cfg in (DedupConfig(), DedupConfig(verify_jaccard=0.5), DedupConfig(verify_jaccard=0.99)):
+    for cfg in (DedupConfig(), DedupConfig(minhash={"verify_jaccard": 0.5}), DedupConfig(minhash={"verify_jaccard": 0.99})):
         one, split = outcome(100, cfg), outcome(2, cfg)
         assert one[0] == 1 and split[0] == 4 and one[1:] == split[1:], cfg
     links = outcome(2, DedupConfig())[2]
     assert {("d2", "d0", "exact"), ("d3", "d0", "near"), ("d6", "d4", "exact")} <= set(links), links
-    assert outcome(2, DedupConfig(verify_jaccard=0.99))[2] == [("d2", "d0", "exact"), ("d6", "d4", "exact")]
+    assert outcome(2, DedupConfig(minhash={"verify_jaccard": 0.99}))[2] == [("d2", "d0", "exact"), ("d6", "d4", "exact")]
 
 
 def test_catalog_knows_the_signature_files():

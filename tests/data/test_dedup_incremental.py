@@ -118,7 +118,7 @@ def test_verification_against_the_index_uses_the_signature_estimate(tmp_path, th
     wd = str(tmp_path / "w")
     run_dedup(collect(tmp_path, "a", [A, B], wd), DedupConfig(), wd)
     second = run_dedup(collect(tmp_path, "b", [A.replace("winter", "summer"), B.upper(), C], wd),
-                       DedupConfig(verify_jaccard=threshold), wd)
+                       DedupConfig(minhash={"verify_jaccard": threshold}), wd)
     kept = sorted(r["source_id"] for r in second.read().to_pylist())
     assert kept == (["b0", "b2"] if b0_kept else ["b2"])
     assert by_source(second)["b1"]["duplicate_kind"] == "exact"

@@ -57,6 +57,22 @@ def test_default_fingerprint_config_is_the_one_before_the_new_methods():
     assert "simhash" in fingerprint_config(DedupConfig(**SIMHASH))
     assert "paragraphs" in fingerprint_config(DedupConfig(**PARAS))
     assert signature_config(DedupConfig(**SIMHASH)).model_dump(mode="json")["simhash"] == {"k": 3, "blocks": 6, "ngram": 3}
+    # the `minhash` section's fields stand where they stood before it was a section; a decision
+    # (verify_jaccard) moves dedup's fingerprint, not the signatures'
+    tight = DedupConfig(minhash={"verify_jaccard": 0.9, "ngram": 3})
+    assert fingerprint_config(tight) == {**fingerprint_config(DedupConfig()), "verify_jaccard": 0.9, "ngram": 3}
+    assert signature_config(tight).model_dump(mode="json") == {
+        "ngram": 3, "bands": 14, "rows": 8, "seed": 1, "minhash": True}
+
+
+def test_the_old_minhash_spelling_names_the_new_field():
+    """`dedup.bands` and its siblings are `dedup.minhash.*` now: the error says so rather than 'extra input'."""
+    from lifecycle.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"field `dedup`: `dedup.ngram`, `dedup.bands` moved into the "
+                                          r"`dedup.minhash` section: write `dedup.minhash.ngram`, "
+                                          r"`dedup.minhash.bands`"):
+        validate_config({"collect": {"inputs": ["x"]}, "dedup": {"ngram": 5, "bands": 14}})
 
 
 def test_default_outputs_are_the_ones_before_the_new_methods(tmp_path):

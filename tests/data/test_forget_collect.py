@@ -120,6 +120,8 @@ def test_tombstones_follow_the_configured_dedup_method():
     from lifecycle.tasks.data.dedup.stage import DedupConfig
 
     assert tb.params_of(DedupConfig()) == tb.MinHashParams()
+    assert tb.params_of(DedupConfig(minhash={"ngram": 3, "verify_jaccard": 0.7})) == \
+        tb.MinHashParams(ngram=3, verify_jaccard=0.7)  # dedup.minhash, read as dedup uses it
     cfg = DedupConfig(method="simhash", simhash={"k": 4, "blocks": 8, "ngram": 2})
     assert tb.params_of(cfg) == tb.SimHashParams(k=4, blocks=8, ngram=2)
 

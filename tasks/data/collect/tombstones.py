@@ -4,15 +4,15 @@
 normalised text (lower-case, whitespace collapsed: `content_hash`), its near-duplicate fingerprint under the dedup
 method configured when it was recorded (`dedup.method`), that method's parameters, the time and the reason given:
 - `minhash`: its MinHash signature (dedup's shingles, permutations and LSH bands:
-  `lifecycle.tasks.data.dedup.minhash`) and the MinHash parameters;
-- `simhash`: its 64-bit SimHash (`lifecycle.tasks.data.dedup.simhash`, dedup's k, blocks and n-gram).
+  `lifecycle.tasks.data.dedup.minhash`) and the MinHash parameters (`dedup.minhash`);
+- `simhash`: its 64-bit SimHash (`lifecycle.tasks.data.dedup.simhash`, `dedup.simhash`'s k, blocks and n-gram).
 It holds no document text: a hash and a signature cannot be turned back into the text.
 
 Every later collect rejects a document that matches a tombstone, with reason `forgotten` (`ForgetFilter`):
 - an exact copy: the same normalised-text hash;
 - a near copy, by dedup's own rule for a near duplicate under the ledger's method:
   - minhash: a document that shares one LSH band key with a tombstone's signature (`bands` x `rows`, FineWeb's
-    14 x 8) and, when dedup's `verify_jaccard` is set, whose signature agrees with the tombstone's on at least that
+    14 x 8) and, when `dedup.minhash.verify_jaccard` is set, whose signature agrees with the tombstone's on at least that
     share of its values (dedup's estimate against its index);
   - simhash: a document whose SimHash shares a key with the tombstone's in one of the permuted tables
     (Manku et al.'s blocking) and lies within Hamming distance `k` of it.
@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import atomic_write_bytes, sha256_file
+from lifecycle.tasks.data.dedup.params import MinHashConfig, SimHashConfig
 
 LEDGER = "tombstones.parquet"
 REASON = "forgotten"  # the collect rejection reason of a tombstoned document
@@ -55,33 +56,21 @@ SCHEMA = pa.schema([
 ])
 
 
-class MinHashParams(BaseModel):
-    """dedup's MinHash parameters (`DedupConfig`: ngram, bands, rows, seed, verify_jaccard)."""
+class MinHashParams(MinHashConfig):
+    """dedup's MinHash parameters as a ledger records them: `dedup.minhash` (ngram, bands, rows, seed,
+    verify_jaccard) and the method's name."""
 
-    model_config = ConfigDict(frozen=True)
     method: Literal["minhash"] = "minhash"
-    ngram: int = 5
-    bands: int = 14
-    rows: int = 8
-    seed: int = 1
-    verify_jaccard: float | None = None
-
-    @property
-    def num_perm(self) -> int:
-        return self.bands * self.rows
 
     def columns(self) -> dict:
         return self.model_dump()
 
 
-class SimHashParams(BaseModel):
-    """dedup's SimHash parameters (`DedupConfig.simhash`: k, blocks, ngram)."""
+class SimHashParams(SimHashConfig):
+    """dedup's SimHash parameters as a ledger records them: `dedup.simhash` (k, blocks, ngram) and the method's
+    name."""
 
-    model_config = ConfigDict(frozen=True)
     method: Literal["simhash"] = "simhash"
-    k: int = 3
-    blocks: int = 6
-    ngram: int = 3
 
     def columns(self) -> dict:
         return {"method": self.method, "simhash_k": self.k, "simhash_blocks": self.blocks,
@@ -94,16 +83,15 @@ Params = MinHashParams | SimHashParams
 def params_of(dedup) -> Params:
     """The near-copy parameters of a `DedupConfig`: its configured method's, as dedup uses them."""
     if dedup.method == "simhash":
-        return SimHashParams(k=dedup.simhash.k, blocks=dedup.simhash.blocks, ngram=dedup.simhash.ngram)
-    return MinHashParams(ngram=dedup.ngram, bands=dedup.bands, rows=dedup.rows, seed=dedup.seed,
-                         verify_jaccard=dedup.verify_jaccard)
+        return SimHashParams(**dedup.simhash.model_dump())
+    return MinHashParams(**dedup.minhash.model_dump())
 
 
 def ledger_params(row: dict) -> Params:
     """The parameters a ledger row was recorded with (no `method`: a ledger from before SimHash, minhash)."""
     if row.get("method") == "simhash":
         return SimHashParams(k=row["simhash_k"], blocks=row["simhash_blocks"], ngram=row["simhash_ngram"])
-    return MinHashParams(**{k: row[k] for k in ("ngram", "bands", "rows", "seed", "verify_jaccard")})
+    return MinHashParams(**{k: row[k] for k in MinHashConfig.model_fields})
 
 
 def content_hash(text: str) -> str:
@@ -175,7 +163,7 @@ def add_tombstones(workdir: str | Path, rows: list[dict]) -> list[dict]:
             if new != have:
                 raise ValueError(f"{Path(workdir) / LEDGER}: tombstones use dedup parameters {have.model_dump()}, "
                                  f"the request uses {new.model_dump()} (dedup.method and its parameters, "
-                                 "ngram/bands/rows/seed/verify_jaccard or simhash.k/blocks/ngram, must stay as "
+                                 "minhash.ngram/bands/rows/seed/verify_jaccard or simhash.k/blocks/ngram, must stay as "
                                  "they were when the ledger was started)")
     seen = set(old.column("tombstone_id").to_pylist())
     fresh = [r for r in rows if r["tombstone_id"] not in seen and not seen.add(r["tombstone_id"])]

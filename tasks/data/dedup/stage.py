@@ -21,7 +21,7 @@ the earlier dedup dataset that kept it. The stats count each kind (`counters`: `
 `duplicate_near`, and `duplicate_of_earlier_run` for matches in the index).
 
 Signatures are `lifecycle.tasks.data.dedup.minhash.signatures` (vectorised, datasketch's permutations and `affine32` scheme); LSH
-candidates are documents sharing one of `bands` band keys (`lifecycle.tasks.data.dedup.minhash.band_keys`, the rule of datasketch's
+candidates are documents sharing one of `minhash.bands` band keys (`lifecycle.tasks.data.dedup.minhash.band_keys`, the rule of datasketch's
 `MinHashLSH(params=(bands, rows))`). Near-duplicate clusters are connected components of the graph that links
 each member of a bucket to the bucket's smallest node (this run's rows and the index's kept documents; index
 documents are not linked to each other). With `verify_jaccard`, every pair sharing a bucket is checked before
@@ -54,6 +54,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from lifecycle.core.code import code_version
 from lifecycle.core.dataset import (
@@ -65,6 +66,7 @@ from lifecycle.tasks.data.dedup import paragraphs as para
 from lifecycle.tasks.data.dedup import substring as sub
 from lifecycle.tasks.data.dedup.history import base_parts, collected_incrementally, locked as _locked
 from lifecycle.tasks.data.dedup.paragraphs import ParagraphConfig
+from lifecycle.tasks.data.dedup.params import MinHashConfig, SimHashConfig
 from lifecycle.tasks.data.dedup.substring import SubstringConfig
 
 NAME = "dedup"
@@ -80,33 +82,14 @@ BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
-class SimHashConfig(BaseModel):
-    """`dedup.method: simhash` (tasks/data/dedup/simhash.py)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    k: int = Field(3, ge=0, description="Near-duplicates: SimHashes at Hamming distance <= k (Manku et al.: 3).")
-    blocks: int = Field(6, ge=1, le=64, description="Blocks the 64 bits are cut into (> k); C(blocks, k) tables "
-                        "of keys on blocks - k blocks each.")
-    ngram: int = Field(3, ge=1, description="Word n-gram size of the SimHash features.")
-
-    @model_validator(mode="after")
-    def _tables(self):
-        from lifecycle.tasks.data.dedup.simhash import check
-
-        try:
-            check(self.k, self.blocks)
-        except ValueError as e:
-            raise ValueError(str(e)) from None
-        return self
-
-
 class DedupConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: Literal["minhash", "simhash"] = Field(
-        "minhash", description="Near-duplicate method (`near`): MinHash LSH (ngram, bands, rows, seed, "
-        "verify_jaccard) or 64-bit SimHash with permuted-table blocking (`simhash`). See docs/dedup.md.")
+        "minhash", description="Near-duplicate method (`near`): MinHash LSH (`minhash`) or 64-bit SimHash with "
+        "permuted-table blocking (`simhash`). See docs/dedup.md.")
+    minhash: MinHashConfig = Field(MinHashConfig(), description="MinHash settings (shingles, permutations, bands, "
+                                   "verify_jaccard), used when method is minhash; tombstones record them.")
     simhash: SimHashConfig = Field(SimHashConfig(), description="SimHash settings, used when method is simhash.")
     paragraphs: ParagraphConfig = Field(ParagraphConfig(), description="Paragraph-level exact dedup with a "
                                         "Bloom filter, after document dedup (tasks/data/dedup/paragraphs.py).")
@@ -114,28 +97,30 @@ class DedupConfig(BaseModel):
                                        "(Lee et al. 2022), after paragraph dedup (tasks/data/dedup/substring.py).")
 
     exact: bool = Field(True, description="Drop exact duplicates of the normalised text (lowercase, collapsed whitespace).")
-    near: bool = Field(True, description="Drop MinHash LSH near-duplicates.")
-    ngram: int = Field(5, ge=1, description="Word n-gram size of the shingles (FineWeb: 5).")
-    bands: int = Field(14, ge=1, description="LSH bands (FineWeb: 14 bands x 8 rows = 112 permutations).")
-    rows: int = Field(8, ge=1, description="LSH rows per band.")
-    seed: int = Field(1, description="Seed of the MinHash permutations.")
-    verify_jaccard: float | None = Field(
-        None, ge=0, le=1, description="If set, merge a candidate pair only when its true shingle Jaccard is >= this."
-    )
+    near: bool = Field(True, description="Drop near-duplicates (`method`).")
     incremental: bool = Field(
         True, description="Also drop duplicates of documents kept by earlier dedup runs in this work dir, and "
         "add this run's kept documents to that index (<workdir>/dedup-index/).")
 
-    @property
-    def num_perm(self) -> int:
-        return self.bands * self.rows
+    @model_validator(mode="before")
+    @classmethod
+    def _minhash_section(cls, data):
+        """The MinHash settings were top-level fields before they became the `minhash` section: name the new one."""
+        moved = [k for k in MinHashConfig.model_fields if isinstance(data, dict) and k in data]
+        if moved:
+            raise PydanticCustomError("moved_field", "{old} moved into the `dedup.minhash` section: write {new}", {
+                "old": ", ".join(f"`dedup.{k}`" for k in moved),
+                "new": ", ".join(f"`dedup.minhash.{k}`" for k in moved)})
+        return data
 
 
 def fingerprint_config(cfg: DedupConfig) -> dict:
     """The config part of the dedup dataset's fingerprint: the method fields only where they are in use, so the
     default (MinHash, no paragraphs, no substrings) fingerprints exactly as before they existed. `substring.shard_bytes`
-    never enters it: it changes no result."""
+    never enters it: it changes no result. The `minhash` section's fields stand at the top, where they were before
+    it was a section."""
     d = cfg.model_dump(mode="json")
+    d.update(d.pop("minhash"))
     if cfg.method == "minhash":
         del d["method"]
     if cfg.method != "simhash":
@@ -156,12 +141,12 @@ def shingles(text: str, n: int) -> set[bytes]:
     return {" ".join(words[i : i + n]).encode() for i in range(len(words) - n + 1)}
 
 
-def signature(sh: set[bytes], cfg: DedupConfig) -> LeanMinHash:
+def signature(sh: set[bytes], p: MinHashConfig) -> LeanMinHash:
     """datasketch's own per-document signature (SHA-1 shingle hashes): the reference the benchmark compares
     against. The stage itself uses `lifecycle.tasks.data.dedup.minhash.signatures`."""
     from datasketch import LeanMinHash, MinHash  # here, not at the top: datasketch imports scipy (seconds)
 
-    m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
+    m = MinHash(num_perm=p.num_perm, seed=p.seed)
     if sh:
         m.update_batch(list(sh))
     return LeanMinHash(m)
@@ -184,28 +169,24 @@ class SignatureConfig(BaseModel):
     """What a signature file depends on (a `DedupConfig` minus the decisions made from the signatures)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    ngram: int
-    bands: int
-    rows: int
-    seed: int
+    params: MinHashConfig = Field(description="`dedup.minhash`, without `verify_jaccard` (a decision).")
     minhash: bool = Field(description="Compute signatures and band keys (false: exact dedup only, hashes alone).")
     simhash: SimHashConfig | None = Field(None, description="Compute SimHashes and their table keys instead.")
 
     @model_serializer(mode="wrap")
-    def _dump(self, handler):  # no `simhash` key without SimHash: the MinHash fingerprint is unchanged
+    def _dump(self, handler):
+        """As fingerprinted before `dedup.minhash` was a section: its signature fields at the top, beside the
+        `minhash` flag; no `simhash` key without SimHash."""
         d = handler(self)
+        d = {**self.params.signature_fields(), **{k: v for k, v in d.items() if k != "params"}}
         if d.get("simhash", 0) is None:
             del d["simhash"]
         return d
 
-    @property
-    def num_perm(self) -> int:
-        return self.bands * self.rows
-
 
 def signature_config(cfg: DedupConfig) -> SignatureConfig:
     need = cfg.near or cfg.incremental
-    return SignatureConfig(ngram=cfg.ngram, bands=cfg.bands, rows=cfg.rows, seed=cfg.seed,
+    return SignatureConfig(params=cfg.minhash.model_copy(update={"verify_jaccard": None}),
                            minhash=need and cfg.method == "minhash",
                            simhash=cfg.simhash if need and cfg.method == "simhash" else None)
 
@@ -219,7 +200,8 @@ def warm_signatures(cfg: SignatureConfig) -> None:
     if cfg.minhash:
         from lifecycle.tasks.data.dedup import minhash as minhash_module
 
-        minhash_module.signatures(["warm up the kernel"], cfg.ngram, cfg.num_perm, cfg.seed)
+        p = cfg.params
+        minhash_module.signatures(["warm up the kernel"], p.ngram, p.num_perm, p.seed)
 
 
 def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStats:
@@ -236,11 +218,12 @@ def signature_shard(cfg: SignatureConfig, files: list[str], writer) -> StageStat
             text = t.column("text").combine_chunks()
             out = t.drop_columns(["text"])
             if cfg.minhash:
-                sig = np.zeros((t.num_rows, cfg.num_perm), np.uint32)
+                p = cfg.params
+                sig = np.zeros((t.num_rows, p.num_perm), np.uint32)
                 for start in range(0, t.num_rows, BATCH_DOCS):  # a signature does not depend on its batch
                     sig[start : start + BATCH_DOCS] = minhash_module.signatures(
-                        text.slice(start, BATCH_DOCS), cfg.ngram, cfg.num_perm, cfg.seed)
-                keys = minhash_module.band_keys(sig, cfg.bands, cfg.rows)
+                        text.slice(start, BATCH_DOCS), p.ngram, p.num_perm, p.seed)
+                keys = minhash_module.band_keys(sig, p.bands, p.rows)
                 out = out.append_column("band_keys", _fixed_list(keys, pa.uint64()))
                 out = out.append_column("signature", _fixed_list(sig, pa.uint32()))
             if cfg.simhash is not None:
@@ -323,7 +306,7 @@ def index_dir(workdir: str | Path, cfg: DedupConfig) -> Path:
         key = sha256_json({"method": "simhash", **cfg.simhash.model_dump(mode="json"),
                            "code": hashlib.sha256(MINHASH_SOURCE.read_bytes() + SIMHASH_SOURCE.read_bytes()).hexdigest()})
         return Path(workdir) / "dedup-index" / key[:16]
-    key = sha256_json({"ngram": cfg.ngram, "bands": cfg.bands, "rows": cfg.rows, "seed": cfg.seed,
+    key = sha256_json({**cfg.minhash.signature_fields(),
                        "minhash": hashlib.sha256(MINHASH_SOURCE.read_bytes()).hexdigest()})
     return Path(workdir) / "dedup-index" / key[:16]
 
@@ -415,6 +398,7 @@ def _verified_edges(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, m: int, sp
     two texts for a pair of this run's documents, the signatures' estimate against the index (whose texts are
     not kept). Pairs stream through in batches; the passing ones are written to a Parquet file in `spill`."""
     out = spill / "verified-edges.parquet"
+    p = cfg.minhash
     schema = pa.schema([("a", pa.int64()), ("b", pa.int64())])
     with pq.ParquetWriter(out, schema) as w:
         queries = (
@@ -431,12 +415,12 @@ def _verified_edges(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, m: int, sp
                 if not batch.num_rows:
                     continue
                 if kind == "text":
-                    j = np.array([_jaccard(shingles(x, cfg.ngram), shingles(y, cfg.ngram)) for x, y in
+                    j = np.array([_jaccard(shingles(x, p.ngram), shingles(y, p.ngram)) for x, y in
                                   zip(batch.column("x").to_pylist(), batch.column("y").to_pylist())])
                 else:
-                    j = np.mean(_matrix(batch.column("x"), cfg.num_perm, np.uint32)
-                                == _matrix(batch.column("y"), cfg.num_perm, np.uint32), axis=1)
-                ok = pa.array(j >= cfg.verify_jaccard)
+                    j = np.mean(_matrix(batch.column("x"), p.num_perm, np.uint32)
+                                == _matrix(batch.column("y"), p.num_perm, np.uint32), axis=1)
+                ok = pa.array(j >= p.verify_jaccard)
                 w.write_table(pa.table({"a": batch.column("a"), "b": batch.column("b")}, schema=schema).filter(ok))
     con.execute("CREATE TABLE edges AS SELECT a, b FROM read_parquet($f)", {"f": str(out)})
 
@@ -493,7 +477,7 @@ def decide(con: duckdb.DuckDBPyConnection, cfg: DedupConfig, files: list[str], s
                      h AS (SELECT node, simhash FROM sigs UNION ALL SELECT node, simhash FROM index_sigs)
                 SELECT p.a, p.b FROM pairs p JOIN h x ON x.node = p.a JOIN h y ON y.node = p.b
                 WHERE bit_count(xor(x.simhash, y.simhash)) <= {cfg.simhash.k}""")
-        elif cfg.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
+        elif cfg.minhash.verify_jaccard is None:  # every member to its bucket's smallest node: enough for components
             con.execute(f"""
                 CREATE TABLE edges AS
                 WITH buckets AS (SELECT band, key, min(node) AS first FROM bk GROUP BY band, key HAVING count(*) > 1)
@@ -660,8 +644,8 @@ def _index_schema(cfg: DedupConfig) -> pa.Schema:
                           ("band_keys", pa.list_(pa.uint64(), num_tables(cfg.simhash.k, cfg.simhash.blocks))),
                           ("simhash", pa.int64())])
     return pa.schema([("doc_id", pa.string()), ("exact_hash", pa.string()),
-                      ("band_keys", pa.list_(pa.uint64(), cfg.bands)),
-                      ("signature", pa.list_(pa.uint32(), cfg.num_perm))])
+                      ("band_keys", pa.list_(pa.uint64(), cfg.minhash.bands)),
+                      ("signature", pa.list_(pa.uint32(), cfg.minhash.num_perm))])
 
 
 def run_dedup(parent: DatasetRef, cfg: DedupConfig, workdir: str, signatures: DatasetRef | None = None,
