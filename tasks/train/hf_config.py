@@ -10,6 +10,7 @@ Llama's `attention_bias`/`mlp_bias`, a `head_dim` other than hidden_size / num_a
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def model_fields(directory: str | Path, seq_len: int, dropout: float = 0.0) -> d
     archs = cfg.get("architectures") or [ARCHITECTURES[mt]]
     if archs != [ARCHITECTURES[mt]]:
         raise HFImportError(f"{where}: architectures={archs!r} is not supported (expected [{ARCHITECTURES[mt]!r}])")
+    _check_sizes(cfg, where)
     refuse = []
     if cfg.get("hidden_act", "silu") != "silu":
         refuse.append(f"hidden_act={cfg['hidden_act']!r} (our SwiGLU uses silu)")
@@ -105,9 +107,44 @@ def model_fields(directory: str | Path, seq_len: int, dropout: float = 0.0) -> d
         raise HFImportError(f"{where}: missing field {e.args[0]!r}") from None
 
 
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+
+
+def _check_sizes(cfg: dict, where: Path) -> None:
+    """The size fields are whole numbers >= 1, and the weights fit the host's memory at 2 bytes a parameter (every
+    rank reads them through it): a config.json claiming a million layers is refused here, naming the numbers,
+    instead of ranks allocating until the kernel kills them, and the retry doing it again."""
+    for key in (*SIZE_FIELDS, "num_key_value_heads"):
+        value = cfg.get(key)
+        if key == "num_key_value_heads" and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise HFImportError(f"{where}: {key}={value!r} (a whole number >= 1 is required)")
+    d, layers, ffn, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv_dim = d // cfg["num_attention_heads"] * (cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    params = layers * (2 * d * d + 2 * d * kv_dim + 3 * d * ffn) + vocab * d * (1 if cfg.get("tie_word_embeddings") else 2)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 2 * params > host:
+        raise HFImportError(f"{where}: num_hidden_layers={layers}, hidden_size={d}, intermediate_size={ffn}, "
+                            f"vocab_size={vocab} make about {params:.3g} parameters, {2 * params / 2**30:.1f} GiB in "
+                            f"bf16, more than this host's {host / 2**30:.1f} GiB of memory")
+
+
+def _inside(d: Path, name: str, what: str) -> Path:
+    """`d / name`, refused when `name` is absolute, climbs out of `d`, or is a symlink leading out of it."""
+    path = d / name
+    if Path(name).is_absolute() or not path.resolve().is_relative_to(d.resolve()):
+        raise HFImportError(f"{d}: {what} {name!r} lies outside the checkpoint directory (symlinks and paths out "
+                            "of it are refused)")
+    return path
+
+
 def check_base(directory: str | Path, seq_len: int) -> dict:
     """Everything checkable before work starts: the config, the tokenizer against the embedding, the shards'
     presence. Returns the model config's fields."""
+    for name in (*SIDE_FILES, INDEX, SINGLE):  # what the run reads and hashes into its config and MLflow
+        if (Path(directory) / name).is_symlink() or (Path(directory) / name).exists():
+            _inside(Path(directory), name, "file")
     mcfg = model_fields(directory, seq_len)
     try:
         base_tokens(directory)
@@ -134,7 +171,7 @@ def weight_files(directory: str | Path) -> dict[str, list[str] | None]:
         for name, f in wmap.items():
             files[f].append(name)
         for f in files:
-            if not (d / f).is_file():
+            if not _inside(d, f, f"shard listed in {INDEX}").is_file():
                 raise HFImportError(f"{d / f}: shard listed in {d / INDEX} is missing")
         return dict(files)
     if (d / SINGLE).is_file():

@@ -135,6 +135,38 @@ def test_unsupported_config_is_refused_at_config_build(tiny, tmp_path, change, w
     assert words in str(e.value) and "config.json" in str(e.value)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"num_hidden_layers": 1_000_000}, "more than this host's"),  # would allocate until the kernel kills the ranks
+    ({"hidden_size": None}, "hidden_size=None"),  # was KeyError, an internal error
+    ({"num_attention_heads": 0}, "num_attention_heads=0"),  # was ZeroDivisionError
+    ({"vocab_size": "32000"}, "vocab_size='32000'"),
+])
+def test_a_hostile_or_broken_config_is_refused_at_config_build_naming_the_field(tiny, tmp_path, change, words):
+    """Issue 44, 3: refused with the file and the field, before any rank starts."""
+    d = edit_config(tiny["llama2"], tmp_path / "m", **change)
+    with pytest.raises(ValueError) as e:
+        TrainConfig(init_from=f"hf:{d}", model={"seq_len": 64})
+    assert words in str(e.value) and "config.json" in str(e.value)
+
+
+def test_symlinks_and_paths_out_of_the_checkpoint_are_refused(tiny, tmp_path):
+    """Issue 44, 3: `generation_config.json -> /etc/shadow` was hashed into the run's config and MLflow, and an index
+    entry "/etc/shadow" was opened by the ranks."""
+    d = shutil.copytree(tiny["llama3"], tmp_path / "m")
+    (tmp_path / "secret").write_text("not for the run")
+    (d / "generation_config.json").unlink(missing_ok=True)
+    (d / "generation_config.json").symlink_to(tmp_path / "secret")
+    with pytest.raises(ValueError, match="'generation_config.json' lies outside the checkpoint directory"):
+        TrainConfig(init_from=f"hf:{d}", model={"seq_len": 64})
+    (d / "generation_config.json").unlink()
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = str(tmp_path / "secret")
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="lies outside the checkpoint directory"):
+        TrainConfig(init_from=f"hf:{d}", model={"seq_len": 64})
+
+
 def test_sliding_window_shorter_than_seq_len_is_refused(tiny, tmp_path):
     d = edit_config(tiny["mistral"], tmp_path / "m", sliding_window=32)
     with pytest.raises(HFImportError, match="sliding_window=32"):
