@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from lifecycle.core.fs import sha256_file  # noqa: E402
 from lifecycle.core.procs import free_port  # noqa: E402
-from lifecycle.flows.servers import commands  # noqa: E402
+from lifecycle.flows.startup.servers import commands  # noqa: E402
 CONFIG = ROOT / "deploy" / "configs" / "demo.yaml"
 OVERRIDES = [f'collect.inputs=["{ROOT}/corpus/python-docs/*.jsonl.gz"]', "train.max_steps=30", "train.checkpoint.every=10", "train.optimizer.warmup_steps=5",
              "evaluate.max_batches=10"]
@@ -299,7 +299,7 @@ def warm_up(round_dir: Path, workdir: Path, extra: list[str], bound: float) -> s
     """`--warm`: a first run in the round's work dir (collect of one other document, so the faulted run still
     computes everything), then its embedded runner given time to answer: the faulted run is then a warm one, forked
     by the runner (lifecycle/launch.py), as every run after the first in a work dir is by default."""
-    from lifecycle.flows.servers import wait_embedded_runner
+    from lifecycle.flows.startup.embedded_runner import wait_embedded_runner
 
     doc = round_dir / "warm-up.jsonl"
     doc.write_text(json.dumps({"id": "warm-up", "text": "A warm-up document for the runner. " * 20}) + "\n")

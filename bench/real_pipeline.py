@@ -78,7 +78,7 @@ def role(pid: int, root: int) -> str:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
         return "other"
-    if b"flows.servers" in cmd or b"prefect" in cmd or b"uvicorn" in cmd:
+    if b"flows.startup" in cmd or b"prefect" in cmd or b"uvicorn" in cmd:
         return "server"
     if b"multiprocessing" in cmd or b"datatrove_pipeline.py" in cmd:  # forkserver or a fork of the command
         return "workers"
@@ -195,7 +195,7 @@ def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False, sets:
     path.write_text(json.dumps(ours_config(src, wd)))  # JSON is YAML
     cmd = [str(ROOT / ".venv/bin/lifecycle"), "run", str(path), "--until", "scrub", "--json",
            "--set", f"orchestration.dask_workers={workers}", *(a for kv in sets for a in ("--set", kv))]
-    from lifecycle.flows.servers import template_path
+    from lifecycle.flows.startup.template import template_path
 
     template = template_path()
     had_template = template is not None and template.exists()
@@ -231,7 +231,7 @@ def start_servers(wd: Path) -> int:
 def wait_embedded_runner(wd: Path) -> int:
     """The pid of the warm runner the first (cold) run left beside the work dir's embedded server, once it answers
     (untimed: a user's next run comes an hour later)."""
-    from lifecycle.flows.servers import wait_embedded_runner as wait
+    from lifecycle.flows.startup.embedded_runner import wait_embedded_runner as wait
 
     if (entry := wait(wd / "work")) is None:
         raise RuntimeError(f"no embedded runner answered for {wd / 'work'} (LIFECYCLE_EMBEDDED_RUNNER=0?)")

@@ -126,7 +126,7 @@ def mode_rounds(mode: str, py: str, cwd: Path, base: Path, inputs: list[Path]) -
     try:
         runs = [one_run(py, cwd, wd, inputs[0], env)]
         if mode == "embedded":  # untimed: the warm runner round 1 left as it exited gets ready (a user's next run
-            from lifecycle.flows.servers import wait_embedded_runner  # comes an hour later)
+            from lifecycle.flows.startup.embedded_runner import wait_embedded_runner  # comes an hour later)
 
             wait_embedded_runner(wd)
         runs += [one_run(py, cwd, wd, src, env) for src in inputs[1:]]

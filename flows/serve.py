@@ -50,9 +50,9 @@ def cmd_serve(args) -> int:
     # scheduled runs are incremental unless --full (a later --set may still override it); a bad config is one line
     overrides = ([] if args.full else ["collect.incremental=true"]) + (args.set or [])
     cfg = load_config(args.config, overrides)
-    from lifecycle.flows import servers
+    from lifecycle.flows.startup.servers import active
 
-    live = servers.active(cfg.workdir)
+    live = active(cfg.workdir)
     if live:
         os.environ["PREFECT_API_URL"] = live["prefect_api"]
         os.environ["MLFLOW_TRACKING_URI"] = live["mlflow"]

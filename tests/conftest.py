@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = sorted((ROOT / "corpus" / "python-docs").glob("*.jsonl.gz"))
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# each test's `lifecycle run` starts its work dir's embedded Prefect server (flows/servers.py): let it stop soon after
+# each test's `lifecycle run` starts its work dir's embedded Prefect server (flows/startup/): let it stop soon after
 os.environ.setdefault("LIFECYCLE_EMBEDDED_IDLE_S", "30")
 # and no warm runner beside it (~500 MB and ~3 s of imports each): tests/flows/test_embedded_runner.py turns it on
 os.environ.setdefault("LIFECYCLE_EMBEDDED_RUNNER", "0")
 # tests run side by side, each in work dirs of its own: none stops another's idle server for the machine's bound
-# (flows/idle.py); tests/flows/test_idle_servers.py checks the bound in a cache of its own
+# (flows/startup/idle.py); tests/flows/test_idle_servers.py checks the bound in a cache of its own
 os.environ.setdefault("LIFECYCLE_EMBEDDED_MAX", "1000")
 
 

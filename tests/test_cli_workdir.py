@@ -96,7 +96,7 @@ def test_every_command_that_reads_a_run_names_it_the_same_way(command):
 
 
 def test_no_command_defaults_its_workdir_to_the_demo():
-    sources = [ROOT / p for p in ("lifecycle/cli.py", "lineage/cli.py", "tasks/eval/export.py", "flows/servers.py")]
+    sources = [ROOT / p for p in ("lifecycle/cli.py", "lineage/cli.py", "tasks/eval/export.py", "flows/startup/commands.py")]
     assert not [str(p) for p in sources if 'default="runs/demo"' in p.read_text()]
 
 

@@ -53,7 +53,7 @@ def test_leaked_split_fails_before_training(tmp_path):
             "--set", f"collect.inputs={json.dumps([str(src)])}"]
     for s in [*TINY, *split, "train.max_steps=4", "train.checkpoint.every=4"]:
         args += ["--set", s]
-    # the ephemeral Prefect server gets 90 s to start (flows/servers.py); on a 2-core machine shared with other
+    # the ephemeral Prefect server gets 90 s to start (flows/startup/environment.py); on a 2-core machine shared with other
     # test runs that was not always enough, and this test is about the check, not the server's start
     env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"}
     proc = lifecycle(*args, rc=1, env=env, timeout=1200)

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import ROOT, last_json, lifecycle
 
-START = ("import json, sys; from lifecycle.flows.servers import embedded_server; "
+START = ("import json, sys; from lifecycle.flows.startup.environment import embedded_server; "
          "print(json.dumps(embedded_server(sys.argv[1])))")
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from lifecycle.core.fs import cache_dir
-from lifecycle.flows import idle
+from lifecycle.flows.startup import idle
 from tests.conftest import ROOT
 
 
@@ -45,7 +45,7 @@ def test_the_least_recently_used_idle_work_dirs_are_stopped(cache, monkeypatch):
         idle.limit()
 
 
-START = ("import json, sys; from lifecycle.flows.servers import embedded_server; "
+START = ("import json, sys; from lifecycle.flows.startup.environment import embedded_server; "
          "print(json.dumps(embedded_server(sys.argv[1])))")
 
 

@@ -59,7 +59,7 @@ def test_a_run_with_no_new_input_commits_nothing_and_opens_no_mlflow_run(tmp_pat
 # what a served deployment's run does: Prefect calls the flow with the deployment's JSON parameters
 SERVED = textwrap.dedent("""
     import json, sys
-    from lifecycle.flows.servers import prepare_environment
+    from lifecycle.flows.startup.environment import prepare_environment
     params = json.loads(sys.argv[1])
     prepare_environment(sys.argv[2])
     from lifecycle.flows.pipeline import lifecycle_flow

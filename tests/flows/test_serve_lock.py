@@ -26,7 +26,7 @@ HOLD = textwrap.dedent("""
 # what a served deployment's run does: Prefect calls the flow with the deployment's JSON parameters
 SERVED = textwrap.dedent("""
     import json, sys
-    from lifecycle.flows.servers import prepare_environment
+    from lifecycle.flows.startup.environment import prepare_environment
     params = json.loads(open(sys.argv[1]).read())
     prepare_environment(params["config"]["workdir"])
     from lifecycle.flows.pipeline import lifecycle_flow

@@ -162,7 +162,7 @@ def _docs(path, n, tag=""):
                                   ["run", "deploy/configs/fineweb.yaml", "--set=workdir=rel/dir"]])
 def test_the_launcher_names_the_work_dir_the_config_loader_names(argv):
     from lifecycle.config import load_config
-    from lifecycle.launch import peek_workdir, run_target
+    from lifecycle.flows.startup.client import peek_workdir, run_target
 
     config, sets = run_target(argv)
     assert str(peek_workdir(argv)) == load_config(config, sets).workdir

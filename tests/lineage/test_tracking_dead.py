@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from lifecycle.core.procs import free_port
-from lifecycle.flows.servers import commands
+from lifecycle.flows.startup.servers import commands
 from lifecycle.lineage.tracking import Tracker, TrackingConfig, TrackingStoreError, bound_http_requests
 from tests.conftest import ROOT
 

@@ -1,7 +1,8 @@
 """A bound on the embedded servers left up across work dirs. Each work dir's first `lifecycle run` leaves its
-embedded Prefect server and a warm runner up for the next run (flows/servers.py); after 16 work dirs a machine held
-32 idle processes and 7.5 GB. A machine keeps at most `$LIFECYCLE_EMBEDDED_MAX` (default 3) work dirs' servers:
-starting one more stops those of the work dirs least recently used, unless a run holds them.
+embedded Prefect server and a warm runner up for the next run (flows/startup/environment.py), and they add up
+(docs/operations.md, "Without `up`: the embedded server"). A machine keeps at most `$LIFECYCLE_EMBEDDED_MAX`
+(default 3) work dirs' servers: starting one more stops those of the work dirs least recently used, unless a run
+holds them.
 
 The registry is one empty file per work dir under `<cache>/embedded/` (named by a hash of the work dir, holding
 its path), touched at each use; its mtime orders the work dirs. This module starts and stops nothing itself: the
