@@ -1,23 +1,12 @@
 """`lifecycle serve [CONFIG] --cron "..."`: serve the lifecycle flow as a Prefect deployment on a schedule.
 
-Schedules need a real Prefect server (the ephemeral one runs no scheduler): the work dir's server from
-`lifecycle up`, or the one `PREFECT_API_URL` names. Overlapping runs are refused, not queued into a
-burst: the deployment has a concurrency limit of 1 with the CANCEL_NEW collision strategy, so a run that
-comes due while the previous one is still running is cancelled.
-
-Runs killed under a real server (SIGKILL, OOM) must not stay "Running" forever. The served runs send a
-heartbeat event every `PREFECT_RUNNER_HEARTBEAT_FREQUENCY` seconds (30 here unless set), and `serve`
-installs, once per server, the automation `lifecycle-zombie-runs`: a running flow run whose heartbeats
-stop for 90 s without a terminal state is marked Crashed. A rerun then resumes from what was committed.
-
-Each run reads the YAML when it starts: the deployment's parameters are the config file's path and the `--set`
-overrides, not the resolved config, so an edited YAML applies to the next run without a new `serve` (the run logs
-the file's sha256 on the Prefect flow run and tags it on the MLflow parent run). A run with no new input files
-commits nothing, opens no MLflow run and logs one line on its flow run.
-
-Scheduled runs are incremental (`collect.incremental=true` unless `--full`): each collects only the input
-files that no earlier completed run collected, and dedup (with its persistent index) drops new documents
-that duplicate anything kept before.
+Schedules need a real Prefect server (the ephemeral one runs no scheduler): `lifecycle up`'s, or the one
+`PREFECT_API_URL` names. A run that comes due while the previous one runs is cancelled, not queued (a concurrency
+limit of 1, CANCEL_NEW). A run killed under a real server does not stay "Running": served runs send heartbeats,
+and `ensure_zombie_automation` marks a run Crashed when they stop; a rerun resumes from what was committed.
+Each run reads the YAML when it starts (the deployment's parameters are its path and the `--set` overrides), so
+an edited YAML applies to the next run. Runs are incremental unless `--full`: collect takes only the files no
+earlier completed run collected, and dedup's persistent index drops what duplicates earlier documents.
 """
 
 from __future__ import annotations

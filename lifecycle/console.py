@@ -1,20 +1,12 @@
 """What `lifecycle run` shows while it runs: one line per stage, the libraries' chatter in a log file.
 
-By default the process's stdout and stderr (file descriptors 1 and 2, so Dask's worker processes, Prefect's
-ephemeral server, MLflow's database set-up, DeepSpeed's launcher and every Python warning with them) go to
-`<workdir>/logs/run-<timestamp>.log`. The console keeps copies of the original descriptors and writes only
-the stage lines and the final summary there:
-
-- on a terminal, a `rich` Live area with one line per stage, updated as shards finish and as training
-  reports steps (rows in, kept, rejected, rows/s, the top three drop reasons; step, loss, tokens/s, ETA);
-- elsewhere (CI, pipes, tests), plain lines: one per finished stage, and for long stages at most one
-  progress line per `PLAIN_EVERY_S` seconds.
-
-`-v/--verbose` leaves the descriptors alone, so the chatter shows live, and prints plain lines.
-
-This module imports neither Prefect nor the flow: `Capture` must start before Prefect is imported (Prefect's
-console handler decides on colours when it is created). `RunConsole` is a
-`lifecycle.flows.reporting.Reporter`, the interface the flow reports to.
+`Capture` sends file descriptors 1 and 2 (Dask's workers, Prefect's server, MLflow, DeepSpeed's launcher and every
+Python warning with them) to `<workdir>/logs/run-<timestamp>.log`, keeping copies of the originals for the stage
+lines and the summary. `RunConsole`, a `lifecycle.flows.reporting.Reporter`, draws one line per stage: a `rich`
+Live area on a terminal (rows in, kept, rejected, rows/s, the top drop reasons; step, loss, tokens/s, ETA), plain
+lines elsewhere (one per finished stage; at most one progress line per `PLAIN_EVERY_S`). `-v/--verbose` leaves the
+descriptors alone and prints plain lines. This module imports neither Prefect nor the flow: `Capture` must start
+before Prefect is imported (Prefect's console handler decides on colours when it is created).
 """
 
 from __future__ import annotations
