@@ -70,7 +70,7 @@ def bulk(texts: list[str], cfg: DedupConfig) -> list:
 
 
 def main() -> None:
-    cfg = DedupConfig()
+    cfg = DedupConfig().minhash
     texts = load_texts()
     mb = sum(len(t.encode()) for t in texts) / 1e6
     shingle_sets = [shingles(t, cfg.ngram) for t in texts]

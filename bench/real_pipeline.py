@@ -182,7 +182,7 @@ def ours_config(src: Path, wd: Path) -> dict:
     return {"name": "real-pipeline", "workdir": str(wd / "work"),
             "collect": {"inputs": [str(src / "*.jsonl.gz")]},
             "filter": {"rules": RULES},
-            "dedup": {"ngram": 5, "bands": 14, "rows": 8, "incremental": False}}
+            "dedup": {"minhash": {"ngram": 5, "bands": 14, "rows": 8}, "incremental": False}}
 
 
 def run_ours(src: Path, wd: Path, workers: int, keep_server: bool = False, sets: list[str] = (),

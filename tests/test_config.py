@@ -19,18 +19,18 @@ def test_shipped_configs_validate(path, tmp_path):
 def test_overrides_by_dotted_path_parse_yaml(tmp_path):
     cfg = load_config(ROOT / "deploy/configs/demo.yaml", [
         f"workdir={tmp_path}", 'collect.inputs=["/data/*.jsonl", "/more/*.parquet"]', "train.max_steps=50",
-        "train.model.norm=layernorm", "dedup.verify_jaccard=0.8", "filter.gopher_quality.min_doc_words=null"])
+        "train.model.norm=layernorm", "dedup.minhash.verify_jaccard=0.8", "filter.gopher_quality.min_doc_words=null"])
     assert cfg.workdir == str(tmp_path)
     assert cfg.collect.inputs == ["/data/*.jsonl", "/more/*.parquet"]
     assert cfg.train.max_steps == 50 and cfg.train.model.norm == "layernorm"
-    assert cfg.dedup.verify_jaccard == 0.8 and cfg.filter.gopher_quality.min_doc_words is None
+    assert cfg.dedup.minhash.verify_jaccard == 0.8 and cfg.filter.gopher_quality.min_doc_words is None
 
 
 @pytest.mark.parametrize("override, field", [
     ("train.max_steps=-3", "train.max_steps"),
     ("train.engine.zero_stage=7", "train.engine.zero_stage"),
     ("train.model.norm=batchnorm", "train.model.norm"),
-    ("dedup.bands=0", "dedup.bands"),
+    ("dedup.minhash.bands=0", "dedup.minhash.bands"),
     ("collect.inputs=[]", "collect.inputs"),
     ("filter.no_such_rule=1", "filter.no_such_rule"),
     ("tokenize.vocab_size=abc", "tokenize.vocab_size"),

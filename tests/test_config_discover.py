@@ -31,7 +31,7 @@ def test_show_lists_every_field_with_value_default_and_doc(capsys, monkeypatch):
     assert rc == 0 and len(fields) > 100
     assert fields["train.max_steps"]["value"] == 50
     assert fields["train.max_steps"]["default"] == PipelineConfig.model_fields["train"].default.max_steps
-    assert fields["dedup.bands"]["value"] == 14 and fields["collect.inputs"]["required"]
+    assert fields["dedup.minhash.bands"]["value"] == 14 and fields["collect.inputs"]["required"]
     assert all(f["doc"] for f in fields.values()), [k for k, f in fields.items() if not f["doc"]]
     rc, text, _ = run(capsys, "config", "show", "--set", "train.max_steps=50")
     line = next(ln for ln in text.splitlines() if " train.max_steps:" in ln)
@@ -88,11 +88,11 @@ def test_an_unknown_key_names_the_closest_field(tmp_path, capsys):
         load_config(demo, ["train.max_step=10"])
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**yaml.safe_load(demo.read_text()), "traim": {},
-                                   "dedup": {"bandz": 14}, "train": {"model": {"n_layers": 2}}}))
+                                   "dedup": {"minhash": {"bandz": 14}}, "train": {"model": {"n_layers": 2}}}))
     with pytest.raises(ConfigError) as e:
         load_config(bad)
     msg = str(e.value)
-    for wrong, right in (("traim", "train"), ("dedup.bandz", "dedup.bands"), ("train.model.n_layers",
+    for wrong, right in (("traim", "train"), ("dedup.minhash.bandz", "dedup.minhash.bands"), ("train.model.n_layers",
                                                                                "train.model.n_layer")):
         assert re.search(rf"field `{re.escape(wrong)}`: Extra inputs are not permitted( \(got \d+\))?; did you mean "
                          rf"`{re.escape(right)}`\?", msg), msg
