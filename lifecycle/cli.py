@@ -233,7 +233,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from lifecycle.core.dataset import committed_datasets, verify_dataset
     from lifecycle.core.errors import UsageError
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
 
     wd = Path(args.workdir)
     if not wd.is_dir():

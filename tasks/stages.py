@@ -68,19 +68,6 @@ class Stage:
         return self.name
 
 
-class _TrainCode:
-    """train's stage object, until tasks/train exports its own (`STAGE` in tasks/train/stage.py): `run` is
-    `lifecycle.tasks.train.launch.run_train`, imported when the flow asks for it."""
-
-    plan = shard = warm = None
-
-    @property
-    def run(self) -> Callable:
-        from lifecycle.tasks.train.launch import run_train
-
-        return run_train
-
-
 _D = "lifecycle.tasks.data"
 COLLECT = Stage("collect", f"{_D}.collect", "data", plan=True, documents=True)
 FILTER = Stage("filter", f"{_D}.filter", "data", ("collect",), plan=True, documents=True)
@@ -95,7 +82,7 @@ PERPLEXITY = Stage("perplexity", "lifecycle.tasks.eval.perplexity", "data", ("qu
                    optional=True)
 SELECT = Stage("select", f"{_D}.select", "data", ("perplexity",), plan=True, documents=True, optional=True)
 TOKENIZE = Stage("tokenize", f"{_D}.tokenize", "data", ("select",), run=True)
-TRAIN = Stage("train", "lifecycle.tasks.train", "train", ("tokenize",), run=True, code=_TrainCode())
+TRAIN = Stage("train", "lifecycle.tasks.train", "train", ("tokenize",), run=True)
 EVALUATE = Stage("evaluate", "lifecycle.tasks.eval.evaluate", "eval", ("train", "tokenize"), run=True)
 CHECKPOINT = Stage("checkpoint", "lifecycle.tasks.eval.checkpoint", "eval", ("train", "tokenize"), run=True,
                    configured=False)

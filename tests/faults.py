@@ -133,7 +133,7 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
     relaunch, drop the run's checkpoint files from the page cache (`evict_from_page_cache`).
     Returns {"killed_after", "failed_rc", "relaunch_to_first_step", "first_step_time" (that step's own
     step_time), "restore" (the restore record), "rc"}."""
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train import memtier
 
     proc = launch(tokdir, workdir, opts)
@@ -163,7 +163,7 @@ def wait_commit(proc: subprocess.Popen, run_dir: Path, opts: dict, after_step: i
                 also: Callable[[], bool] = lambda: True, what: str = "") -> int:
     """The step of the first commit at or after `after_step` (with the memory tier, once the tier holds it too)
     seen while `also()` holds."""
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train import memtier
 
     deadline = time.monotonic() + timeout

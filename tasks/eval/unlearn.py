@@ -33,7 +33,7 @@ from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, DatasetWriter, materialize
 from lifecycle.core.fs import sha256_file
 from lifecycle.tasks.data.tokenize.stage import token_shards
-from lifecycle.tasks.train.checkpoint import MARKER, MODEL_CONFIG, WEIGHTS
+from lifecycle.tasks.train.commit import MARKER, MODEL_CONFIG, WEIGHTS
 
 STAGE = "unlearn"
 
@@ -313,7 +313,7 @@ def val_loss(model, tokens: DatasetRef, tokenizer, batches: int | None, batch_si
 
 def load_package(package: str | Path):
     """The packaged model (weights and config of a checkpoint or unlearn package), in eval mode."""
-    from lifecycle.tasks.train.checkpoint import load_model
+    from lifecycle.tasks.train.commit import load_model
 
     return load_model(package, check=False)
 

@@ -139,7 +139,7 @@ class Trainer:
             self.metrics.write(self.layout_change)
 
     def beat(self, step_time: float | None = None) -> None:
-        """This rank's heartbeat for the supervisor's stall watchdog (lifecycle.tasks.train.supervise.Heartbeats)."""
+        """This rank's heartbeat for the supervisor's stall watchdog (lifecycle.tasks.train.heartbeats.Heartbeats)."""
         write_heartbeat(self.run_dir, self.rank, self.step, step_time, world=self.world_name)
 
     def say(self, message: str) -> None:

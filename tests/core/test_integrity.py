@@ -175,7 +175,7 @@ def test_flipped_parts_of_real_stages_are_rebuilt(tmp_path, caplog):
 
 def test_lifecycle_verify_exits_1_on_damage_and_0_when_clean(tmp_path, capsys):
     from lifecycle.cli import main
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
 
     wd = tmp_path / "w"
     first = build_count(wd, [])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.eval.export import ExportError, export_hf
 from lifecycle.tasks.train.model import GPT, ModelConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, new_bpe

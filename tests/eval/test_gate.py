@@ -17,7 +17,7 @@ from lifecycle.lineage.tracking import Tracker, TrackingConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize, token_shards
 from lifecycle.tasks.eval.evaluate.gate import eval_set_digest, rescore_package
 from lifecycle.tasks.eval.evaluate.stage import (EvaluateConfig, _loss, token_byte_lengths)
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.model import GPT
 from tests.conftest import corpus_records, docs_table, make_collect

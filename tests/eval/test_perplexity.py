@@ -16,7 +16,7 @@ from lifecycle.tasks.data.tokenize.stage import TokenizeConfig, run_tokenize, to
 from lifecycle.tasks.eval.checkpoint.stage import package_model
 from lifecycle.tasks.eval.perplexity.stage import (COLUMN, PerplexityConfig, ScoringModel, Scorer,
                                                    run_perplexity)
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.model import GPT
 from tests.conftest import corpus_records, docs_table, make_collect

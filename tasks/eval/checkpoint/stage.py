@@ -16,7 +16,7 @@ from lifecycle.core.code import code_version
 from lifecycle.core.dataset import DatasetRef, DatasetWriter, materialize
 from lifecycle.core.fs import sha256_file
 from lifecycle.core.shards import StageCode
-from lifecycle.tasks.train.checkpoint import MARKER, read_marker, verify
+from lifecycle.tasks.train.commit import MARKER, read_marker, verify
 
 NAME = "checkpoint"
 MODEL_FILES = ("model.safetensors", "model_config.json")

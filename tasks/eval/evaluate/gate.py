@@ -48,7 +48,7 @@ def rescore_package(package_dir: str | Path, evaluate_ref: DatasetRef) -> tuple[
 
     from lifecycle.tasks.data.tokenize.stage import token_shards
     from lifecycle.tasks.eval.evaluate.scoring import held_out_loss, token_byte_lengths
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
 
     package_dir = Path(package_dir)
     if not package_dir.is_dir():

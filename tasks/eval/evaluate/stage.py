@@ -48,7 +48,7 @@ from lifecycle.tasks.eval.evaluate.robustness import RobustnessConfig, robustnes
 from lifecycle.tasks.eval.evaluate.safety import SafetyConfig, safety
 from lifecycle.tasks.eval.evaluate.scoring import (bits_per_byte, greedy_continue, held_out_loss,  # noqa: F401
                                                    token_byte_lengths, windows)
-from lifecycle.tasks.train import checkpoint as ckpt
+from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.data.decontaminate.ngrams import ContaminationError  # noqa: F401  (raised by tokenize)
 from lifecycle.tasks.data.decontaminate.sets import resolve_set
 from lifecycle.tasks.data.tokenize.stage import token_shards

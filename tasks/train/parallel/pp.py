@@ -368,7 +368,7 @@ def to_dense(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
     `Converter("pipeline-to-dense", pp.dense_reason, pp.to_dense)`."""
     import shutil
 
-    from lifecycle.tasks.train import checkpoint as ckpt
+    from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.config import TrainConfig
 
     if (why := dense_reason(src, dst)) is not None:

@@ -317,7 +317,7 @@ def dense_from_checkpoint(tag_dir: str | Path, cfg: ModelConfig) -> dict[str, di
     """A committed tp-sharded DeepSpeed checkpoint (ZeRO-1/2, any dp) as the dense model's state: {"fp32": master
     weights, "exp_avg", "exp_avg_sq": AdamW moments, "step": AdamW step}, each {dense name: tensor} with the names
     and shapes of `GPT.export_state`. Loading those into a dense (tp=1) engine of any dp/ZeRO layout continues the
-    run (lifecycle.tasks.train.checkpoint's layout change reads them; DeepSpeed's `safe_set_full_fp32_param` /
+    run (lifecycle.tasks.train.commit's layout change reads them; DeepSpeed's `safe_set_full_fp32_param` /
     `safe_set_full_optimizer_state` put them into whatever partition a parameter has)."""
     tag_dir = Path(tag_dir)
     model_files = sorted((int(m.group(1)), p) for p in tag_dir.iterdir() if (m := _MODEL_FILE.match(p.name)))
