@@ -37,7 +37,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def main(n_layer: int = 6, n_embd: int = 384, window: int = 12, rounds: int = 15, batch: int = 2,
          accelerator: str = "cpu", precision: str = "fp32") -> dict:
-    
+
     os.environ["DS_ACCELERATOR"] = accelerator  # before deepspeed is imported
 
     load_before = os.getloadavg()

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
         inputs = [str(inputs_dir / "*.jsonl")]
         args = sets(wd, inputs, extra)
         t0 = time.time()
-        first = last_json(lifecycle("run", args[1], "--json", *args[2:]).stdout)
+        last_json(lifecycle("run", args[1], "--json", *args[2:]).stdout)  # the first run: trained and registered
         t_first = time.time() - t0
         t0 = time.time()
         un = last_json(lifecycle("forget", sid, "--reason", "bench", "--unlearn", *UNLEARN, "--json", *args).stdout)

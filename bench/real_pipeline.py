@@ -318,12 +318,12 @@ def profile(src: Path, wd: Path) -> dict:
 
 
 def print_profile(p: dict) -> None:
-    print(f"\n  per-stage profile (ours, one worker, in process)")
+    print("\n  per-stage profile (ours, one worker, in process)")
     print(f"  {'stage':<26} {'docs in':>9} {'docs out':>9} {'seconds':>9} {'docs/s/worker':>14}")
     for name, s in p["stages"].items():
         print(f"  {name:<26} {s['docs_in']:>9,} {s['docs_out']:>9,} {s['seconds']:>9.2f} {s['docs_per_s']:>14,.0f}")
     total = sum(f["seconds"] for f in p["filter_rules"].values()) or 1
-    print(f"\n  inside filter (lazy: a rule sees only the documents every earlier rule passed)")
+    print("\n  inside filter (lazy: a rule sees only the documents every earlier rule passed)")
     print(f"  {'rule family':<26} {'docs in':>9} {'rejected':>9} {'seconds':>9} {'docs/s/worker':>14} {'share':>7}")
     for name, f in p["filter_rules"].items():
         print(f"  {name:<26} {f['docs']:>9,} {f['rejected']:>9,} {f['seconds']:>9.2f} "

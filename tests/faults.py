@@ -133,8 +133,6 @@ def kill_rank_and_relaunch(tokdir: str, workdir: str, opts: dict, after_step: in
     relaunch, drop the run's checkpoint files from the page cache (`evict_from_page_cache`).
     Returns {"killed_after", "failed_rc", "relaunch_to_first_step", "first_step_time" (that step's own
     step_time), "restore" (the restore record), "rc"}."""
-    from lifecycle.tasks.train import commit as ckpt
-    from lifecycle.tasks.train import memtier
 
     proc = launch(tokdir, workdir, opts)
     run_dir = ready_run_dir(proc, workdir)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from lifecycle.cli import main
-from lifecycle.config import ConfigError, PipelineConfig, _sections, config_fields, json_schema, load_config
+from lifecycle.config import ConfigError, PipelineConfig, _sections, json_schema, load_config
 from lifecycle.tasks.data.scrub.stage import PII_TYPES
 from tests.conftest import ROOT, load_shipped
 

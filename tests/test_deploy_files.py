@@ -8,7 +8,7 @@ import yaml
 from prefect.client.schemas.schedules import CronSchedule
 
 from lifecycle.flows.pipeline import lifecycle_flow
-from lifecycle.config import load_config, validate_config
+from lifecycle.config import validate_config
 from lifecycle.tasks.stages import NAMES as STAGES
 from lifecycle.core.fs import is_remote
 from tests.conftest import ROOT, load_shipped

@@ -58,7 +58,7 @@ from lifecycle.core.dataset import DatasetRef
 
 from lifecycle.core.errors import UsageError
 from lifecycle.core.fs import atomic_write_json, sha256_file
-from lifecycle.core.paths import PathEscape, resolve_within
+from lifecycle.core.paths import resolve_within
 from lifecycle.tasks.train import commit as ckpt
 
 TOLERANCE = 1e-4

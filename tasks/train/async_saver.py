@@ -240,7 +240,7 @@ class AsyncSaver:
                                                all(ok for _, ok in ranks), began)
         return tag_dir
 
-    def _index(self, step: int, tag_dir: Path, jobs: list[cf.Future]) -> bool:
+    def _index(self, step: int, tag_dir: Path, jobs: list[Any]) -> bool:  # Futures with `staged` and `tier`
         """Write this rank's tier index of checkpoint `step`; False (and the tier is not committed) when the
         tier could not hold it."""
         if self.writer.tier_error is not None:

@@ -184,7 +184,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
                              f"{need}" + (" (set train.logging.eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
     code = code_version(__package__)
-    init = {"init_weights_sha256": fs.sha256_file(init_weights)} if init_weights else {}
+    init: dict = {"init_weights_sha256": fs.sha256_file(init_weights)} if init_weights else {}
     if (base := hf_import.base_dir(cfg.init_from)) is not None:  # continue a Hugging Face checkpoint
         if init_weights:
             raise ValueError(f"train.init_from {cfg.init_from} and init_weights {init_weights} both give the start")

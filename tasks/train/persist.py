@@ -237,7 +237,7 @@ class PersistProcess:
         return self._queue("prune", str(root), lambda: (None, None, None), (keep_last, tuple(str(k) for k in keep)))
 
     def _queue(self, kind: str, target: str, stage: Callable[[], tuple], arg: Any) -> cf.Future:
-        fut: cf.Future = cf.Future()
+        fut: Any = cf.Future()  # a Future that also carries the save's `staged` span and `tier` checksums
         fut.tier = None  # the staged tensors' checksums, from the process (memory tier only)
         skeleton, aid, fut.staged = stage()
         with self.lock:
@@ -258,7 +258,7 @@ class PersistProcess:
         while (got := _recv(self.sock)) is not None:
             (job, digests, error, tier), _ = got
             with self.lock:
-                fut = self.jobs.pop(job)
+                fut: Any = self.jobs.pop(job)  # the Future `submit` returned, with its `tier`
             if error is None:
                 fut.tier = tier
                 fut.set_result(digests)

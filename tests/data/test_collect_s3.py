@@ -19,7 +19,7 @@ import pytest
 
 from lifecycle.core.procs import free_port
 from lifecycle.tasks.data.collect.stage import CollectConfig, resolve_inputs, run_collect
-from tests.conftest import ROOT, corpus_records, last_json, lifecycle
+from tests.conftest import corpus_records, last_json, lifecycle
 
 BUCKET, PREFIX = "lc-bucket", "raw/2026"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "lifecycle-test", "AWS_SECRET_ACCESS_KEY": "lifecycle-test-secret",

@@ -212,7 +212,7 @@ def test_components_in_duckdb_match_union_find():
         cases.append([(int(max(x, y)), int(min(x, y))) for x, y in zip(a, b) if x != y])
     for edges in cases:
         con = duckdb.connect()
-        arrow = pa.table({"a": pa.array([a for a, _ in edges], pa.int64()), "b": pa.array([b for _, b in edges], pa.int64())})
+        arrow = pa.table({"a": pa.array([a for a, _ in edges], pa.int64()), "b": pa.array([b for _, b in edges], pa.int64())})  # noqa: F841 (DuckDB reads it by name)
         con.execute("CREATE TABLE edges AS SELECT * FROM arrow")
         rounds = components(con)
         got = dict(con.execute("SELECT node, l FROM lab").fetchall())

@@ -4,7 +4,6 @@ the same global batch, and its loss curve stays within 1e-4 (relative) of an uni
 """
 
 import json
-import math
 from pathlib import Path
 
 import pytest

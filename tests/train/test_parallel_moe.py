@@ -141,7 +141,7 @@ def _layer_worker(rank: int, world: int, init: str, out: str, top_k: int, capaci
 
 
 def _run_layer(tmp_path, world: int, top_k: int, capacity_factor: float) -> list[dict]:
-    
+
     import torch.multiprocessing as mp
 
     port = free_port()

@@ -1,6 +1,5 @@
 """The memory and layout planner on literal cases worked out by hand (lifecycle.tasks.train.planner)."""
 
-import json
 
 import pytest
 

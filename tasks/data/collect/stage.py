@@ -485,7 +485,7 @@ def collect_shard(cfg: CollectConfig, paths: list[str], writer) -> StageStats:
     positions: dict[str, list] = {n: [] for n in POSITIONS_SCHEMA.names}
     budget = part_bytes(cfg)
     kept_budget = min(budget, cfg.max_part_bytes)
-    forgotten = cfg.forgotten.matcher() if getattr(cfg, "forgotten", None) else None
+    forgotten = f.matcher() if (f := getattr(cfg, "forgotten", None)) else None
     held = held_rejected = 0  # bytes of the strings buffered in `kept` / `rejected`
 
     def flush(final: bool = False) -> None:

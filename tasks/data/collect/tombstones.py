@@ -166,7 +166,11 @@ def add_tombstones(workdir: str | Path, rows: list[dict]) -> list[dict]:
                                  "minhash.ngram/bands/rows/seed/verify_jaccard or simhash.k/blocks/ngram, must stay as "
                                  "they were when the ledger was started)")
     seen = set(old.column("tombstone_id").to_pylist())
-    fresh = [r for r in rows if r["tombstone_id"] not in seen and not seen.add(r["tombstone_id"])]
+    fresh = []
+    for r in rows:  # each tombstone once, the ledger's first
+        if r["tombstone_id"] not in seen:
+            seen.add(r["tombstone_id"])
+            fresh.append(r)
     if fresh:
         table = pa.concat_tables([old, pa.Table.from_pylist([{n: r.get(n) for n in SCHEMA.names} for r in fresh],
                                                             schema=SCHEMA)])

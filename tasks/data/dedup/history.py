@@ -8,7 +8,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from lifecycle.core.dataset import MANIFEST, DatasetRef
+from lifecycle.core.dataset import DatasetRef
 
 
 @contextmanager

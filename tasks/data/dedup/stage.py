@@ -46,7 +46,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import duckdb
 import numpy as np
@@ -80,6 +80,9 @@ REJECTED_FIELDS = [pa.field("duplicate_of", pa.string()), pa.field("duplicate_ki
 DUCKDB_MEMORY = "2GB"  # the global half's DuckDB memory limit (it spills to disk beyond it)
 BATCH_DOCS = 4096  # documents per vectorised signature batch (memory ~ batch x words)
 _WORD = re.compile(r"\w+", re.UNICODE)
+
+if TYPE_CHECKING:
+    from datasketch import LeanMinHash
 
 
 class DedupConfig(BaseModel):

@@ -142,9 +142,9 @@ class Ngrams:
         """(top_chars(n), that n-gram: its words joined with " "); words must have at least n entries."""
         if len(self.words) < n:
             raise ValueError(f"top n-gram of {len(self.words)} words with n={n}: needs at least n words")
-        chars, first = _top_chars(*self._arrays(" "), self.offsets, n, 1)
+        chars, first = _top_chars(*self._arrays(" "), self.offsets, n, 1)  # type: ignore[call-arg]  # numba
         return int(chars), " ".join(self.words[first : first + n])
 
     def dup_chars(self, n: int) -> int:
         """dup_ngram_chars_python(words, n)."""
-        return int(_dup_chars(*self._arrays(""), self.offsets, n, 0))
+        return int(_dup_chars(*self._arrays(""), self.offsets, n, 0))  # type: ignore[call-arg]  # numba

@@ -61,7 +61,7 @@ class _Filter(BaseModel):
 
 FilterConfig = create_model(  # type: ignore[call-overload]
     "FilterConfig", __base__=_Filter, __module__=__name__,
-    rules=(tuple[RuleName, ...], Field(("language", "gopher_quality"), description=(
+    rules=(tuple[RuleName, ...], Field(("language", "gopher_quality"), description=(  # type: ignore[valid-type]
         "The rules to apply, in order; a document's reason is the first it fails. Default: language ID, then "
         "Gopher quality. FineWeb (datatrove examples/fineweb.py): language, gopher_repetition, gopher_quality, "
         "c4, fineweb."))),
@@ -147,7 +147,7 @@ def warm_filter(cfg: FilterConfig) -> None:
     """Load what every shard loads on its first document, once in the worker before its shard processes fork
     (`lifecycle.core.shards.warm_worker`), instead of once in each: each listed rule's `warm` (rule.register), and
     the language-ID model always, for the kept documents' `lang` columns."""
-    for name in dict.fromkeys(("language", *cfg.rules)):
+    for name in dict.fromkeys(("language", *cfg.rules)):  # type: ignore[attr-defined]
         if (warm := RULES[name].warm) is not None:
             warm()
 

@@ -65,7 +65,7 @@ def resolve_cut(parent: DatasetRef, cfg: SelectConfig) -> SelectRun:
         return SelectRun(**cfg.model_dump())
     t = parent.read(["doc_id", cfg.column])
     rows = sorted(((s, d) for s, d in zip(t.column(cfg.column).to_pylist(), t.column("doc_id").to_pylist())
-                   if s is not None), key=lambda r: _key(*r, cfg.column))
+                   if s is not None), key=lambda r: _key(r[0], r[1], cfg.column))
     k = max(1, round(cfg.top_fraction * len(rows))) if rows else 0
     return SelectRun(**cfg.model_dump(), cut=(rows[k - 1][0], rows[k - 1][1]) if k else None)
 

@@ -7,7 +7,6 @@ is imported lazily (this module's config is read by the CLI).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from lifecycle.tasks.eval.code.config import STOP_SEQUENCES, CodeEvalConfig
 from lifecycle.tasks.eval.code.problems import load_problems

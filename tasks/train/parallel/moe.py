@@ -180,8 +180,8 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
 def take_counts(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(routed, kept) per expert (int64, E) summed over the MoE layers since the last call, on this rank; resets."""
     layers = model.moe_layers
-    routed = sum(layer.routed for layer in layers)
-    kept = sum(layer.kept for layer in layers)
+    routed: torch.Tensor = sum(layer.routed for layer in layers)  # type: ignore[assignment]
+    kept: torch.Tensor = sum(layer.kept for layer in layers)  # type: ignore[assignment]
     for layer in layers:
         layer.routed.zero_()
         layer.kept.zero_()

@@ -180,7 +180,7 @@ def _shard_linear_(linear: nn.Linear, cfg: ModelConfig, prefix: str, tp: TPGroup
             continue
         spec = split_spec(cfg, f"{prefix}.{pname}")
         piece = nn.Parameter(shard_tensor(p.detach(), spec, tp.size, tp.rank), requires_grad=p.requires_grad)
-        piece.tensor_model_parallel = True  # DeepSpeed's grad-norm: sum over the tp group, not counted once
+        piece.tensor_model_parallel = True  # type: ignore[attr-defined]  # DeepSpeed's grad-norm: sum over the tp group, not counted once
         setattr(linear, pname, piece)
     linear.out_features, linear.in_features = linear.weight.shape
 
