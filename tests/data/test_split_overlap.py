@@ -60,7 +60,7 @@ def test_the_floor_moves_whole_groups_and_a_group_above_the_cap_stays_in_train(t
     texts = [r["text"] for r in corpus_records(40)]
     sources = ["/docs/big.rst"] * 24 + [f"/docs/p{i // 4}.rst" for i in range(16)]  # 24 docs > cap of 20
     cfg = TokenizeConfig(vocab_size=300, val_fraction=0.05, min_val_docs=10, min_val_tokens=0,
-                         max_contamination=1.0, split_by=("source",))
+                         max_contamination=1.0, split_by=("source",), max_val_fraction=0.5)
     side = split_sides(run_tokenize(make_docs(tmp_path, texts, sources), cfg, str(tmp_path)))
     assert all(side[f"d{i:04d}"] == "train" for i in range(24))
     val = [i for i in range(24, 40) if side[f"d{i:04d}"] == "val"]
