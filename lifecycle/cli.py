@@ -25,6 +25,7 @@ import re
 import signal
 import sys
 from collections import Counter
+from pathlib import Path
 
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
 from lifecycle.core.procs import Terminated
@@ -229,8 +230,6 @@ def register_run(sub) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-hash every committed dataset and checkpoint of a work dir: one line per damaged item, exit 1 on any."""
-    from pathlib import Path
-
     from lifecycle.core.dataset import committed_datasets, verify_dataset
     from lifecycle.core.errors import UsageError
     from lifecycle.tasks.train import commit as ckpt
@@ -297,8 +296,6 @@ def resolve_workdir(args: argparse.Namespace) -> tuple[str, str, str | None]:
         return args.workdir, "--workdir", None
     if os.environ.get(WORKDIR_ENV):
         return os.environ[WORKDIR_ENV], f"${WORKDIR_ENV}", None
-    from pathlib import Path
-
     given = getattr(args, getattr(args, "path_arg", None) or "", None)  # e.g. export's CHECKPOINT
     if given and (wd := workdir_holding(Path(given))):
         return str(wd), f"{args.path_arg.upper()} {given}", None
@@ -313,7 +310,7 @@ def resolve_workdir(args: argparse.Namespace) -> tuple[str, str, str | None]:
                         f"${WORKDIR_ENV})")
 
 
-def workdir_holding(path) -> "Path | None":
+def workdir_holding(path) -> Path | None:
     """The work dir a path lies in (the nearest folder above it, as written or resolved, that holds `datasets/`
     and `latest/` or `train/`), or None."""
     for p in (path.expanduser().absolute(), path.expanduser().resolve()):
@@ -327,8 +324,6 @@ def run_config(args: argparse.Namespace):
     """The config of the run a command names (`resolve_workdir`, already applied to `args.workdir`): CONFIG and
     --set as given; else the default config when it names that work dir; else the built-in defaults (no inputs)
     with it."""
-    from pathlib import Path
-
     if args.config or args.set:
         return load_config(args.config, args.set or [])
     wd = Path(args.workdir).expanduser().resolve()
@@ -382,8 +377,6 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     if args.output in (None, "-"):
         sys.stdout.write(text)
     else:
-        from pathlib import Path
-
         Path(args.output).write_text(text)
         print(f"wrote {args.output}; editors with the YAML language server use it with a first line "
               f"`# yaml-language-server: $schema=<path to it>` in a config", file=sys.stderr)
