@@ -18,7 +18,7 @@ STAMP     := $(VENV)/.installed
 BUILD     := CPU
 endif
 
-.PHONY: install demo test bench clean-demo lock lock-cuda audit
+.PHONY: install demo test lint bench clean-demo lock lock-cuda audit
 
 $(STAMP): pyproject.toml $(LOCK) deploy/system-packages.sh
 	@bash deploy/system-packages.sh
@@ -45,8 +45,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	@$(VENV)/bin/lifecycle run deploy/configs/demo.yaml
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+
+# ruff and mypy at the level the code passes (pyproject.toml's [tool.ruff] and [tool.mypy]); `make test` runs it first
+lint: $(STAMP)
+	@$(VENV)/bin/ruff check --quiet .
+	@$(VENV)/bin/mypy --no-error-summary lifecycle flows tasks lineage && echo "make lint: ruff and mypy clean"
 
 bench: $(STAMP)
 	$(PY) -m bench

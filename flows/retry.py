@@ -50,15 +50,14 @@ def stage_task(
     """Wrap a plain stage function as a Prefect task with retries. Prefect caches nothing: the stage
     function finds its own committed output in the dataset store (the one cache) and returns it."""
     return task(
-        fn,
         name=stage,
         cache_policy=NO_CACHE,
         persist_result=False,
         **_retry_options(orchestration, retries),
         timeout_seconds=None if stage == "train" else orchestration.stage_timeout_s,
-    )
+    )(fn)
 
 
 def plain_task(fn: Callable, name: str):
     """A task that must run every time (it reads or writes run-specific state)."""
-    return task(fn, name=name, cache_policy=NO_CACHE, persist_result=False)
+    return task(name=name, cache_policy=NO_CACHE, persist_result=False)(fn)

@@ -666,7 +666,7 @@ def _main(argv: list[str] | None, command_start: float, launch: str) -> int:
             args.workdir, args.workdir_from, note = resolve_workdir(args)
             if note:
                 print(f"{_command_parser(parser, args).prog}: {note}", file=sys.stderr)
-        _main.ran = args.command
+        _main.ran = args.command  # type: ignore[attr-defined]  # read by `main` after the command returns
         return args.func(args)
     except KeyboardInterrupt:
         print("lifecycle: interrupted", file=sys.stderr)

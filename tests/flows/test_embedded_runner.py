@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.conftest import last_json, lifecycle
-from tests.flows.test_embedded_server import _alive, _state, _wait_gone
+from tests.flows.test_embedded_server import _state, _wait_gone
 
 
 def _docs(path, n):

@@ -161,8 +161,11 @@ def test_mlflow_lineage(first_run):
     assert len(mv.tags["lifecycle.git_commit"]) == 40
     assert float(mv.tags["metric.val_bpb"]) == ev["val_bpb"]
     for k in (mv.tags["lifecycle.tokenizer_sha256"], mv.tags["lifecycle.checkpoint_marker_sha256"],
-              mv.tags["lifecycle.git_commit"], raw["sha256"]):
+              mv.tags["lifecycle.git_commit"]):
         assert k in card
+    # the card counts the raw files; the list, each with its sha256, is the artifact beside it (issue 41 §3)
+    listed = json.loads(open(client.download_artifacts(parent.info.run_id, "raw_inputs.json", str(wd))).read())
+    assert {r["sha256"] for r in listed} == {r["sha256"] for r in collect_m["inputs"]} and raw["path"] not in card
     # first version of the model: it becomes the champion, and the decision is recorded on version and run
     assert str(client.get_model_version_by_alias(out["model"]["name"], "champion").version) == out["model"]["version"]
     assert mv.tags["lifecycle.promotion.decision"] == "promoted" == parent.data.tags["lifecycle.promotion.decision"]
@@ -192,6 +195,16 @@ def test_rerun_reuses_everything(first_run, tiny_inputs):
     steps = [h.step for h in client.get_metric_history(train.info.run_id, "loss")]
     assert len(steps) == len(set(steps)) == 16
     assert len(client.get_metric_history(parent.info.run_id, "val_bpb")) == 1
+
+
+def test_a_rerun_prints_one_screen(first_run, tiny_inputs):
+    """Issue 41 §4: what a user reads after a run fits one screen (the demo printed ~1,500 characters of metrics)."""
+    wd, _ = first_run
+    args = ["run", ROOT / "deploy/configs/demo.yaml", "--set", f"workdir={wd}", "--set",
+            f"collect.inputs={json.dumps(tiny_inputs)}", *(a for s in TINY for a in ("--set", s))]
+    lines = lifecycle(*args).stdout.splitlines()
+    assert len(lines) <= 30 and max(len(ln) for ln in lines) < 400, "\n".join(lines)
+    assert any(ln.startswith("  val:") for ln in lines) and not any(ln.startswith("  robust:") for ln in lines)
 
 
 def test_audit_cli(first_run, capsys):
