@@ -165,7 +165,8 @@ def test_mlflow_lineage(first_run):
         assert k in card
     # the card counts the raw files; the list, each with its sha256, is the artifact beside it (issue 41 §3)
     listed = json.loads(open(client.download_artifacts(parent.info.run_id, "raw_inputs.json", str(wd))).read())
-    assert {r["sha256"] for r in listed} == {r["sha256"] for r in collect_m["inputs"]} and raw["path"] not in card
+    assert {r["sha256"] for r in listed} == {r["sha256"] for r in collect_m["inputs"]}
+    assert f"{len(listed):,} files, " in card.split("## Raw input files")[1]  # counted in the card
     # first version of the model: it becomes the champion, and the decision is recorded on version and run
     assert str(client.get_model_version_by_alias(out["model"]["name"], "champion").version) == out["model"]["version"]
     assert mv.tags["lifecycle.promotion.decision"] == "promoted" == parent.data.tags["lifecycle.promotion.decision"]

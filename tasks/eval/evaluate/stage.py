@@ -32,6 +32,7 @@ commit marker's hashes are checked. torch is imported lazily: the CLI imports th
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -187,22 +188,66 @@ def _generate(model, tokenizer, side, shards: dict[str, np.ndarray], cfg: Evalua
     return scores, examples, (prompts, ref, gen)
 
 
+class Parts:
+    """The parts of an evaluation, told to `progress` as each starts, with an ETA when an earlier evaluation's
+    seconds per part are known (`previous`): its remaining parts' time, scaled by how this run's finished parts
+    compare with that one's (a bigger model or more prompts scale alike)."""
+
+    def __init__(self, names: list[str | None], progress: Callable[[str], None] | None,
+                 previous: dict[str, float] | None):
+        self.names, self.progress, self.previous = [n for n in names if n], progress, previous or {}
+        self.seconds: dict[str, float] = {}
+        self.current: tuple[str, float] | None = None
+
+    def start(self, name: str, detail: str = "") -> None:
+        self._close()
+        self.current = (name, time.time())
+        if self.progress is None:
+            return
+        text = f"part {self.names.index(name) + 1}/{len(self.names)}: {name}" + (f", {detail}" if detail else "")
+        if (eta := self.eta(name)) is not None:
+            text += f" (ETA {int(eta) // 60}:{int(eta) % 60:02d}, from the last evaluation in this work dir)"
+        self.progress(text)
+
+    def eta(self, name: str) -> float | None:
+        rest = self.names[self.names.index(name):]
+        if not self.previous or any(n not in self.previous for n in rest):
+            return None
+        done = [n for n in self.seconds if n in self.previous and self.previous[n] > 0]
+        scale = sum(self.seconds[n] for n in done) / sum(self.previous[n] for n in done) if done else 1.0
+        return scale * sum(self.previous[n] for n in rest)
+
+    def finish(self) -> dict[str, float]:
+        self._close()
+        return {k: round(v, 3) for k, v in self.seconds.items()}
+
+    def _close(self) -> None:
+        if self.current is not None:
+            self.seconds[self.current[0]] = time.time() - self.current[1]
+            self.current = None
+
+
+def previous_parts(workdir: str) -> dict[str, float] | None:
+    """Seconds per part of the evaluation `latest/evaluate` points at in this work dir, if any."""
+    manifest = Path(workdir) / "latest" / "evaluate" / "_manifest.json"
+    try:
+        return json.loads(manifest.read_text()).get("part_seconds")
+    except (OSError, ValueError):
+        return None
+
+
 def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig,
-                 progress: Callable[[str], None] | None = None) -> dict:
+                 progress: Callable[[str], None] | None = None, previous: dict[str, float] | None = None) -> dict:
     """{"metrics": {val_loss, val_perplexity, val_bpb, gen_bleu, gen_rouge*, gen_meteor, robust_*, tox_*,
     bias_*, contamination_*, step, ...}, "examples": [{doc_id, prompt, reference, generated}, ...],
     "bias": {...}, "eval_set": [(doc_id, text), ...], "eval_set_sha256": ...} for a committed checkpoint.
-    `progress(text)` is told each part as it starts ('part 2/5: generation, 16 prompts')."""
+    `progress(text)` is told each part as it starts ('part 2/4: generation, 16 prompts'), with an ETA when
+    `previous` holds an earlier evaluation's seconds per part (`Parts`); "part_seconds" holds this one's."""
     from tokenizers import Tokenizer
 
-    parts = ["validation loss", f"generation, {cfg.num_prompts} prompts" if cfg.num_prompts else None,
-             "robustness", "safety and bias"] + (["code pass@k"] if cfg.code.enabled else [])
-    parts = [p for p in parts if p]
-    step = iter(range(1, len(parts) + 1))
-
-    def part(name: str) -> None:
-        if progress is not None:
-            progress(f"part {next(step)}/{len(parts)}: {name}")
+    parts = Parts(["validation loss", "generation" if cfg.num_prompts else None, "robustness", "safety and bias",
+                   "code pass@k" if cfg.code.enabled else None], progress, previous)
+    part = parts.start
 
     marker = ckpt.read_marker(checkpoint_dir)
     meta = token_shards(tokens)
@@ -213,13 +258,13 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig,
     model = ckpt.load_model(checkpoint_dir)
     maps = meta.memmap("val")
     data = np.concatenate(maps) if maps else np.zeros(0, dtype=meta.dtype)
-    part(parts[0])
+    part("validation loss")
     metrics = _loss(model, data, token_byte_lengths(tokenizer), cfg)
     side = _side_table(tokens)
     examples: list = []
     prompts, refs, gen = [], [], []
     if cfg.num_prompts:
-        part(parts[1])
+        part("generation", f"{cfg.num_prompts} prompts")
         shards = {Path(p).name: np.memmap(p, dtype=meta.dtype, mode="r") for p in meta.val if Path(p).stat().st_size}
         scores, examples, (prompts, refs, gen) = _generate(model, tokenizer, side, shards, cfg)
         metrics.update(scores)
@@ -238,7 +283,8 @@ def run_evaluate(checkpoint_dir: str, tokens: DatasetRef, cfg: EvaluateConfig,
         metrics.update(code_metrics(model, tokenizer, cfg.code))
     metrics["step"] = marker["step"]
     digest = gate.eval_set_digest(eval_set, meta.tokenizer_sha256, cfg.max_batches, cfg.batch_size)
-    return {"metrics": metrics, "examples": examples, "bias": bias, "eval_set": eval_set, "eval_set_sha256": digest}
+    return {"metrics": metrics, "examples": examples, "bias": bias, "eval_set": eval_set, "eval_set_sha256": digest,
+            "part_seconds": parts.finish()}
 
 
 NAME = "evaluate"
@@ -254,14 +300,15 @@ def evaluate_stage(train, tokens: DatasetRef, cfg: EvaluateConfig, workdir: str,
     config = {"evaluate": cfg.model_dump(mode="json"), "checkpoint_marker_sha256": marker_sha}
 
     def build(writer) -> dict:
-        result = run_evaluate(checkpoint_dir, tokens, cfg, progress)
+        result = run_evaluate(checkpoint_dir, tokens, cfg, progress, previous_parts(workdir))
         for name in ("metrics", "examples", "bias"):
             writer.path(f"{name}.json").write_text(json.dumps(result[name], indent=2, sort_keys=True))
             writer.add_file(f"{name}.json")
         gate.write_eval_set(writer.path(gate.EVAL_SET_FILE), result["eval_set"])
         writer.add_file(gate.EVAL_SET_FILE)
         return {"num_rows": 0, "extra": {"metrics": result["metrics"], "checkpoint_dir": checkpoint_dir,
-                                         "eval_set_sha256": result["eval_set_sha256"]}}
+                                         "eval_set_sha256": result["eval_set_sha256"],
+                                         "part_seconds": result["part_seconds"]}}
 
     return materialize(workdir, NAME, config, code_version(__package__), build, parents=[tokens])
 
