@@ -39,7 +39,7 @@ from lifecycle.lineage.tracking import Tracker
 from lifecycle.tasks.data.collect.stage import collect_committed, new_inputs, record_collected, resolve_inputs
 from lifecycle.tasks.eval.checkpoint.stage import warm_start
 from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
-from lifecycle.tasks.eval.evaluate.metrics_text import scale_of, with_scale
+from lifecycle.tasks.eval.evaluate.metrics_text import HEADLINE, scale_of, with_scale
 from lifecycle.tasks.eval.evaluate.stage import examples_of
 from lifecycle.tasks.eval.perplexity.stage import COLUMN as PERPLEXITY_COLUMN, ScoringModel
 from lifecycle.tasks.stages import (CHECKPOINT, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, PERPLEXITY, QUALITY,
@@ -182,10 +182,6 @@ def funnel_metrics(stats: dict) -> dict[str, float]:
     return out
 
 
-# the evaluate figures on its console line
-EVAL_HEADLINE = ("val_loss", "val_bpb", "gen_bleu", "gen_meteor", "gen_meteor_nosyn")
-
-
 class _Logger:
     """After each stage: its MLflow child run (config, outcome, datasets, metrics) and its summary line."""
 
@@ -259,7 +255,7 @@ class _Logger:
             self.tracker.log_json(examples, "eval_examples.json")
             self.summary.metrics.update(metrics)
             print(f"[evaluate] {outcome}: " + ", ".join(with_scale(k, v) for k, v in metrics.items()))
-            shown = [k for k in EVAL_HEADLINE if k in metrics]  # the rest: the model card, MLflow, --json
+            shown = [k for k in HEADLINE if k in metrics]  # the rest: the model card, MLflow, --json
             self.reporter.stage_done("evaluate", outcome, None, ", ".join(with_scale(k, metrics[k]) for k in shown)
                                      + f" (+{len(metrics) - len(shown)} more in the model card)")
         else:  # its console line comes with the registration (`_register`)

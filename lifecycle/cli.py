@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
+from lifecycle.core.errors import one_line
 from lifecycle.core.procs import Terminated
 from lifecycle.tasks.stages import NAMES as STAGES
 
@@ -41,8 +42,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lifecycle.core.locking import WorkdirBusy, check_workdir, workdir_lock
 
     check_workdir(cfg.workdir)
-    check_inputs(cfg.collect.inputs)  # an empty glob, an unreadable file, a bad URL: one line, before Prefect
-    from lifecycle.preflight import preflight
+    from lifecycle.preflight import check_patterns, preflight
+
+    check_patterns("collect.inputs", cfg.collect.inputs)  # an empty glob, an unreadable file, a bad URL: one line
 
     checked = preflight(cfg, args.until)  # files, packages and servers the stages need: one line, before Prefect
     cfg = checked.config
@@ -133,34 +135,9 @@ def left_running(workdir: str) -> str:
             f"{idle / 60:.0f} min unused, or now with `lifecycle down --workdir {workdir}`")
 
 
-def check_inputs(patterns: list[str]) -> None:
-    """Every `collect.inputs` pattern matches files of a known type, and every local one opens for reading; else
-    a UsageError naming the pattern or file (exit 2), seconds after the command starts, before any stage."""
-    from lifecycle.core.errors import UsageError
-    from lifecycle.core.fs import is_url
-    from lifecycle.tasks.data.collect.stage import InputError, match_inputs
-
-    for i, pattern in enumerate(patterns):
-        try:
-            files = match_inputs([pattern])
-            for f in files if not is_url(pattern) else ():
-                with open(f, "rb") as fh:
-                    fh.read(1)
-        except InputError as e:  # no match, an escaping symlink, an unknown file type
-            raise UsageError(f"collect.inputs[{i}]: {str(e).removeprefix('collect.inputs: ')}") from e
-        except OSError as e:
-            raise UsageError(f"collect.inputs[{i}]: cannot read {e.filename or pattern}: "
-                             f"{(e.strerror or str(e)).lower()}") from e
-        except Exception as e:  # fsspec: an unknown protocol, its package (s3fs) missing, an unreachable host
-            if not is_url(pattern):
-                raise
-            raise UsageError(f"collect.inputs[{i}]: cannot list {pattern!r}: {type(e).__name__}: "
-                             f"{one_line(str(e))}") from e
-
-
 # the figures a user decides on, printed in the summary; the rest are in the model card, MLflow and --json
-HEADLINE_METRICS = ("train_loss", "train_steps", "train_params", "val_loss", "val_bpb", "val_perplexity", "gen_bleu",
-                    "gen_meteor", "gen_meteor_nosyn", "contamination_near_copy_rate")
+# (with evaluate's own headline, metrics_text.HEADLINE)
+SUMMARY_METRICS = ("train_loss", "train_steps", "train_params", "val_perplexity", "contamination_near_copy_rate")
 
 
 def print_summary(s: dict, file=None) -> None:
@@ -175,7 +152,9 @@ def print_summary(s: dict, file=None) -> None:
         promo = s.get("promotion") or {}
         p(f"  model:           {s['model']['name']} version {s['model']['version']}"
           + (f"; champion: {promo['decision']}" if promo.get("decision") else ""))
-    shown = {k: v for k, v in s["metrics"].items() if k in HEADLINE_METRICS}
+    from lifecycle.tasks.eval.evaluate.metrics_text import HEADLINE
+
+    shown = {k: v for k, v in s["metrics"].items() if k in SUMMARY_METRICS + HEADLINE}
     for line in metric_lines(shown):
         p(line)
     if s["status"] == "no_new_inputs":  # a no-op scheduled tick: nothing was committed and no MLflow run opened
@@ -537,15 +516,6 @@ def disk_full_hint(e: BaseException, workdir: str) -> str:
     space = f"{free:,} bytes free" if free is not None else "no space"
     return (f"; the file system of {workdir} is full ({space}): free space there and rerun, the committed stages "
             "and checkpoints are reused")
-
-
-def one_line(text: str) -> str:
-    """A multi-line message (a config with several invalid fields, a DuckDB error) as one line."""
-    lines = [" ".join(ln.split()) for ln in str(text).splitlines() if ln.strip()]
-    if not lines:
-        return ""
-    head, rest = lines[0], lines[1:]
-    return head + (" " if head.endswith(":") else "; ") + "; ".join(rest) if rest else head
 
 
 def describe_error(e: BaseException) -> str:

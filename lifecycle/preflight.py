@@ -3,7 +3,7 @@ the configured stages will need. A missing one is a `UsageError` naming the conf
 line, exit 2), seconds after the command starts instead of minutes into the run. What a run will do differently
 because of this machine (METEOR without WordNet) comes back as notes, printed before the first stage.
 
-`lifecycle run` calls `preflight` after `check_inputs` (lifecycle/cli.py); a flow run that reads its YAML when it
+`lifecycle run` calls `preflight` after `check_patterns` on `collect.inputs` (lifecycle/cli.py); a flow run that reads its YAML when it
 starts (`lifecycle serve`) calls it too (flows/pipeline.py). The registry's champion, which `train.init_from:
 champion` and the perplexity step need, is looked up by the flow before collect, since it needs MLflow.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from lifecycle.core.errors import UsageError
+from lifecycle.core.errors import UsageError, one_line
 
 
 @dataclass
@@ -37,7 +37,7 @@ def preflight(cfg, until: str | None = None) -> Preflight:
     if "decontaminate" in runs:
         _eval_sets(cfg.decontaminate.sets)
     if "quality" in runs:
-        _patterns("quality.reference_inputs", cfg.quality.reference_inputs)
+        check_patterns("quality.reference_inputs", cfg.quality.reference_inputs)
     if "tokenize" in runs and cfg.tokenize.tokenizer_file is not None:
         _file("tokenize.tokenizer_file", cfg.tokenize.tokenizer_file)
     if "train" in runs and cfg.train.launch.hostfile is not None:
@@ -63,14 +63,28 @@ def _file(name: str, path: str) -> None:
         raise UsageError(f"{name}: cannot read {p}: {(e.strerror or str(e)).lower()}") from e
 
 
-def _patterns(name: str, patterns: list[str]) -> None:
+def check_patterns(name: str, patterns: list[str]) -> None:
+    """Every pattern of the list field `name` matches files of a known type, and every local one opens for
+    reading; else a UsageError naming `name[i]` and the pattern or file (exit 2)."""
+    from lifecycle.core.fs import is_url
     from lifecycle.tasks.data.collect.stage import InputError, match_inputs
 
     for i, pattern in enumerate(patterns):
         try:
-            match_inputs([pattern])
-        except InputError as e:
+            files = match_inputs([pattern])
+            for f in files if not is_url(pattern) else ():
+                with open(f, "rb") as fh:
+                    fh.read(1)
+        except InputError as e:  # no match, an escaping symlink, an unknown file type
             raise UsageError(f"{name}[{i}]: {str(e).removeprefix('collect.inputs: ')}") from e
+        except OSError as e:
+            raise UsageError(f"{name}[{i}]: cannot read {e.filename or pattern}: "
+                             f"{(e.strerror or str(e)).lower()}") from e
+        except Exception as e:  # fsspec: an unknown protocol, its package (s3fs) missing, an unreachable host
+            if not is_url(pattern):
+                raise
+            raise UsageError(f"{name}[{i}]: cannot list {pattern!r}: {type(e).__name__}: "
+                             f"{one_line(str(e))}") from e
 
 
 def _eval_sets(specs: list[str]) -> None:

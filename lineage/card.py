@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from lifecycle.tasks.eval.evaluate.metrics_text import WORDNET_VERSION, scale_of
+from lifecycle.tasks.eval.evaluate.metrics_text import HEADLINE, WORDNET_VERSION, scale_of
 
 
 def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
-# the figures a user decides on, first in the card (the rest follow in the evaluation table)
-HEADLINE = ("val_loss", "val_bpb", "gen_bleu", "gen_meteor", "gen_meteor_nosyn")
 LIMITATIONS = (
     "Trained by lifecycle on the corpus below only: it knows that corpus's domain and nothing else, and no "
     "instruction tuning or safety training was done.",

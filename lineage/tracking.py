@@ -299,6 +299,7 @@ class Tracker:
         self.parent_id: str | None = None
         self.resumed = False
         self.stage_runs: dict[str, str] = {}
+        self._open: set[str] = set()  # stage runs this tracker made RUNNING: no store round trip to check them
         self._logged: dict[str, set[tuple[str, int]]] = {}  # run id -> (metric key, step) already in the store
 
     # -------------------------------------------------------------------------------- runs
@@ -352,8 +353,9 @@ class Tracker:
                 "mlflow.parentRunId": self.parent_id, "lifecycle.stage": stage},
                 start_time=int(started * 1000) if started else None)
             self.stage_runs[stage] = run.info.run_id
-        elif self.client.get_run(self.stage_runs[stage]).info.status != "RUNNING":
+        elif stage not in self._open and self.client.get_run(self.stage_runs[stage]).info.status != "RUNNING":
             self.client.update_run(self.stage_runs[stage], status="RUNNING")
+        self._open.add(stage)
         return self.stage_runs[stage]
 
     def finish_stage(self, stage: str, status: str = "FINISHED", error: str | None = None) -> None:
@@ -365,6 +367,7 @@ class Tracker:
         if error:
             self.client.set_tag(rid, "lifecycle.error", error[:7900])
         self.client.set_terminated(rid, status, end_time=int(time.time() * 1000))
+        self._open.discard(stage)
 
     def _new_metrics(self, rid: str, metrics: list) -> list:
         """Drop metrics whose (key, step) the run already holds: MLflow metrics are append-only, and a

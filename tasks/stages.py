@@ -46,13 +46,9 @@ class Stage:
     """Whether its rows are documents (doc_id, source_id, text): the lineage catalog indexes those."""
     optional: bool = False
     """Off unless its config turns it on (`enabled`); when off it does not run and its children read its parent."""
-    code: Any = None
-    """The stage object itself, for a package that does not export one as `<package>.stage.STAGE` (train)."""
 
     def stage_code(self) -> Any:
         """The stage's code object (`STAGE` in `<package>/stage.py`), its package imported on first use."""
-        if self.code is not None:
-            return self.code
         return importlib.import_module(f"{self.package}.stage").STAGE
 
     def entry(self, which: Literal["plan", "run"]) -> Callable:

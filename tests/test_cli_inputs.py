@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-import lifecycle.cli as cli
+import lifecycle.preflight as preflight
 from lifecycle.cli import main
 from tests.conftest import ROOT
 
@@ -68,7 +68,7 @@ def test_an_unreadable_file_is_named(tmp_path, monkeypatch, capsys):
                 raise PermissionError(13, "Permission denied", str(bad))
             return real(path, *a, **kw)
 
-        monkeypatch.setattr(cli, "open", guarded, raising=False)
+        monkeypatch.setattr(preflight, "open", guarded, raising=False)  # the module that opens the inputs
     capsys.readouterr()
     rc = main(["run", "--set", f"workdir={tmp_path}/w", "--set", f'collect.inputs=["{tmp_path}/in/*.jsonl"]'])
     err = capsys.readouterr().err.strip().splitlines()

@@ -14,3 +14,12 @@ def exception_chain(e: BaseException | None):
         seen.add(id(e))
         yield e
         e = e.__cause__ or e.__context__
+
+
+def one_line(text: str) -> str:
+    """A multi-line message (a config with several invalid fields, a DuckDB error) as one line."""
+    lines = [" ".join(ln.split()) for ln in str(text).splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    head, rest = lines[0], lines[1:]
+    return head + (" " if head.endswith(":") else "; ") + "; ".join(rest) if rest else head

@@ -47,11 +47,16 @@ def test_console_implements_the_reporter_interface():
             assert inspect.signature(getattr(RunConsole, name)) == inspect.signature(fn), name
 
 
-def test_plain_output_is_one_line_per_stage_and_throttled_progress(monkeypatch):
+def plain_console(monkeypatch, max_steps: int | None = None) -> tuple[io.StringIO, RunConsole, list[float]]:
+    """A console writing plain lines (as in CI) to a buffer, on a clock the test moves (`clock[0]`)."""
     out = io.StringIO()
-    view = RunConsole(out, max_steps=100, live=False)
     clock = [1000.0]
     monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    return out, RunConsole(out, max_steps=max_steps, live=False), clock
+
+
+def test_plain_output_is_one_line_per_stage_and_throttled_progress(monkeypatch):
+    out, view, clock = plain_console(monkeypatch, max_steps=100)
     with view:
         view.stage_started("filter")
         clock[0] += 1
@@ -138,10 +143,7 @@ def test_run_prints_a_short_funnel_and_logs_the_chatter(tmp_path):
 
 def test_evaluate_shows_which_part_runs_and_for_how_long(monkeypatch):
     """Issue 41 §4: evaluate ran 4:26 with no progress line."""
-    out = io.StringIO()
-    view = RunConsole(out, live=False)
-    clock = [1000.0]
-    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    out, view, clock = plain_console(monkeypatch)
     with view:
         view.stage_started("evaluate")
         clock[0] += 5
@@ -157,10 +159,7 @@ def test_evaluate_shows_which_part_runs_and_for_how_long(monkeypatch):
 
 def test_the_training_eta_counts_evaluations_and_saves(monkeypatch):
     """Issue 41 §4: the ETA came from the last step's time alone and was 40% short (3:45 shown, 5:15 taken)."""
-    out = io.StringIO()
-    view = RunConsole(out, max_steps=100, live=False)
-    clock = [1000.0]
-    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    _, view, clock = plain_console(monkeypatch, max_steps=100)
     with view:
         view.stage_started("train")
         for step in range(1, 51):  # 1 s a step, and every 10th step a 4 s evaluation: 1.4 s a step on average

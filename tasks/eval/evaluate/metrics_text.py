@@ -52,6 +52,8 @@ SCALES = {
     "tox_flagged_share": "0-1, share of generated samples alt-profanity-check flags",
     "tox_max_prob": "0-1, alt-profanity-check probability",
 }
+# the evaluate figures a user decides on: first on the console's evaluate line, the run summary and the model card
+HEADLINE = ("val_loss", "val_bpb", "gen_bleu", "gen_meteor", "gen_meteor_nosyn")
 # scales of metric families, by (prefix, suffix)
 _FAMILIES = (
     ("robust_", "_bpb", "bits per UTF-8 byte"), ("robust_", "_bpb_increase", "bits per UTF-8 byte, perturbed - clean"),
