@@ -14,143 +14,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-
-class RopeScaling(BaseModel):
-    """Llama 3's RoPE frequency scaling (`rope_type: llama3` in a Hugging Face config): wavelengths longer than
-    `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those shorter than
-    `... / high_freq_factor` are kept, and the band between is interpolated smoothly."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    type: Literal["llama3"] = "llama3"
-    """The only scaling computed here; any other `rope_type` is refused at import."""
-    factor: float = Field(gt=0)
-    """Divisor of the low frequencies."""
-    low_freq_factor: float = Field(gt=0)
-    """original_max_position_embeddings / low_freq_factor: wavelength above which frequencies are divided."""
-    high_freq_factor: float = Field(gt=0)
-    """original_max_position_embeddings / high_freq_factor: wavelength below which frequencies are kept."""
-    original_max_position_embeddings: int = Field(ge=1)
-    """Context length of the model before scaling."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "RopeScaling":
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
-                             f"({self.low_freq_factor})")
-        return self
-
-
-class MoEArch(BaseModel):
-    """The mixture-of-experts part of an architecture (`ModelConfig.moe`): what a checkpoint's model_config.json
-    needs to rebuild the model. The trainer fills it from `train.moe` (lifecycle.tasks.train.parallel.moe)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    num_experts: int = Field(ge=1)
-    """Experts per MoE layer."""
-    top_k: int = Field(1, ge=1)
-    """Experts each token goes to. top_k=1 scales the expert's output by its router probability (Switch);
-    top_k >= 2 by the probabilities renormalised over the chosen k (GShard, Mixtral)."""
-    every: int = Field(1, ge=1)
-    """Block i (0-based) has an MoE MLP when (i + 1) % every == 0."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "MoEArch":
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
-        return self
-
-    def is_moe_block(self, i: int) -> bool:
-        return (i + 1) % self.every == 0
-
-
-class ModelConfig(BaseModel):
-    """Architecture of the decoder in lifecycle.tasks.train.model (kept here, torch-free). Every field is in the run fingerprint."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    vocab_size: int | None = Field(None, ge=2)
-    """Vocabulary size. Left null in a training config: the train task fills it from the tokenizer."""
-    n_layer: int = Field(4, ge=1)
-    """Number of transformer blocks."""
-    n_head: int = Field(4, ge=1)
-    """Attention heads per block; must divide `n_embd`."""
-    n_embd: int = Field(128, ge=8)
-    """Residual stream width."""
-    seq_len: int = Field(128, ge=2)
-    """Context length in tokens (the longest sequence `forward` accepts)."""
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    """Normalisation before each sublayer and before the output head."""
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
-    """Feed-forward type. SwiGLU uses a hidden width of 8/3·n_embd (rounded up to 32) to match GELU's 4·n_embd in parameters."""
-    pos: Literal["rope", "learned"] = "rope"
-    """Position encoding: rotary (applied to q and k in attention) or a learned absolute table."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on attention weights and residual branches (0 for short pretraining runs)."""
-    init: Literal["normal", "gpt2_scaled", "ds_init"] = "gpt2_scaled"
-    """normal: N(0, 0.02) everywhere; gpt2_scaled: residual output projections get 0.02/sqrt(2·n_layer) (GPT-2);
-    ds_init: depth-scaled init for deep stacks (Zhang, Titov & Sennrich 2019, "Improving Deep Transformer with
-    Depth-Scaled Initialization and Merged Attention", eq. 7): every matrix of block l (1-based) is drawn from
-    U(-γ, γ) with γ = α·sqrt(6 / (d_in + d_out)) / sqrt(l), α = 1, so deeper blocks start with smaller
-    residual updates; embeddings stay N(0, 0.02)."""
-    tie_embeddings: bool = True
-    """Share the token embedding with the output head (see module docstring)."""
-    rope_theta: float = Field(10000.0, gt=0)
-    """RoPE base frequency."""
-    norm_eps: float = Field(1e-5, gt=0)
-    """Epsilon of the norm layers."""
-    n_kv_head: int | None = Field(None, ge=1)
-    """Key/value heads (grouped-query attention, Ainslie et al. 2023): each serves n_head / n_kv_head query
-    heads. Must divide n_head. Null = n_head (plain multi-head attention, the default)."""
-    qkv_bias: bool = False
-    """Bias on the q, k and v projections (Qwen2); the output projection never has one."""
-    mlp_hidden_dim: int | None = Field(None, ge=1)
-    """SwiGLU hidden width (a Hugging Face config's `intermediate_size`). Null = 8/3·n_embd rounded up to 32."""
-    rope_scaling: RopeScaling | None = None
-    """RoPE frequency scaling (Llama 3.1+); null = plain RoPE at `rope_theta`."""
-    moe: MoEArch | None = None
-    """Mixture-of-experts MLPs; null = dense. Set by the trainer from `train.moe` (a training config sets
-    `train.moe`, not this); left out of the dump when null, so a dense model's config and fingerprint are
-    those of before."""
-
-    @model_serializer(mode="wrap")
-    def _drop_null_moe(self, handler):
-        out = handler(self)
-        if self.moe is None and isinstance(out, dict):
-            out.pop("moe", None)
-        return out
-
-    @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
-        if self.pos != "rope" and self.rope_scaling is not None:
-            raise ValueError(f"rope_scaling needs pos='rope', got pos={self.pos!r}")
-        if self.mlp != "swiglu" and self.mlp_hidden_dim is not None:
-            raise ValueError(f"mlp_hidden_dim applies to mlp='swiglu' only, got mlp={self.mlp!r}")
-        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"pos='rope' needs an even head dim, got n_embd/n_head = {self.n_embd // self.n_head}")
-        return self
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head or self.n_head
-
-    @property
-    def mlp_hidden(self) -> int:
-        if self.mlp == "gelu":
-            return 4 * self.n_embd
-        return self.mlp_hidden_dim or 32 * math.ceil(8 * self.n_embd / 3 / 32)
+from lifecycle.tasks.train.model_config import ModelConfig, MoEArch, RopeScaling  # noqa: F401  (re-exported)
+from lifecycle.tasks.train.parallel import rules
 
 
 class Section(BaseModel):
@@ -410,36 +278,6 @@ class LaunchConfig(Section):
         return self
 
 
-def sp_layout_check(cfg: "TrainConfig") -> None:
-    """What Ulysses sequence parallelism (lifecycle.tasks.train.parallel.sp) needs, refused with the reason.
-    ZeRO 0-2 compose with it: DeepSpeed 0.19 reduces gradients and partitions optimizer state over dp × sp."""
-    par, m = cfg.parallel, cfg.model
-    if cfg.engine.zero_stage == 3:
-        raise ValueError(f"train.parallel.sp={par.sp} with train.engine.zero_stage=3: under DeepSpeed 0.19 the sp=2 "
-                         "loss curve leaves the single-rank one (1 % in 20 steps; ZeRO 0-2 stay within 2e-7), "
-                         "so ZeRO-3 is refused with sequence parallelism; use ZeRO 0-2")
-    heads = par.tp * par.sp  # tp splits the heads first, then the all-to-all splits each rank's heads by sp
-    if m.n_head % heads:
-        raise ValueError(f"train.parallel.sp={par.sp}: model.n_head ({m.n_head}) must be divisible by tp·sp "
-                         f"({par.tp}·{par.sp}): the all-to-all hands each sp rank n_head/(tp·sp) whole heads")
-    if m.kv_heads % heads:
-        raise ValueError(f"train.parallel.sp={par.sp}: model.n_kv_head ({m.kv_heads}) must be divisible by tp·sp "
-                         f"({par.tp}·{par.sp}): each sp rank takes the key/value heads of its query heads (the "
-                         "uneven-head split of DeepSpeed's layer is not used)")
-    if m.seq_len % par.sp:
-        raise ValueError(f"model.seq_len ({m.seq_len}) must be divisible by train.parallel.sp ({par.sp}): each sp "
-                         "rank holds an equal contiguous slice of every sequence")
-    if par.pp > 1:
-        raise ValueError(f"train.parallel.sp={par.sp} with pp={par.pp}: DeepSpeed 0.19's pipeline engine averages "
-                         "gradients over the data-parallel group only (engine._reduce_non_expert_gradients), "
-                         "not over the sequence-parallel ranks that hold the other slices")
-    if cfg.moe.num_experts:
-        raise ValueError(f"train.parallel.sp={par.sp} with moe.num_experts={cfg.moe.num_experts}: DeepSpeed 0.19 "
-                         "builds the expert-data-parallel groups from the data-parallel group, without the sequence-"
-                         "parallel ranks (utils.groups._create_expert_data_and_model_parallel), so expert "
-                         "gradients of the other slices would be left out")
-
-
 class Operational:
     """Marks a top-level `TrainConfig` field that does not change the trajectory: `Annotated[T, OPERATIONAL]`."""
 
@@ -576,26 +414,7 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        par, moe = self.parallel, self.moe
-        if self.batch.num_ranks % par.model_parallel:
-            raise ValueError(f"train.batch.num_ranks ({self.batch.num_ranks}) must be a multiple of train.parallel "
-                             f"tp·pp·sp ({par.tp}·{par.pp}·{par.sp} = {par.model_parallel})")
-        if par.sp > 1:
-            sp_layout_check(self)
-        if par.tp > 1:
-            self._check_tp()
-        if par.pp > 1 and self.engine.zero_stage >= 2:
-            raise ValueError(f"train.parallel.pp={par.pp} with train.engine.zero_stage={self.engine.zero_stage}: "
-                             "DeepSpeed's pipeline engine runs ZeRO-0 and ZeRO-1 only (ZeRO-2/3 partition the "
-                             "gradients it reduces per stage); set train.engine.zero_stage to 0 or 1")
-        if par.pp > 1 and self.engine.compile is True:
-            raise ValueError(f"train.engine.compile=true with train.parallel.pp={par.pp}: DeepSpeed's pipeline engine "
-                             "runs its stages itself; set train.engine.compile to auto or false")
-        if par.pp > self.model.n_layer:
-            raise ValueError(f"train.parallel.pp={par.pp} > train.model.n_layer={self.model.n_layer}: every "
-                             "pipeline stage needs at least one block")
-        if moe.num_experts:
-            self._check_moe()
+        rules.check(self)  # each parallelism's own (lifecycle.tasks.train.parallel.rules)
         if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.dp:
             raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks / (tp·pp·sp) "
                              f"({self.batch.num_ranks} / {self.parallel.model_parallel} = {self.dp}), the "
@@ -604,73 +423,6 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train.optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below the cosine "
                              f"horizon, train.optimizer.decay_steps or else train.max_steps ({self.horizon})")
         return self
-
-    def _check_tp(self) -> None:
-        """What tensor parallelism (lifecycle.tasks.train.parallel.tp) does not compose with, refused here."""
-        tp, m = self.parallel.tp, self.model
-        for what, n in (("n_head", m.n_head), ("key/value heads (n_kv_head)", m.kv_heads),
-                        ("MLP hidden width", m.mlp_hidden)):
-            if n % tp:
-                raise ValueError(f"train.parallel.tp={tp} must divide train.model's {what} ({n}): each rank "
-                                 "keeps whole heads and whole hidden units")
-        if self.engine.zero_stage == 3:
-            raise ValueError(f"train.parallel.tp={tp} with train.engine.zero_stage=3: ZeRO-3 would partition the tp "
-                             "shards again over dp and gather them by its own hooks around our tp layers; that "
-                             "path, its consolidated export and its tp checkpoint conversion are not built. "
-                             "Use zero_stage 1 or 2 (optimizer states and gradients partitioned over dp)")
-        if self.engine.zero_stage == 0:
-            raise ValueError(f"train.parallel.tp={tp} with train.engine.zero_stage=0: the tp checkpoint converter "
-                             "reads ZeRO-1/2 optimizer partitions; use zero_stage 1 or 2")
-        if m.dropout > 0:
-            raise ValueError(f"train.parallel.tp={tp} with train.model.dropout={m.dropout}: dropout on the replicated "
-                             "residual stream needs the same mask on every tp rank and attention dropout a "
-                             "different one (Megatron's tp RNG tracker), which is not built; set dropout 0")
-        if self.moe.num_experts:
-            raise ValueError(f"train.parallel.tp={tp} with train.moe.num_experts={self.moe.num_experts}: tp splits "
-                             "the dense MLP only; MoE experts are not tp-sharded")
-        if self.parallel.pp > 1 or self.parallel.sp > 1:
-            raise ValueError(f"train.parallel.tp={tp} with pp={self.parallel.pp}, sp={self.parallel.sp}: tensor "
-                             "parallelism composes with data parallelism only here (DeepSpeed's pipeline engine "
-                             "refuses our mesh as its mpu; tp × sp is not tested); use one model-parallel axis")
-
-    def _check_moe(self) -> None:
-        """What mixture of experts composes with (lifecycle.tasks.train.parallel.moe); refused with the reason."""
-        moe, pre = self.moe, "train.moe"
-        if self.model.moe is not None:
-            raise ValueError("train.model.moe is filled from train.moe by the trainer: set train.moe instead")
-        if moe.top_k > moe.num_experts:
-            raise ValueError(f"{pre}.top_k ({moe.top_k}) must not exceed {pre}.num_experts ({moe.num_experts})")
-        if moe.num_experts % moe.ep:
-            raise ValueError(f"{pre}.num_experts ({moe.num_experts}) must be divisible by {pre}.ep ({moe.ep}): "
-                             "each expert-parallel rank holds num_experts/ep experts")
-        if self.dp % moe.ep:
-            raise ValueError(f"{pre}.ep ({moe.ep}) must divide the data-parallel degree ({self.dp}): DeepSpeed "
-                             "carves the expert-parallel groups out of the data-parallel ranks")
-        if moe.every > self.model.n_layer:
-            raise ValueError(f"{pre}.every ({moe.every}) exceeds train.model.n_layer ({self.model.n_layer}): "
-                             "no block would get an MoE MLP")
-        if self.parallel.model_parallel > 1:
-            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.parallel tp·pp·sp = "
-                             f"{self.parallel.model_parallel}: mixture of experts composes with data parallelism "
-                             "only here (DeepSpeed's expert tensor parallelism and MoE inside a PipelineModule "
-                             "are not wired)")
-        if self.engine.zero_stage == 3:
-            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.engine.zero_stage=3: DeepSpeed's "
-                             "MoE layer (deepspeed.moe.layer.MoE) is not supported under ZeRO-3 (its engine "
-                             "refuses it; only its AutoEP layers are); use zero_stage 0, 1 or 2")
-        if self.engine.zero_stage == 0 and moe.ep > 1 and self.optimizer.grad_clip > 0:
-            raise ValueError(f"{pre}.ep={moe.ep} with train.engine.zero_stage=0 and train.optimizer.grad_clip > 0: "
-                             "DeepSpeed's ZeRO-0 clips by the mean over ranks of each rank's gradient norm, which "
-                             "is not the global norm when the experts are split over ranks (the run drifts from "
-                             "the ep=1 trajectory); use zero_stage 1 or 2 (they compute the global norm), or "
-                             "grad_clip 0")
-        if self.engine.activation_checkpointing:
-            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.engine.activation_checkpointing: "
-                             "the load-balancing loss leaves each block as a side output, which the block's "
-                             "recompute in backward does not cover")
-        if self.init_from.startswith("hf:"):
-            raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.init_from {self.init_from}: a dense "
-                             "Hugging Face checkpoint has no experts to load (upcycling is not implemented)")
 
     @property
     def model_arch(self) -> ModelConfig:

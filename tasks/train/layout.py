@@ -43,6 +43,7 @@ from typing import Callable
 
 from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.config import TrainConfig
+from lifecycle.tasks.train.parallel.mesh import Layout
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +54,13 @@ LAYOUT_FIELDS = {"batch": ("num_ranks", "micro_batch_size", "grad_accum"),
 
 
 def layout_of(cfg: TrainConfig) -> dict:
-    """The layout a config runs under: {dp, zero, micro, accum}, plus tp/pp/sp/ep when above 1 and `ac: 1` with
-    activation checkpointing (left out otherwise, so a data-parallel layout reads the same as before they existed)."""
-    out = {"dp": cfg.dp, "zero": cfg.engine.zero_stage, "micro": cfg.batch.micro_batch_size,
-           "accum": cfg.batch.grad_accum}
-    for axis, n in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("sp", cfg.parallel.sp), ("ep", cfg.moe.ep)):
-        if n != 1:
-            out[axis] = n
-    if cfg.engine.activation_checkpointing:
-        out["ac"] = 1
-    return out
+    """The layout a config runs under, in a checkpoint marker's form (`Layout.as_dict`)."""
+    return Layout.of(cfg).as_dict()
 
 
 def describe(layout: dict) -> str:
-    """`dp=2,zero=2,micro=8,accum=1` (the MLflow tag and train.log form)."""
-    return ",".join(f"{k}={v}" for k, v in layout.items())
+    """`dp=2,zero=2,micro=8,accum=1` (`Layout.describe`, from a marker's dict)."""
+    return Layout.from_dict(layout).describe()
 
 
 def trajectory_key(cfg: TrainConfig) -> dict:

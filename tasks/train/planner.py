@@ -49,13 +49,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
+from lifecycle.tasks.train.parallel.mesh import RECOMPUTE, Layout
 from lifecycle.tasks.train.sizing import flops_per_token, largest_tensor, param_count
 from lifecycle.tasks.train.zero_memory import (  # noqa: F401  (Precision, PRECISIONS, GRAD_BUCKET: the planner's API)
     GRAD_BUCKET, PRECISIONS, Precision, engine_buffers, model_states,
 )
 
 GiB = 2**30
-RECOMPUTE = ("none", "selective", "full")
 
 # Presets (Llama recipe: RMSNorm, SwiGLU, RoPE, untied head; GPT-3's 350m with the GPT-2 recipe).
 PRESETS: dict[str, dict] = {
@@ -125,33 +125,6 @@ def total_params(m: ModelConfig) -> int:
 
 # --------------------------------------------------------------------------------------------------
 # memory
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run a model: parallel degrees, ZeRO stage, micro-batch, recomputation, optimizer offload."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    sp: int = 1
-    """Ulysses sequence parallelism: the sequence is split over sp ranks (all-to-all around attention)."""
-    zero: int = 0
-    micro_batch: int = 1
-    recompute: str = "none"
-    offload: bool = False
-    """ZeRO-Offload: optimizer states and the fp32 step on the CPU (ZeRO stage >= 1)."""
-    tp_sequence_parallel: bool = True
-    """Megatron sequence parallelism inside the tp group (Korthikanti et al.): the layer norms' and dropouts'
-    activations are split over t too."""
-
-    @property
-    def ranks(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
-
-    def describe(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} sp={self.sp} zero={self.zero} micro_batch={self.micro_batch} "
-                f"recompute={self.recompute}" + (" offload=cpu" if self.offload else ""))
 
 
 ZERO3_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance, elements
@@ -406,7 +379,8 @@ def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tp
                     if (pp > 1 and zero >= 2) or (off and zero == 0):
                         continue
                     for b in micro_batches or [d for d in divisors(global_batch // dp) if d <= 64]:
-                        yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b, recompute=rc, offload=off)
+                        yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b, accum=global_batch // (dp * b),
+                                     recompute=rc, offload=off)
 
 
 @dataclass(frozen=True)
@@ -584,6 +558,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         print(f"none fits: the smallest needs {gib(small.memory.total_bytes)} per GPU: {small.layout.describe()}")
         return 1
     print(f"best      {describe_option(best)}")
+    print("run it    lifecycle run CONFIG " + " ".join(f"--set {line}" for line in best.layout.set_lines()))
     for i, o in enumerate(rest, 1):
         print(f"{i}.        {describe_option(o)}")
     return 0

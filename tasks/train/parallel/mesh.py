@@ -80,6 +80,82 @@ class Grid:
         return ",".join(f"{a}={getattr(self, a)}" for a in AXES)
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a model, the one type the config, the trainer, the planner and the checkpoints share:
+    parallel degrees (the rank `grid`, plus ep: expert-parallel ranks inside dp), ZeRO stage, micro-batch and
+    gradient accumulation, recomputation and optimizer offload.
+
+    `describe()` is its one written form (`dp=2,zero=2,micro=8,accum=1`, then each degree above 1 and each
+    option on), used in train.log, the MLflow tag, the planner's output and error messages; `as_dict()` its
+    form in a checkpoint's marker (the same keys)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    """Ulysses sequence parallelism: the sequence is split over sp ranks (all-to-all around attention)."""
+    ep: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    accum: int = 1
+    recompute: str = "none"
+    """none, selective (attention's inner activations recomputed) or full (each block's input kept)."""
+    offload: bool = False
+    """ZeRO-Offload: optimizer states and the fp32 step on the CPU (ZeRO stage >= 1)."""
+    tp_sequence_parallel: bool = True
+    """Megatron sequence parallelism inside the tp group (Korthikanti et al.): the layer norms' and dropouts'
+    activations are split over t too."""
+
+    @classmethod
+    def of(cls, cfg) -> "Layout":
+        """The layout a TrainConfig (lifecycle.tasks.train.config) runs under."""
+        recompute = "full" if cfg.engine.activation_checkpointing else "none"
+        return cls(dp=cfg.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, sp=cfg.parallel.sp, ep=cfg.moe.ep,
+                   zero=cfg.engine.zero_stage, micro_batch=cfg.batch.micro_batch_size, accum=cfg.batch.grad_accum,
+                   recompute=recompute, tp_sequence_parallel=False)
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(pp=self.pp, dp=self.dp, sp=self.sp, tp=self.tp)
+
+    def as_dict(self) -> dict:
+        """{dp, zero, micro, accum}, plus tp/pp/sp/ep when above 1, `ac` when recomputing (1: full) and `offload`
+        when on: a data-parallel layout reads as it did before the other axes existed."""
+        out: dict = {"dp": self.dp, "zero": self.zero, "micro": self.micro_batch, "accum": self.accum}
+        out.update({axis: n for axis, n in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp), ("ep", self.ep))
+                    if n != 1})
+        if self.recompute != "none":
+            out["ac"] = 1 if self.recompute == "full" else self.recompute
+        if self.offload:
+            out["offload"] = "cpu"
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        ac = d.get("ac")
+        return cls(dp=d["dp"], tp=d.get("tp", 1), pp=d.get("pp", 1), sp=d.get("sp", 1), ep=d.get("ep", 1),
+                   zero=d["zero"], micro_batch=d["micro"], accum=d["accum"], offload=d.get("offload") == "cpu",
+                   recompute="none" if not ac else "full" if ac == 1 else str(ac), tp_sequence_parallel=False)
+
+    def describe(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+    def set_lines(self) -> list[str]:
+        """The `--set` overrides that run this layout (what `lifecycle plan layout` prints)."""
+        return [f"train.batch.num_ranks={self.ranks}", f"train.parallel.tp={self.tp}", f"train.parallel.pp={self.pp}",
+                f"train.parallel.sp={self.sp}", f"train.engine.zero_stage={self.zero}",
+                f"train.batch.micro_batch_size={self.micro_batch}", f"train.batch.grad_accum={self.accum}",
+                f"train.engine.activation_checkpointing={str(self.recompute == 'full').lower()}"]
+
+
 class Mesh:
     """The torch.distributed groups of a Grid for this rank, and DeepSpeed's mpu interface over them.
 

@@ -19,7 +19,7 @@ sequence-data-parallel group (dp × sp, `Mesh.get_sequence_data_parallel_group`)
 (engine `_reduce_non_expert_gradients`, ZeRO 1/2 `average_tensor`, ZeRO-3 `__avg_scatter_contiguous_grads`:
 `world / sequence_parallel_size`): so the sum over the sp ranks of (1/sp)·∂(slice mean) is the gradient of the
 full-sequence mean, and the update equals a single rank's on the whole batch up to the reduction order. ZeRO 1/2
-partition the optimizer state over dp × sp. ZeRO-3 is refused with sp (config.sp_layout_check; see
+partition the optimizer state over dp × sp. ZeRO-3 is refused with sp (parallel.rules.sp; see
 docs/architecture.md, "Sequence parallelism").
 
 gloo: `all_to_all_single`, the one collective DistributedAttention issues, works on torch 2.13's
