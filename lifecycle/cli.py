@@ -8,7 +8,8 @@
 Every command that reads a run names it the same way (`resolve_workdir`): CONFIG and --set as `run` takes them,
 else --workdir, else $LIFECYCLE_WORKDIR, else the default config's work dir (said on stderr).
 
-Other subcommands live beside the code they drive: each module in `COMMAND_MODULES` has a
+`config show | schema` live in lifecycle/config.py, `forget` in lineage/forget_command.py, the run's summary in
+lifecycle/console.py. Other subcommands live beside the code they drive: each module in `COMMAND_MODULES` has a
 `register(subparsers)` that adds its parser and sets `func`.
 """
 
@@ -21,14 +22,14 @@ COMMAND_START = time.time()  # a cold run's `timing.command_start`: before the i
 import argparse
 import json
 import os
-import re
 import signal
 import sys
-from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
-from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config
-from lifecycle.core.errors import one_line
+from lifecycle.config import DEFAULT_CONFIG, ConfigError, load_config, register_config
+from lifecycle.core.errors import disk_full_hint, one_line, without_sql
 from lifecycle.core.procs import Terminated
 from lifecycle.tasks.stages import NAMES as STAGES
 
@@ -37,9 +38,46 @@ EMBEDDED_USED: str | None = None  # the work dir whose embedded Prefect server t
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    global EMBEDDED_USED
+    cfg, checked = checked_config(args)
+    from lifecycle.core.locking import WorkdirBusy, workdir_lock
+
+    t0 = time.time()
+    io = RunOutput(sys.stdout, sys.stderr, None)  # the log capture replaces them once the work dir is held
+    signal.signal(signal.SIGTERM, Terminated.raise_for)  # Prefect swaps in its own during the flow, then re-sends it here
+    try:
+        with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle run"):
+            summary = run_flow(args, cfg, checked, io)
+    except WorkdirBusy as e:
+        print(f"lifecycle run: error: {e}", file=io.err)
+        if args.json:
+            print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}), file=io.out)
+        return 3
+    except (KeyboardInterrupt, Terminated) as e:
+        return interrupted(e, args, io)
+    except Exception as e:  # the flow has logged the traceback; report and fail
+        print(f"lifecycle run: run failed: {type(e).__name__}: {without_sql(one_line(str(e)))}"  # one line, as every error
+              + disk_full_hint(e, cfg.workdir) + (f" (traceback and library logs: {io.log})" if io.log else ""),
+              file=io.err)
+        if args.json:
+            print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}),
+                  file=io.out)
+        return 1
+    summary["elapsed_s"] = round(time.time() - t0, 1)
+    if io.log:
+        summary["log"] = str(io.log)
+    if args.json:
+        print(json.dumps(summary), file=io.out)
+    else:
+        from lifecycle.console import print_summary
+
+        print_summary(summary, io.out)
+    return 0
+
+
+def checked_config(args: argparse.Namespace):
+    """The run's config and preflight (`lifecycle.preflight.Checked`): what a run needs, checked before Prefect."""
     cfg = load_config(args.config, args.set or [])  # a ConfigError is one line and exit 2 (`main`)
-    from lifecycle.core.locking import WorkdirBusy, check_workdir, workdir_lock
+    from lifecycle.core.locking import check_workdir
 
     check_workdir(cfg.workdir)
     from lifecycle.preflight import check_patterns, preflight
@@ -47,83 +85,75 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_patterns("collect.inputs", cfg.collect.inputs)  # an empty glob, an unreadable file, a bad URL: one line
 
     checked = preflight(cfg, args.until)  # files, packages and servers the stages need: one line, before Prefect
-    cfg = checked.config
+    return checked.config, checked
 
-    t0 = time.time()
-    out, err, log = sys.stdout, sys.stderr, None
-    signal.signal(signal.SIGTERM, Terminated.raise_for)  # Prefect swaps in its own during the flow, then re-sends it here
-    try:
-        with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle run"):
-            if not args.verbose:  # the libraries' chatter goes to the log file, before any of them is imported
-                from lifecycle.console import Capture, log_path_for
 
-                capture = Capture(log_path_for(cfg.workdir))
-                out, err, log = capture.out, capture.err, capture.log_path
-            from lifecycle.console import RunConsole
+@dataclass
+class RunOutput:
+    """Where `lifecycle run` writes: stdout and stderr (the log capture's copies of them unless -v), and the log."""
 
-            view = RunConsole(err if args.json else out, max_steps=cfg.train.max_steps,
-                              live=False if args.verbose else None)
-            view.print(f"lifecycle run {args.config or DEFAULT_CONFIG} -> {cfg.workdir}"
-                       + (f" (log: {log})" if log else ""))
-            for note in checked.notes:
-                view.print(f"  note: {note}")
-            timing = {"command_start": args.command_start, "prefect_start": time.time()}
-            from lifecycle.flows.startup.environment import start_environment
+    out: TextIO
+    err: TextIO
+    log: Path | None
 
-            # Prefect's environment, before anything imports Prefect; an embedded server that has to start does so
-            # while the flow's modules are imported
-            mode, server = start_environment(cfg.workdir)
-            if mode == "embedded":
-                EMBEDDED_USED = cfg.workdir
-            timing["prefect_launched"] = time.time()
-            from lifecycle.flows.pipeline import lifecycle_flow
 
-            if not (cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):  # the work dir's SQLite
-                from lifecycle.lineage.tracking import preload_sqlite_store
+def run_flow(args: argparse.Namespace, cfg, checked, io: RunOutput) -> dict:
+    """The run, in the held work dir: the console, Prefect's environment, the flow; its summary."""
+    global EMBEDDED_USED
+    if not args.verbose:  # the libraries' chatter goes to the log file, before any of them is imported
+        from lifecycle.console import Capture, log_path_for
 
-                preload_sqlite_store()
-            timing["imports_done"] = time.time()
-            if server is not None:
-                server.wait()
-            timing["prefect_ready"] = time.time()
+        capture = Capture(log_path_for(cfg.workdir))
+        io.out, io.err, io.log = capture.out, capture.err, capture.log_path
+    from lifecycle.console import RunConsole
 
-            with view:
-                timing["flow_call"] = time.time()
-                summary = lifecycle_flow(config=cfg, until=args.until, reporter=view)
-            summary["orchestration"] = mode
-            if mode == "embedded":
-                summary["left_running"] = left_running(cfg.workdir)
-            summary["launch"] = args.launch
-            summary["timing"] = {**timing, **summary.get("timing", {})}
-    except WorkdirBusy as e:
-        print(f"lifecycle run: error: {e}", file=err)
-        if args.json:
-            print(json.dumps({"status": "busy", "workdir": cfg.workdir, "error": str(e)}), file=out)
-        return 3
-    except (KeyboardInterrupt, Terminated) as e:
-        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
-        from lifecycle.flows.interrupts import cancel_interrupted
+    view = RunConsole(io.err if args.json else io.out, max_steps=cfg.train.max_steps,
+                      live=False if args.verbose else None)
+    view.print(f"lifecycle run {args.config or DEFAULT_CONFIG} -> {cfg.workdir}"
+               + (f" (log: {io.log})" if io.log else ""))
+    for note in checked.notes:
+        view.print(f"  note: {note}")
+    timing = {"command_start": args.command_start, "prefect_start": time.time()}
+    from lifecycle.flows.startup.environment import start_environment
 
-        cancel_interrupted()  # a flow run the interrupt ended is Cancelled, not Crashed
-        print(f"lifecycle: interrupted by {signal.Signals(signum).name}; the ranks are stopped and the last "
-              "committed checkpoint stands (rerun to resume)" + (f"; log: {log}" if log else ""), file=err)
-        if args.json:
-            print(json.dumps({"status": "interrupted", "signal": signal.Signals(signum).name}), file=out)
-        return 128 + signum
-    except Exception as e:  # the flow has logged the traceback; report and fail
-        print(f"lifecycle run: run failed: {type(e).__name__}: {without_sql(one_line(str(e)))}"  # one line, as every error
-              + disk_full_hint(e, cfg.workdir) + (f" (traceback and library logs: {log})" if log else ""), file=err)
-        if args.json:
-            print(json.dumps({"status": "failed", "workdir": cfg.workdir, "error": f"{type(e).__name__}: {e}"}), file=out)
-        return 1
-    summary["elapsed_s"] = round(time.time() - t0, 1)
-    if log:
-        summary["log"] = str(log)
+    # Prefect's environment, before anything imports Prefect; an embedded server that has to start does so
+    # while the flow's modules are imported
+    mode, server = start_environment(cfg.workdir)
+    if mode == "embedded":
+        EMBEDDED_USED = cfg.workdir
+    timing["prefect_launched"] = time.time()
+    from lifecycle.flows.pipeline import lifecycle_flow
+
+    if not (cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):  # the work dir's SQLite
+        from lifecycle.lineage.tracking import preload_sqlite_store
+
+        preload_sqlite_store()
+    timing["imports_done"] = time.time()
+    if server is not None:
+        server.wait()
+    timing["prefect_ready"] = time.time()
+
+    with view:
+        timing["flow_call"] = time.time()
+        summary = lifecycle_flow(config=cfg, until=args.until, reporter=view)
+    summary["orchestration"] = mode
+    if mode == "embedded":
+        summary["left_running"] = left_running(cfg.workdir)
+    summary["launch"] = args.launch
+    summary["timing"] = {**timing, **summary.get("timing", {})}
+    return summary
+
+
+def interrupted(e: KeyboardInterrupt | Terminated, args: argparse.Namespace, io: RunOutput) -> int:
+    signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+    from lifecycle.flows.interrupts import cancel_interrupted
+
+    cancel_interrupted()  # a flow run the interrupt ended is Cancelled, not Crashed
+    print(f"lifecycle: interrupted by {signal.Signals(signum).name}; the ranks are stopped and the last "
+          "committed checkpoint stands (rerun to resume)" + (f"; log: {io.log}" if io.log else ""), file=io.err)
     if args.json:
-        print(json.dumps(summary), file=out)
-    else:
-        print_summary(summary, out)
-    return 0
+        print(json.dumps({"status": "interrupted", "signal": signal.Signals(signum).name}), file=io.out)
+    return 128 + signum
 
 
 def left_running(workdir: str) -> str:
@@ -133,58 +163,6 @@ def left_running(workdir: str) -> str:
     idle = float(os.environ.get(EMBEDDED_IDLE_ENV) or EMBEDDED_IDLE_S)
     return (f"this work dir's Prefect server and a warm runner, for faster later runs; both stop after "
             f"{idle / 60:.0f} min unused, or now with `lifecycle down --workdir {workdir}`")
-
-
-# the figures a user decides on, printed in the summary; the rest are in the model card, MLflow and --json
-# (with evaluate's own headline, metrics_text.HEADLINE)
-SUMMARY_METRICS = ("train_loss", "train_steps", "train_params", "val_perplexity", "contamination_near_copy_rate")
-
-
-def print_summary(s: dict, file=None) -> None:
-    def p(text: str = "") -> None:
-        print(text, file=file or sys.stdout)
-
-    outcomes = ", ".join(f"{n} {o}" for o, n in Counter(s["stages"].values()).items())
-    p(f"\nlifecycle run {s['status']} in {s['elapsed_s']} s" + (f": {len(s['stages'])} stages ({outcomes})"
-                                                               if s["stages"] else ""))
-    p(f"  work dir:        {s['workdir']}" + (" (each stage's output: latest/<stage>)" if s["stages"] else ""))
-    if s.get("model"):
-        promo = s.get("promotion") or {}
-        p(f"  model:           {s['model']['name']} version {s['model']['version']}"
-          + (f"; champion: {promo['decision']}" if promo.get("decision") else ""))
-    from lifecycle.tasks.eval.evaluate.metrics_text import HEADLINE
-
-    shown = {k: v for k, v in s["metrics"].items() if k in SUMMARY_METRICS + HEADLINE}
-    for line in metric_lines(shown):
-        p(line)
-    if s["status"] == "no_new_inputs":  # a no-op scheduled tick: nothing was committed and no MLflow run opened
-        p("  nothing to do: every input file was collected by an earlier run (no MLflow run was opened)")
-        return
-    rest = len(s["metrics"]) - len(shown)
-    p(f"  MLflow run:      {s['mlflow_run_id']}" + (f" ({rest} more metrics there, in the model card and "
-                                                      f"under --json)" if rest > 0 else ""))
-    for name, label in (("funnel", "funnel chart"), ("loss_curves", "loss curves"), ("model_card", "model card")):
-        if s.get("artifacts", {}).get(name):
-            p(f"  {label + ':':<16} {s['artifacts'][name].removeprefix('file://')}")
-    if s.get("log"):
-        p(f"  log:             {s['log']}")
-    if s.get("left_running"):
-        p(f"  left running:    {s['left_running']}")
-    bindir = os.path.dirname(sys.executable)  # the venv's, so that the commands work from any directory
-    p(f"\nOpen the MLflow UI:  {bindir}/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']} --port 5000")
-    p(f"Why documents were dropped:  {bindir}/lifecycle sql \"SELECT stage, reason, count(*) FROM rejected GROUP BY "
-      f"ALL ORDER BY 3 DESC\" --workdir {s['workdir']}")
-
-
-def metric_lines(metrics: dict) -> list[str]:
-    """One line per metric family, in order: {val_loss: 5.314, val_bpb: 2.063, step: 200} ->
-    ['  val:             loss 5.314, bpb 2.063', '  step:            200']."""
-    groups: dict[str, list[str]] = {}
-    for k, v in metrics.items():
-        family, _, name = k.partition("_")
-        value = f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
-        groups.setdefault(family, []).append(f"{name} {value}" if name else value)
-    return [f"  {family + ':':<16} " + ", ".join(items) for family, items in groups.items()]
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
@@ -309,164 +287,12 @@ def run_config(args: argparse.Namespace):
     if Path(DEFAULT_CONFIG).is_file() and Path(load_config(DEFAULT_CONFIG).workdir).expanduser().resolve() == wd:
         return load_config(DEFAULT_CONFIG)
     from lifecycle.config import validate_config
+    from lifecycle.lineage.forget_command import UNKNOWN_INPUTS
 
     # no config names this work dir's inputs: a placeholder pattern, never read (`forget --retrain` refuses it)
     return validate_config({"workdir": str(wd), "collect": {"inputs": [UNKNOWN_INPUTS]}},
                            origin=f"the built-in defaults for {wd}")
 
-
-UNKNOWN_INPUTS = "<the inputs of a config not named>"
-
-
-# --------------------------------------------------------------------------------------------------
-# lifecycle config show | schema
-
-
-def cmd_config_show(args: argparse.Namespace) -> int:
-    from lifecycle.config import config_fields
-
-    if args.defaults and (args.config or args.set):
-        from lifecycle.core.errors import UsageError
-
-        raise UsageError("--defaults shows the built-in defaults: give it no CONFIG or --set")
-    cfg = None if args.defaults else load_config(args.config, args.set or [])
-    rows = config_fields(cfg)
-    origin = "built-in defaults" if cfg is None else (args.config or DEFAULT_CONFIG)
-    if args.json:
-        print(json.dumps({"config": origin, "fields": rows}))
-        return 0
-    import textwrap
-
-    print(f"# {origin}: every field, its value, its default and what it does"
-          + ("" if cfg is None else " (* = differs from the default)"))
-    for r in rows:
-        value = "(required)" if r["required"] and cfg is None else json.dumps(r["value"])
-        changed = cfg is not None and r["value"] != r["default"]
-        default = "required" if r["required"] else json.dumps(r["default"])
-        print(f"{'*' if changed else ' '} {r['field']}: {value}" + (f"   (default {default})" if changed else ""))
-        for line in textwrap.wrap(f"{r['type']}. {r['doc']}", 108):
-            print(f"      {line}")
-    return 0
-
-
-def cmd_config_schema(args: argparse.Namespace) -> int:
-    from lifecycle.config import json_schema
-
-    text = json.dumps(json_schema(), indent=2) + "\n"
-    if args.output in (None, "-"):
-        sys.stdout.write(text)
-    else:
-        Path(args.output).write_text(text)
-        print(f"wrote {args.output}; editors with the YAML language server use it with a first line "
-              f"`# yaml-language-server: $schema=<path to it>` in a config", file=sys.stderr)
-    return 0
-
-
-def register_config(sub) -> None:
-    cfg = sub.add_parser("config", help="Discover the configuration: every field with its value, default and doc; "
-                                        "a JSON Schema for editors.")
-    csub = cfg.add_subparsers(dest="config_command", required=True)
-    show = csub.add_parser("show", help="Print the resolved config: each field's value, default and doc.")
-    show.add_argument("config", nargs="?", help=f"YAML config (default {DEFAULT_CONFIG})")
-    show.add_argument("--set", action="append", metavar="KEY=VALUE", help="Override a field, as for `run`.")
-    show.add_argument("--defaults", action="store_true", help="Show the built-in defaults instead of a config.")
-    show.add_argument("--json", action="store_true",
-                      help="Print one JSON object: {config, fields: [{field, value, default, required, type, doc}]}.")
-    show.set_defaults(func=cmd_config_show)
-    schema = csub.add_parser("schema", help="Write the config's JSON Schema (for editors: completion, docs on "
-                                            "hover and checks in deploy/configs/*.yaml).")
-    schema.add_argument("-o", "--output", metavar="FILE", help="where to write it (default: stdout)")
-    schema.set_defaults(func=cmd_config_schema)
-
-
-def cmd_forget(args: argparse.Namespace) -> int:
-    """Tombstone the documents (lineage/forgetting.py), then retrain (`lifecycle run` with the same config) or
-    unlearn from the champion; neither flag only records the request (the next run honours it)."""
-    import yaml
-
-    from lifecycle.core.errors import UsageError
-    from lifecycle.core.locking import check_workdir, workdir_lock
-    from lifecycle.tasks.eval.unlearn import UnlearnConfig
-
-    if args.retrain and args.unlearn:
-        raise UsageError("choose one route: --retrain or --unlearn")
-    cfg = run_config(args)
-    if args.retrain and cfg.collect.inputs == [UNKNOWN_INPUTS]:
-        raise UsageError(f"--retrain reruns the lifecycle of {cfg.workdir} on its inputs: name its config (--config)")
-    knobs = {}
-    for item in args.unlearn_set or []:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise UsageError(f"--unlearn-set {item!r}: expected FIELD=VALUE")
-        knobs[key] = yaml.safe_load(value)
-    ucfg = UnlearnConfig(**knobs)
-    check_workdir(cfg.workdir)
-    from lifecycle.lineage.forgetting import record_request, taint_versions, unlearn_champion
-
-    info = sys.stderr if args.json else sys.stdout
-    print(f"forget: work dir {cfg.workdir} (from {args.workdir_from})", file=info)
-    with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget"):
-        rows = record_request(cfg, args.ids, args.reason)
-        tainted = taint_versions(cfg, rows)
-    for r in rows:
-        print(f"tombstone {r['tombstone_id']}: doc_id {r['doc_id']} source_id {r['source_id']} ({r['reason']}, "
-              f"{r['created_at']}) in {cfg.workdir}/tombstones.parquet", file=info)
-    if tainted:
-        print(f"model versions trained on them, tagged lifecycle.forget.tainted: {', '.join(tainted)} (a tainted "
-              "champion gives way to the next version without them and is no warm start)", file=info)
-    if args.retrain:
-        # a rebuild of the whole corpus without the documents, not a run on new data: deduplicated within itself,
-        # not against the dedup index and paragraph filter of earlier runs (they hold the forgotten document's
-        # signature and paragraphs)
-        rebuild = (args.set or []) + ["collect.incremental=false", "dedup.incremental=false",
-                                      f"workdir={json.dumps(cfg.workdir)}"]
-        print("retraining: a full run (collect.incremental=false, dedup.incremental=false)", file=info)
-        return cmd_run(argparse.Namespace(config=args.config, set=rebuild, until=None, json=args.json,
-                                          verbose=args.verbose, wait=args.wait, command_start=args.command_start,
-                                          launch=args.launch))
-    result = {"status": "recorded", "tombstones": rows, "tainted_versions": tainted}
-    if args.unlearn:
-        signal.signal(signal.SIGTERM, Terminated.raise_for)  # a stopped unlearning says so and marks its run KILLED
-        try:
-            with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget --unlearn"):
-                result = {**unlearn_champion(cfg, rows, ucfg, log=lambda s: print(s, file=info)),
-                          "tombstones": rows, "tainted_versions": tainted}
-        except (KeyboardInterrupt, Terminated) as e:
-            name = signal.Signals(e.signum if isinstance(e, Terminated) else signal.SIGINT).name
-            print(f"lifecycle forget: unlearning stopped by {name}: the tombstones are recorded, nothing was "
-                  "unlearned and the champion stays tainted; rerun with --unlearn (or --retrain)", file=sys.stderr)
-            return 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
-        if result["status"] == "registered":
-            m, p = result["model"], result["promotion"]
-            print(f"unlearned: registered {m['name']} version {m['version']} (from {result['champion']}); "
-                  f"champion: {p.get('decision')} ({p.get('reason')})", file=info)
-        else:
-            print(f"unlearning refused: {result['reason']}", file=info)
-    else:
-        print("recorded; the next `lifecycle run` rejects these documents at collect (reason `forgotten`)", file=info)
-    if args.json:
-        print(json.dumps(result, default=str))
-    return 0 if result["status"] != "refused" else 4
-
-
-def register_forget(sub) -> None:
-    p = sub.add_parser("forget", help="Remove documents for good (tombstone ledger), then retrain or unlearn.")
-    p.add_argument("ids", nargs="+", metavar="ID", help="doc_id or source_id of a collected document")
-    p.add_argument("--reason", required=True, help="why (kept in the ledger; never the document's text)")
-    p.add_argument("-c", "--config", help="YAML config of the runs (else --workdir, $LIFECYCLE_WORKDIR, then the "
-                                          f"default {DEFAULT_CONFIG}, as every command that reads a run)")
-    route = p.add_mutually_exclusive_group()
-    route.add_argument("--retrain", action="store_true", help="rerun the lifecycle without the documents")
-    route.add_argument("--unlearn", action="store_true",
-                       help="gradient ascent on the champion (Jang et al. 2022); registers an unlearned version")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Override a config field (as `run`).")
-    p.add_argument("--unlearn-set", action="append", metavar="FIELD=VALUE",
-                   help="Override an unlearning field (lr, chunk_size, max_epochs, check_every, sequence_tokens, "
-                        "el_n, el_stride, never_seen, max_val_loss_increase, val_batches, seed: tasks/eval/unlearn.py).")
-    p.add_argument("--json", action="store_true", help="Print one JSON object as the last line of stdout.")
-    p.add_argument("-v", "--verbose", action="store_true", help="as `run -v`")
-    p.add_argument("--wait", action="store_true", help="If another run holds the work dir, wait for it.")
-    p.set_defaults(func=cmd_forget, names_run=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -483,39 +309,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (UsageError, ConfigError, PathEscape, OSError, UnicodeError, json.JSONDecodeError, yaml.YAMLError,
             ValidationError)
-
-
-_SQL_DETAIL = re.compile(r"\s*\[SQL: .*?(\(Background on this error at: [^)]*\)|$)", re.S)
-_AUTOFLUSH = re.compile(r"\(raised as a result of Query-invoked autoflush[^)]*\);?\s*")  # SQLAlchemy's aside
-FULL_BELOW = 64 << 20  # a file system with less free space than this counts as full
-
-
-def without_sql(text: str) -> str:
-    """SQLAlchemy's message without the statement, its parameters, its help link (a disk-full INSERT into the
-    MLflow store printed the whole row) and its autoflush aside."""
-    return _AUTOFLUSH.sub("", _SQL_DETAIL.sub("", text)).rstrip("; ")
-
-
-def disk_full_hint(e: BaseException, workdir: str) -> str:
-    """`; <workdir>'s file system is full ...` when the failure, or anything in its chain, is a full disk (ENOSPC,
-    SQLite's `database or disk is full`), or the work dir's file system has under 64 MiB free: a full disk shows up
-    as many other errors (a server that exits in its start-up, a store that cannot flush)."""
-    import errno
-    import shutil
-
-    from lifecycle.core.errors import exception_chain
-
-    full = any((isinstance(c, OSError) and c.errno == errno.ENOSPC) or "disk is full" in str(c)
-               for c in exception_chain(e))
-    try:
-        free = shutil.disk_usage(workdir).free
-    except OSError:
-        free = None
-    if not full and (free is None or free >= FULL_BELOW):
-        return ""
-    space = f"{free:,} bytes free" if free is not None else "no space"
-    return (f"; the file system of {workdir} is full ({space}): free space there and rerun, the committed stages "
-            "and checkpoints are reused")
 
 
 def describe_error(e: BaseException) -> str:
@@ -573,7 +366,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     register_run(sub)
     register_verify(sub)
     register_config(sub)
-    register_forget(sub)
+    from lifecycle.lineage import forget_command
+
+    forget_command.register(sub, run_config, cmd_run)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     for leaf in _leaves(parser):

@@ -3,13 +3,16 @@
 YAML files hold values only. `--set a.b.c=VALUE` overrides any field by its dotted path, VALUE parsed as
 YAML. Validation happens before any work starts; an error names the field and the file.
 Secrets never live here: credentials come from the environment (a config holding a URL with a password is refused).
+`lifecycle config show | schema` (`register_config`, at the end) prints every field or the JSON Schema.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -324,3 +327,58 @@ def validate_config(data: dict, origin: str = "config") -> PipelineConfig:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, origin)) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# `lifecycle config show | schema` (registered by lifecycle/cli.py)
+
+
+def cmd_config_show(args) -> int:
+    if args.defaults and (args.config or args.set):
+        raise UsageError("--defaults shows the built-in defaults: give it no CONFIG or --set")
+    cfg = None if args.defaults else load_config(args.config, args.set or [])
+    rows = config_fields(cfg)
+    origin = "built-in defaults" if cfg is None else (args.config or DEFAULT_CONFIG)
+    if args.json:
+        print(json.dumps({"config": origin, "fields": rows}))
+        return 0
+    import textwrap
+
+    print(f"# {origin}: every field, its value, its default and what it does"
+          + ("" if cfg is None else " (* = differs from the default)"))
+    for r in rows:
+        value = "(required)" if r["required"] and cfg is None else json.dumps(r["value"])
+        changed = cfg is not None and r["value"] != r["default"]
+        default = "required" if r["required"] else json.dumps(r["default"])
+        print(f"{'*' if changed else ' '} {r['field']}: {value}" + (f"   (default {default})" if changed else ""))
+        for line in textwrap.wrap(f"{r['type']}. {r['doc']}", 108):
+            print(f"      {line}")
+    return 0
+
+
+def cmd_config_schema(args) -> int:
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}; editors with the YAML language server use it with a first line "
+              f"`# yaml-language-server: $schema=<path to it>` in a config", file=sys.stderr)
+    return 0
+
+
+def register_config(sub) -> None:
+    cfg = sub.add_parser("config", help="Discover the configuration: every field with its value, default and doc; "
+                                        "a JSON Schema for editors.")
+    csub = cfg.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="Print the resolved config: each field's value, default and doc.")
+    show.add_argument("config", nargs="?", help=f"YAML config (default {DEFAULT_CONFIG})")
+    show.add_argument("--set", action="append", metavar="KEY=VALUE", help="Override a field, as for `run`.")
+    show.add_argument("--defaults", action="store_true", help="Show the built-in defaults instead of a config.")
+    show.add_argument("--json", action="store_true",
+                      help="Print one JSON object: {config, fields: [{field, value, default, required, type, doc}]}.")
+    show.set_defaults(func=cmd_config_show)
+    schema = csub.add_parser("schema", help="Write the config's JSON Schema (for editors: completion, docs on "
+                                            "hover and checks in deploy/configs/*.yaml).")
+    schema.add_argument("-o", "--output", metavar="FILE", help="where to write it (default: stdout)")
+    schema.set_defaults(func=cmd_config_schema)

@@ -6,7 +6,8 @@ lines and the summary. `RunConsole`, a `lifecycle.flows.reporting.Reporter`, dra
 Live area on a terminal (rows in, kept, rejected, rows/s, the top drop reasons; step, loss, tokens/s, ETA), plain
 lines elsewhere (one per finished stage; at most one progress line per `PLAIN_EVERY_S`). `-v/--verbose` leaves the
 descriptors alone and prints plain lines. This module imports neither Prefect nor the flow: `Capture` must start
-before Prefect is imported (Prefect's console handler decides on colours when it is created).
+before Prefect is imported (Prefect's console handler decides on colours when it is created). `print_summary` is
+the run's closing summary.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
@@ -271,3 +273,55 @@ class RunConsole(Reporter):
 
     def note(self, text: str) -> None:
         self.print(f"  {text}")
+
+
+# the figures a user decides on, printed in the summary; the rest are in the model card, MLflow and --json
+# (with evaluate's own headline, metrics_text.HEADLINE)
+SUMMARY_METRICS = ("train_loss", "train_steps", "train_params", "val_perplexity", "contamination_near_copy_rate")
+
+
+def print_summary(s: dict, file=None) -> None:
+    def p(text: str = "") -> None:
+        print(text, file=file or sys.stdout)
+
+    outcomes = ", ".join(f"{n} {o}" for o, n in Counter(s["stages"].values()).items())
+    p(f"\nlifecycle run {s['status']} in {s['elapsed_s']} s" + (f": {len(s['stages'])} stages ({outcomes})"
+                                                               if s["stages"] else ""))
+    p(f"  work dir:        {s['workdir']}" + (" (each stage's output: latest/<stage>)" if s["stages"] else ""))
+    if s.get("model"):
+        promo = s.get("promotion") or {}
+        p(f"  model:           {s['model']['name']} version {s['model']['version']}"
+          + (f"; champion: {promo['decision']}" if promo.get("decision") else ""))
+    from lifecycle.tasks.eval.evaluate.metrics_text import HEADLINE
+
+    shown = {k: v for k, v in s["metrics"].items() if k in SUMMARY_METRICS + HEADLINE}
+    for line in metric_lines(shown):
+        p(line)
+    if s["status"] == "no_new_inputs":  # a no-op scheduled tick: nothing was committed and no MLflow run opened
+        p("  nothing to do: every input file was collected by an earlier run (no MLflow run was opened)")
+        return
+    rest = len(s["metrics"]) - len(shown)
+    p(f"  MLflow run:      {s['mlflow_run_id']}" + (f" ({rest} more metrics there, in the model card and "
+                                                      f"under --json)" if rest > 0 else ""))
+    for name, label in (("funnel", "funnel chart"), ("loss_curves", "loss curves"), ("model_card", "model card")):
+        if s.get("artifacts", {}).get(name):
+            p(f"  {label + ':':<16} {s['artifacts'][name].removeprefix('file://')}")
+    if s.get("log"):
+        p(f"  log:             {s['log']}")
+    if s.get("left_running"):
+        p(f"  left running:    {s['left_running']}")
+    bindir = os.path.dirname(sys.executable)  # the venv's, so that the commands work from any directory
+    p(f"\nOpen the MLflow UI:  {bindir}/mlflow ui --backend-store-uri {s['mlflow_tracking_uri']} --port 5000")
+    p(f"Why documents were dropped:  {bindir}/lifecycle sql \"SELECT stage, reason, count(*) FROM rejected GROUP BY "
+      f"ALL ORDER BY 3 DESC\" --workdir {s['workdir']}")
+
+
+def metric_lines(metrics: dict) -> list[str]:
+    """One line per metric family, in order: {val_loss: 5.314, val_bpb: 2.063, step: 200} ->
+    ['  val:             loss 5.314, bpb 2.063', '  step:            200']."""
+    groups: dict[str, list[str]] = {}
+    for k, v in metrics.items():
+        family, _, name = k.partition("_")
+        value = f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+        groups.setdefault(family, []).append(f"{name} {value}" if name else value)
+    return [f"  {family + ':':<16} " + ", ".join(items) for family, items in groups.items()]

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from lifecycle.cli import build_parser, main, print_summary, resolve_workdir
+from lifecycle.cli import build_parser, main, resolve_workdir
+from lifecycle.console import print_summary
 from tests.conftest import ROOT, docs_table, make_collect
 
 

@@ -35,7 +35,7 @@ def test_train_progress_has_step_loss_throughput_and_eta():
 
 
 def test_summary_prints_one_line_per_metric_family():
-    from lifecycle.cli import metric_lines
+    from lifecycle.console import metric_lines
 
     assert metric_lines({"train_loss": 5.1174, "train_steps": 200, "val_loss": 5.314, "val_bpb": 2.0634, "step": 200}) == [
         "  train:           loss 5.117, steps 200", "  val:             loss 5.314, bpb 2.063", "  step:            200"]
