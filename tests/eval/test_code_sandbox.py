@@ -37,6 +37,9 @@ def test_honest_programs_pass_and_fail_and_the_directory_goes(tmp_path):
     assert held["network"].startswith("new network namespace"), held
     assert held["filesystem"].startswith("private mount namespace"), held
     assert held["user"].startswith("uid "), held
+    assert held["ipc"].startswith("new IPC namespace"), held
+    assert held["processes"].startswith("new PID namespace"), held
+    assert held["user namespaces"].startswith("blocked"), held
 
 
 def test_reading_ssh_keys_the_project_and_the_environment(monkeypatch):
@@ -84,7 +87,8 @@ def test_writing_outside_its_directory(target):
     path = Path(target) / f"lifecycle-escape-{uuid.uuid4().hex[:8]}"
     try:
         r = run(f"open({str(path)!r}, 'w').write('escaped')")
-        assert r.reason.startswith(("exception: PermissionError", "exception: FileNotFoundError")), r.reason
+        assert r.reason.startswith(("exception: PermissionError", "exception: FileNotFoundError",
+                                    "exception: OSError: [Errno 30] Read-only file system")), r.reason
         assert not path.exists()
     finally:
         path.unlink(missing_ok=True)
@@ -136,8 +140,9 @@ def test_infinite_loop():
                                     "os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)",
                                     "os.kill(-1, signal.SIGKILL)"])
 def test_killing_its_parent(attack):
-    """Contained by: the unprivileged uid (EPERM on the evaluator) and its own session; kill(-1) reaches only
-    the processes of its own slot uid, so a program running beside it in the other slot is untouched."""
+    """Contained by: the PID namespace (its parent is the namespace's init, root's: EPERM; that init leads its own
+    group, pid 1, so killpg of it is kill(-1)) and kill(-1) reaches nothing: no other process is in the namespace,
+    so a program running beside it in the other slot is untouched."""
     program = f"import os, signal\ndef check(candidate):\n    {attack}\n    raise RuntimeError('the kill returned')\n"
     honest = "import time\ndef check(candidate):\n    time.sleep(0.5)\n"
     problems = {"attack": {"task_id": "attack", "prompt": "", "test": program, "entry_point": "None"},
@@ -147,8 +152,8 @@ def test_killing_its_parent(attack):
     honest_r, attack_r = report["results"]
     assert honest_r["passed"], honest_r
     assert not attack_r["passed"]
-    # Linux's kill(-1) spares the caller: it reaches only other processes of the slot uid, and there are none
-    expected = "exception: RuntimeError: the kill returned" if "-1" in attack else "exception: PermissionError"
+    # Linux's kill(-1) spares the caller and the namespace's init: nothing is left to signal, ESRCH
+    expected = "exception: PermissionError" if "os.kill(os.getppid()" in attack else "exception: ProcessLookupError"
     assert attack_r["reason"].startswith(expected), attack_r
     os.kill(os.getpid(), 0)  # still here
 
@@ -176,3 +181,129 @@ def test_closing_its_pipes_and_scribbling_on_the_report():
     r = run("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{junk\\n')\n"
             "    except OSError:\n        pass")
     assert r.reason.startswith("exited with status 0 without the harness's pass mark"), r.reason
+
+
+# Issue 44, 2: what the sandbox leaked to the host (each fails on 8c6205f)
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="the namespaces and the slot uid need root")
+SHM = """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for _ in range(4):
+    shmid = libc.shmget(0, 16 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    assert shmid >= 0, ctypes.get_errno()
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memset(addr, 1, 16 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+"""
+
+
+def _sysv(kind: str = "shm") -> list[list[str]]:
+    with open(f"/proc/sysvipc/{kind}") as f:
+        return [line.split() for line in f][1:]
+
+
+@needs_root
+def test_sysv_shared_memory_dies_with_the_sample():
+    """Contained by: the sample's own IPC namespace (RLIMIT_AS does not bound segments left unattached); the
+    program passes (it may use shared memory), and no segment it made is left in the host's namespace."""
+    before = {row[1] for row in _sysv()}
+    try:
+        r = run_program(SHM, FAST, 0)
+        assert r.passed, r.stderr
+        assert {row[1] for row in _sysv()} == before, "a segment outlived the sample"
+    finally:
+        sandbox.remove_ipc(slot_uid(FAST, 0))
+
+
+@needs_root
+def test_the_slot_uids_ipc_objects_are_removed():
+    """The backstop: SysV objects the slot uid owns in the host's namespace are removed (and no one else's)."""
+    uid = slot_uid(FAST, 5)
+    pid = os.fork()
+    if pid == 0:  # made as the slot uid, in this namespace
+        try:
+            import ctypes
+            os.setgid(uid)
+            os.setuid(uid)
+            libc = ctypes.CDLL(None)
+            ok = libc.shmget(0, 4096, 0o1600) >= 0 and libc.semget(0, 1, 0o1600) >= 0 and libc.msgget(0, 0o1600) >= 0
+            os._exit(0 if ok else 1)
+        finally:
+            os._exit(2)
+    assert os.waitpid(pid, 0)[1] == 0
+    mine = [kind for kind in ("shm", "sem", "msg") for row in _sysv(kind) if str(uid) in row]
+    assert sorted(mine) == ["msg", "sem", "shm"]
+    assert sandbox.remove_ipc(uid) == 3
+    assert not [row for kind in ("shm", "sem", "msg") for row in _sysv(kind) if str(uid) in row]
+
+
+@needs_root
+def test_filling_the_disk_with_many_files(tmp_path):
+    """Contained by: the tmpfs of `disk_bytes` (RLIMIT_FSIZE caps one file, not their number): 20 files of
+    16 MiB reserved 320 MiB of the host's disk on 8c6205f."""
+    program = ("import os\nfor i in range(20):\n    fd = os.open(f'f{i}', os.O_CREAT | os.O_WRONLY)\n"
+               "    os.posix_fallocate(fd, 0, (16 << 20) - 1)\n    os.close(fd)")
+    r = run(program, SandboxLimits(timeout_s=10, disk_bytes=32 << 20), tmp_root=tmp_path)
+    assert r.reason.startswith("exception: OSError: [Errno 28] No space left on device"), r.reason
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_root
+@pytest.mark.parametrize("call", ["libc.unshare(CLONE_NEWUSER)",
+                                  "libc.syscall(56, CLONE_NEWUSER | 17, 0, 0, 0, 0)",  # clone(): x86_64's number
+                                  "libc.syscall(435, ctypes.byref(args), ctypes.sizeof(args))"])  # clone3()
+def test_creating_a_user_namespace(call):
+    """Contained by: the seccomp filter (unshare/clone with CLONE_NEWUSER: EPERM; clone3: ENOSYS)."""
+    if os.uname().machine != "x86_64" and "56" in call:
+        pytest.skip("clone's syscall number here is x86_64's")
+    program = ("import ctypes, os\nCLONE_NEWUSER = 0x10000000\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "args = (ctypes.c_uint64 * 11)(CLONE_NEWUSER, 0, 0, 0, 17)\n"
+               f"r = {call}\n"
+               "if r == 0:\n    os._exit(0)  # the child of a clone that worked\n"
+               "if r < 0:\n    raise PermissionError(os.strerror(ctypes.get_errno()))\n"
+               "os.waitpid(r, 0)\n")
+    r = run(program)
+    assert r.reason in ("exception: PermissionError: Operation not permitted",
+                        "exception: PermissionError: Function not implemented"), r.reason
+
+
+@needs_root
+def test_reading_a_work_dir_outside_the_known_places():
+    """Contained by: the new root, which shows only /usr, the interpreter and /dev (8c6205f hid a fixed list, and
+    a work dir such as /shared/runs/demo was readable)."""
+    top = Path(f"/var/lib/lifecycle-test-{uuid.uuid4().hex[:8]}")
+    secret = top / "runs" / "demo" / "tombstones.parquet"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("a private document")
+    secret.chmod(0o644)
+    top.chmod(0o755)
+    try:
+        r = run(f"print(open({str(secret)!r}).read())")
+        assert r.reason.startswith("exception: FileNotFoundError"), r.reason
+        assert "private" not in r.stdout
+        r = run_program("import os\nprint(' '.join(os.listdir('/')))\nprint(' '.join(os.listdir('/etc')))", FAST)
+        top_level, etc = (set(line.split()) for line in r.stdout.splitlines())
+        assert top_level <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root", "sbin", "tmp",
+                             "usr"}, top_level
+        assert etc <= {"ld.so.cache"}, etc
+    finally:
+        secret.unlink()
+        for d in (secret.parent, secret.parent.parent, top):
+            d.rmdir()
+
+
+def _zombies_of(uid: int) -> list[int]:
+    return [pid for pid, owner, state, _ in sandbox.proc_table() if owner == uid and state == "Z"]
+
+
+@needs_root
+def test_killed_children_are_reaped():
+    """Contained by: the PID namespace, whose init reaps (8c6205f left the killed children <defunct> under a pid 1
+    that does not reap)."""
+    uid = slot_uid(SHORT, 0)
+    before = set(_zombies_of(uid))
+    r = run("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
+            "        time.sleep(60)\ntime.sleep(60)", SHORT)
+    assert r.reason.startswith("timeout"), r.reason
+    time.sleep(0.3)
+    assert set(_zombies_of(uid)) - before == set(), "killed children left <defunct>"

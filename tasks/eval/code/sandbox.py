@@ -1,15 +1,18 @@
 """Run one untrusted Python program in a sandbox and say how it ended.
 
 Each program gets its own process and its own throwaway directory. The child (`jail.py`, started with the
-base interpreter in isolated mode, `-I -S`) enters a new network and mount namespace, sets the resource limits
-and drops to an unprivileged uid before the program's first statement; see `jail.py` for the layers and the
-`held` dict of each result for which of them this machine allowed. The parent here:
+base interpreter in isolated mode, `-I -S`) enters new network, IPC, mount and PID namespaces with a root that shows
+only /usr, the interpreter and a size-limited tmpfs, sets the resource limits, drops to an unprivileged uid and
+refuses new user namespaces before the program's first statement; see `jail.py` for the layers and the `held` dict
+of each result for which of them this machine allowed. The parent here:
 
 - starts the child in its own session (its own process group) with an environment of PATH and LANG only;
 - reads stdout and stderr with a byte cap (the child is killed when it prints more: never buffers a gigabyte);
-- kills the child's whole process group at the wall-time limit, and when it runs as root, every process of the
-  slot's uid (a fork bomb's children that left the group with `setsid` included), until none is left;
-- removes the throwaway directory.
+- at the wall-time limit kills the init of the sample's PID namespace first (the kernel then kills every process
+  in it and that init reaps them: nothing is left `<defunct>`), then the child's process group, and when it runs
+  as root every process of the slot's uid, until none is left;
+- as root, removes the SysV IPC objects of the slot's uid (a backstop: they live in the sample's own IPC
+  namespace, which dies with it) and the throwaway directory.
 
 Concurrent programs run under different uids (`slot_uid`), so one cannot signal or starve another, even across
 evaluators (two pytest workers, two `lifecycle eval code`).
@@ -48,6 +51,10 @@ class SandboxLimits(BaseModel):
     """RLIMIT_NPROC, processes of the sandbox's uid (each concurrent program has its own uid when root)."""
     file_bytes: int = Field(16 << 20, ge=0)
     """RLIMIT_FSIZE, the largest file the program may write."""
+    disk_bytes: int = Field(64 << 20, ge=1 << 20)
+    """Size of the tmpfs holding the program's directory: all its files together (in memory, freed when it ends)."""
+    disk_files: int = Field(1024, ge=16)
+    """Files and directories the program may create there (the tmpfs's inodes)."""
     open_files: int = Field(64, ge=8)
     """RLIMIT_NOFILE."""
     output_bytes: int = Field(1 << 20, ge=1024)
@@ -91,9 +98,10 @@ def base_python() -> str:
 
 
 def hidden_paths() -> tuple[list[str], list[str]]:
-    """(hide, keep): directories covered by an empty tmpfs inside the sandbox (the project, the virtual
-    environment, the evaluator's cwd and home, /root and /home), and the base interpreter's prefix, bound back
-    read-only where it lies under one of them (pyenv keeps Python under /root/.pyenv)."""
+    """(hide, keep): `keep` is the base interpreter's prefix, shown read-only in the sandbox's root beside /usr
+    (pyenv keeps Python under /root/.pyenv); nothing else of the host is there. `hide` is covered by an empty
+    tmpfs where it lies under what is shown: the project, the virtual environment, the evaluator's cwd and home,
+    /root and /home, except a path that holds the prefix."""
     import lifecycle
 
     prefix = Path(sys.base_prefix).resolve()
@@ -101,30 +109,50 @@ def hidden_paths() -> tuple[list[str], list[str]]:
                   Path("/root"), Path("/home")]
     hide: list[str] = []
     for p in (c.resolve() for c in candidates):
-        if p != Path("/") and str(p) not in hide and not (prefix == p or p.is_relative_to(prefix)):
+        if str(p) not in hide and not (prefix.is_relative_to(p) or p.is_relative_to(prefix)):
             hide.append(str(p))
-    keep = [str(prefix)] if any(prefix.is_relative_to(h) for h in hide) else []
-    return hide, keep
+    return hide, [str(prefix)]
+
+
+def proc_table() -> list[tuple[int, int, str, int]]:
+    """(pid, owner uid, state letter, parent pid) of every process in /proc."""
+    rows = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                uid = entry.stat().st_uid
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+                rows.append((int(entry.name), uid, fields[0].decode(), int(fields[1])))
+            except (OSError, IndexError, ValueError):
+                pass
+    return rows
 
 
 def _uid_procs(uid: int) -> list[int]:
     """Live (not zombie) processes whose owner is `uid`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    with open(f"/proc/{entry.name}/stat", "rb") as f:
-                        if f.read().rpartition(b")")[2].split()[0] != b"Z":
-                            pids.append(int(entry.name))
-            except (OSError, IndexError):
-                pass
-    return pids
+    return [pid for pid, owner, state, _ in proc_table() if owner == uid and state != "Z"]
+
+
+def _children(parent: int) -> list[int]:
+    """Live processes whose parent is `parent`."""
+    return [pid for pid, _, state, ppid in proc_table() if ppid == parent and state != "Z"]
 
 
 def _kill_all(proc: subprocess.Popen, uid: int | None) -> int:
-    """SIGKILL the child's process group, reap the child and, as root, SIGKILL every process of the sandbox uid
-    until none is left (children that left the group with setsid). Returns how many of those there were."""
+    """SIGKILL the init of the sample's PID namespace (the jail's child: the kernel kills the rest of the
+    namespace, that init reaps them, the jail reaps it and exits), then the child's process group; reap the child
+    and, as root, SIGKILL every process of the sandbox uid until none is left (outside a PID namespace: children
+    that left the group with setsid). Returns how many of those there were."""
+    for pid in _children(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=2)  # the jail reaps its init first; killed before that, the init would stay <defunct>
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -140,6 +168,31 @@ def _kill_all(proc: subprocess.Popen, uid: int | None) -> int:
                 pass
         time.sleep(0.002)
     return extra
+
+
+IPC_RMID = 0
+IPC_KINDS = (("shm", "shmid", "shmctl"), ("sem", "semid", "semctl"), ("msg", "msqid", "msgctl"))
+
+
+def remove_ipc(uid: int) -> int:
+    """Remove the SysV shared memory segments, semaphore sets and message queues that `uid` owns or created in
+    this IPC namespace (/proc/sysvipc); returns how many. Needs root."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    removed = 0
+    for kind, id_col, ctl in IPC_KINDS:
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except OSError:
+            continue
+        col = {name: i for i, name in enumerate(header)}
+        for row in rows:
+            if uid in (int(row[col["uid"]]), int(row[col["cuid"]])):
+                args = (int(row[col[id_col]]), 0, IPC_RMID) if kind == "sem" else (int(row[col[id_col]]), IPC_RMID, None)
+                removed += getattr(libc, ctl)(*args) == 0
+    return removed
 
 
 def _nproc_limit(limits: SandboxLimits, as_root: bool) -> int:
@@ -227,7 +280,8 @@ def run_program(source: str, limits: SandboxLimits, slot: int = 0, tmp_root: str
         spec = {"dir": workdir, "report_fd": report_w, "uid": uid, "gid": uid, "hide": hide, "keep": keep,
                 "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
                            "nproc": _nproc_limit(limits, as_root), "file_bytes": limits.file_bytes,
-                           "open_files": limits.open_files}}
+                           "open_files": limits.open_files, "disk_bytes": limits.disk_bytes,
+                           "disk_files": limits.disk_files}}
         proc = subprocess.Popen([base_python(), "-I", "-S", str(JAIL), json.dumps(spec)], cwd=workdir,
                                 env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -238,6 +292,8 @@ def run_program(source: str, limits: SandboxLimits, slot: int = 0, tmp_root: str
             out, err, rep, stop = _read_capped(proc, report_r, t0 + limits.timeout_s, limits.output_bytes)
         finally:
             _kill_all(proc, uid)  # also after a clean exit: nothing the program started outlives it
+            if uid is not None:
+                remove_ipc(uid)
             proc.stdout.close()
             proc.stderr.close()
         returncode = proc.returncode
