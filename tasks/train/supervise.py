@@ -4,9 +4,10 @@ rank fails, and sees to it that no wait is unbounded:
 
 - **Build lock.** DeepSpeed JIT-builds its CPU comm op under torch's `FileBaton`: a plain `lock` file in the build
   directory, created with O_EXCL and deleted after the build. A process killed during the build leaves it, and
-  every later rank waits on it forever. `clear_stale_build_locks` removes such a lock when nothing is building,
-  under an flock of ours (which the OS drops when its holder dies), and `prebuild_shm_op` builds the op once, under
-  that flock, before the ranks start, so ranks never race each other through a build.
+  every later rank waits on it forever. `clear_stale_build_locks` removes such a lock when no compiler or ninja
+  works in that directory (a shell parked there does not count), under an flock of ours (which the OS drops when its holder dies), and `prebuild_shm_op` builds the op once, under
+  that flock, before the ranks start, so ranks never race each other through a build. A start-up that times out
+  names the locks that exist then.
 - **Shared memory.** DeepSpeed names its buffers `deepspeed_allreduce_buffer_<uid>_<master addr>_<master port>_<rank>`
   and never unlinks them. A launch releases exactly its own port's buffers when it ends, and records which port it
   owns (`Ownership`), so a later launch releases the leftovers of a supervisor that died, never a live one's.
@@ -59,20 +60,43 @@ def build_dirs(root: Path | None = None) -> list[Path]:
     return [d for d in (root / SHM_OP, *root.glob(f"*/{SHM_OP}")) if d.is_dir()]
 
 
+BUILDERS = re.compile(r"(?:[\w.]+-)*(?:c\+\+|g\+\+|gcc|cc|cc1plus|ninja|nvcc)(?:-[\d.]+)?")
+"""A compiler or ninja, by file name (x86_64-linux-gnu-g++-12 too): what holds a live build's lock."""
+
+
 def _building_in(build_dir: Path) -> bool:
-    """Whether a live process works in `build_dir`: ninja and the compilers run with it as their working directory
-    or name it on their command line."""
+    """Whether a compiler or ninja process works in `build_dir` (its working directory, or named on its command
+    line). Any other process there (an operator's shell, a pager) does not keep a lock alive."""
     target = str(build_dir.resolve())
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            names = {(proc / "comm").read_text().strip(), os.path.basename(argv[0].decode(errors="replace"))}
+            if not any(BUILDERS.fullmatch(n) for n in names):
+                continue
             cwd = os.readlink(proc / "cwd")
-            if cwd == target or cwd.startswith(target + "/") or target.encode() in (proc / "cmdline").read_bytes():
+            if cwd == target or cwd.startswith(target + "/") or any(target.encode() in a for a in argv):
                 return True
         except OSError:
             continue
     return False
+
+
+def held_build_locks(root: Path | None = None) -> list[Path]:
+    """torch's `lock` files in the shm op's build directories now (a rank or a build waits while one exists)."""
+    return [d / "lock" for d in build_dirs(root) if (d / "lock").exists()]
+
+
+def build_lock_note(root: Path | None = None) -> str:
+    """A clause naming the build locks that exist now, for a start-up timeout's message ("" when none)."""
+    locks = held_build_locks(root)
+    if not locks:
+        return ""
+    states = {True: "a compiler or ninja works there", False: "no compiler or ninja works there: stale, remove it"}
+    what = "; ".join(f"{lock} ({states[_building_in(lock.parent)]})" for lock in locks)
+    return f"; torch's JIT build lock exists, and every rank waits while it does: {what}"
 
 
 @contextmanager
@@ -89,7 +113,7 @@ def clear_stale_build_locks(root: Path | None = None, settle_s: float = 2.0) -> 
     """Remove torch's `lock` in the shm op's build directories when no process builds there (checked twice,
     `settle_s` apart: a live builder creates the lock a moment before it starts ninja). Returns what it removed,
     each with a warning naming the path. Call it under `build_flock`."""
-    locks = [d / "lock" for d in build_dirs(root) if (d / "lock").exists()]
+    locks = held_build_locks(root)
     stale = []
     for lock in locks:
         if _building_in(lock.parent):
@@ -117,8 +141,12 @@ def prebuild_shm_op(accelerator: str, env: dict, timeout_s: float = 900) -> None
         code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # what each rank does
         t0 = time.monotonic()
         log.info("building DeepSpeed's CPU shm op once before the ranks start (%s)", extensions_root())
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              timeout=timeout_s, preexec_fn=die_with_parent)
+        try:
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                  timeout=timeout_s, preexec_fn=die_with_parent)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"building DeepSpeed's CPU shm op did not finish in {timeout_s:g} s under "
+                               f"{extensions_root()}{build_lock_note()}") from None
         if done.returncode != 0:
             raise RuntimeError(f"building DeepSpeed's CPU shm op failed (exit {done.returncode}) under "
                                f"{extensions_root()}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
@@ -280,7 +308,8 @@ class Supervision:
                     if self.world.launch.poll():  # a rank that exits non-zero stops its world, raises RankFailed
                         break
                     if (stall := self.world.beats.check()) is not None:
-                        raise TimeoutError(f"{stall}; ranks killed")
+                        note = "" if self.world.beats.stepping() else build_lock_note()
+                        raise TimeoutError(f"{stall}; ranks killed{note}")
                 except (TimeoutError, RankFailed) as failure:
                     if self.spare is None:
                         raise

@@ -92,16 +92,26 @@ def test_ownership_releases_a_dead_supervisors_buffers_never_a_live_ones(tmp_pat
             p.unlink(missing_ok=True)
 
 
+def _named(name: str, tmp_path: Path, **kw) -> subprocess.Popen:
+    """A process whose program file is called `name` (a copy of sleep), sleeping 60 s."""
+    exe = tmp_path / "bin" / name
+    exe.parent.mkdir(exist_ok=True)
+    shutil.copy(shutil.which("sleep"), exe)
+    return subprocess.Popen([str(exe), "60"], **kw)
+
+
 def test_a_stale_build_lock_is_removed_and_a_live_builds_lock_is_kept(tmp_path, caplog):
     build = tmp_path / sv.SHM_OP
     build.mkdir()
     (build / "lock").touch()
-    builder = _sleeper(cwd=build)  # ninja and gcc run inside the build directory
-    try:
-        assert sv.clear_stale_build_locks(tmp_path, settle_s=0.1) == [] and (build / "lock").exists()
-    finally:
-        builder.kill()
-        builder.wait()
+    for name in ("ninja", "x86_64-linux-gnu-g++-12", "cc1plus"):  # ninja and the compilers run inside the build dir
+        builder = _named(name, tmp_path, cwd=build)
+        try:
+            assert sv.clear_stale_build_locks(tmp_path, settle_s=0.1) == [] and (build / "lock").exists(), name
+            assert "a compiler or ninja works there" in sv.build_lock_note(tmp_path)
+        finally:
+            builder.kill()
+            builder.wait()
     with caplog.at_level(logging.WARNING):
         assert sv.clear_stale_build_locks(tmp_path, settle_s=0.1) == [build / "lock"]
     assert not (build / "lock").exists() and str(build / "lock") in caplog.text
@@ -109,6 +119,43 @@ def test_a_stale_build_lock_is_removed_and_a_live_builds_lock_is_kept(tmp_path, 
     tagged.mkdir(parents=True)
     (tagged / "lock").touch()
     assert sv.clear_stale_build_locks(tmp_path, settle_s=0.1) == [tagged / "lock"]
+    assert sv.build_lock_note(tmp_path) == ""
+
+
+def test_a_shell_parked_in_the_build_folder_does_not_keep_a_stale_lock(tmp_path):
+    """Issue 44, 4: on 8c6205f any process with its cwd (or an argument) in the build folder kept the lock live, and
+    the ranks waited on it for 2 x 900 s; only a compiler or ninja does now."""
+    build = tmp_path / sv.SHM_OP
+    build.mkdir()
+    (build / "lock").touch()
+    shells = [_named("bash", tmp_path, cwd=build), _sleeper(cwd=build), _named("less", tmp_path, cwd=tmp_path)]
+    try:
+        note = sv.build_lock_note(tmp_path)
+        assert note == (f"; torch's JIT build lock exists, and every rank waits while it does: {build / 'lock'} (no "
+                        "compiler or ninja works there: stale, remove it)")
+        assert sv.clear_stale_build_locks(tmp_path, settle_s=0.1) == [build / "lock"]
+    finally:
+        for p in shells:
+            p.kill()
+            p.wait()
+
+
+def test_the_prebuild_timeout_names_the_lock(tmp_path, monkeypatch):
+    """A build that waits past its bound on a lock says which lock (8c6205f named only the extensions folder)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = tmp_path / sv.SHM_OP
+    build.mkdir()
+    (build / "lock").touch()
+    compiler = _named("ninja", tmp_path, cwd=build)  # a live build holds it: kept, and the op build waits
+    try:
+        with pytest.raises(RuntimeError) as err:
+            sv.prebuild_shm_op("cpu", {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}, timeout_s=3)
+    finally:
+        compiler.kill()
+        compiler.wait()
+    assert str(err.value) == (f"building DeepSpeed's CPU shm op did not finish in 3 s under {tmp_path}; torch's JIT "
+                              f"build lock exists, and every rank waits while it does: {build / 'lock'} (a compiler "
+                              "or ninja works there)")
 
 
 def test_heartbeats_bound_start_up_and_steps_and_name_the_stopped_rank(tmp_path):
