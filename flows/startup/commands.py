@@ -19,8 +19,10 @@ def register(sub) -> None:
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override (e.g. workdir=...)")
         p.add_argument("--json", action="store_true", help="Print one JSON object.")
         if name == "up":
-            p.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server's port (default 4200)")
-            p.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server's port (default 5000)")
+            p.add_argument("--prefect-port", type=int, help="the Prefect server's port (default 4200; a running "
+                           "server on another port: refused)")
+            p.add_argument("--mlflow-port", type=int, help="the MLflow server's port (default 5000; a running "
+                           "server on another port: refused)")
             p.add_argument("--no-runner", action="store_true", help="start no warm runner (lifecycle/launch.py): "
                            "every `lifecycle run` then imports Prefect and MLflow itself (~4 s more each)")
         p.set_defaults(func=fn, names_run=True)  # the work dir: `lifecycle` resolves it (args.workdir)
@@ -50,5 +52,7 @@ def cmd_down(args) -> int:
 def cmd_status(args) -> int:
     st = status(_workdir(args))
     _print(args, st, "\n".join(f"{n}: {'up' if e['healthy'] else 'running' if e['running'] else 'down'} {e['url']}"
+                               + (f" (its main process pid {e['pid']} is gone; pids {e['leftover_pids']} still run: "
+                                  "`lifecycle down` stops them)" if e.get("leftover_pids") else "")
                                for n, e in st.items()) or "no servers started for this work dir")
     return 0

@@ -244,11 +244,51 @@ def test_the_runner_restarts_when_the_code_changes(live, tmp_path):
 
 
 
+def test_a_second_up_with_other_ports_says_so(live):
+    """Issue 44, 5: 8c6205f ignored the ports of a second `up` without a word."""
+    wd, st = live
+    other = str(free_port())
+    again = lifecycle("up", "--set", f"workdir={wd}", "--mlflow-port", other, rc=2)
+    mlflow_port = st["mlflow"]["url"].rsplit(":", 1)[1]
+    assert f"mlflow runs on port {mlflow_port}, not {other}" in again.stderr, again.stderr
+    assert "lifecycle down" in again.stderr
+    same = last_json(lifecycle("up", "--set", f"workdir={wd}", "--json").stdout)  # no ports: keeps them
+    assert {n: e["pid"] for n, e in same.items()} == {n: e["pid"] for n, e in st.items()}
+
+
+def test_a_refused_port_rolls_back_what_up_started(tmp_path):
+    """Issue 44, 5: on 8c6205f a refusal on the MLflow port orphaned the Prefect server `up` had started (no
+    servers.json: `status` and `down` knew nothing of it)."""
+    import socket
+
+    wd = tmp_path / "wd"
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        try:
+            out = lifecycle("up", "--set", f"workdir={wd}", "--prefect-port", str(free_port()), "--mlflow-port",
+                            str(port), "--no-runner", rc=2)
+            assert f"mlflow: port {port} on 127.0.0.1 is already in use" in out.stderr, out.stderr
+            left = [p for p in psutil.process_iter(["cwd"]) if p.info["cwd"] == str(wd.resolve())]
+            assert left == [], f"up left {left} running"
+            assert not (wd / ".servers" / "servers.json").exists()
+        finally:
+            for p in psutil.process_iter(["cwd"]):
+                if p.info["cwd"] == str(wd.resolve()):
+                    p.kill()
+
+
 def test_down_stops_exactly_what_up_started(live):
+    """Also after the MLflow server's main process is killed (an OOM kill): its worker serves on, and `down` stops
+    it (8c6205f said "nothing was running" and left it writing mlflow.db)."""
     wd, st = live
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         pids = set().union(*(_group_pids(e["pid"]) for e in st.values()))
+        assert len(_group_pids(st["mlflow"]["pid"])) > 1, "the MLflow server started no worker"
+        os.kill(st["mlflow"]["pid"], 9)
+        psutil.Process(st["mlflow"]["pid"]).wait(10)
+        status = last_json(lifecycle("status", "--set", f"workdir={wd}", "--json").stdout)["mlflow"]
+        assert status["running"] and status["leftover_pids"], status
         out = last_json(lifecycle("down", "--set", f"workdir={wd}", "--json").stdout)
         assert sorted(out["stopped"]) == ["mlflow", "prefect", "runner"]
         assert not (wd / ".servers" / "runner.sock").exists()
