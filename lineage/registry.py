@@ -14,6 +14,16 @@ CHAMPION = "champion"  # registry alias of the best model version so far
 PROMOTION_METRIC = "val_bpb"  # lower is better; comparable across tokenizers
 TAINT_TAG = "lifecycle.forget.tainted"  # tombstone ids of forgotten documents a version was trained on
 EVAL_SET_TAG = "lifecycle.eval_set_sha256"  # digest of the evaluation set a version's metrics were computed on
+WEIGHTS_TAG = "lifecycle.model_weights_sha256"  # digest of what the model computes with (`model_identity`)
+MODEL_IDENTITY_FILES = ("model.safetensors", "model_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def model_identity(model_ref: DatasetRef) -> str:
+    """sha256 over the package's weights, model config and tokenizer files (their digests in its manifest): the
+    same for a package rebuilt from a repaired checkpoint with bitwise identical weights, whose commit marker
+    (and so the package digest) differs."""
+    files = model_ref.manifest().get("extra", [])
+    return sha256_json(sorted((f["path"], f["sha256"]) for f in files if f["path"] in MODEL_IDENTITY_FILES))
 
 # (champion's package directory) -> (its PROMOTION_METRIC on the candidate's evaluation set, how) or (None, why not)
 Rescore = Callable[[Path], tuple[float | None, str]]
@@ -48,9 +58,10 @@ class Registry:
 
     def register_or_reuse(self, model_ref: DatasetRef, metrics: dict[str, Any], eval_set_sha256: str | None = None,
                           rescore: Rescore | None = None) -> tuple[str, str]:
-        """Register the packaged model once; a rerun that produced the same package reuses its version.
+        """Register the packaged model once; a rerun that produced the same package, or a package with bitwise
+        identical weights, config and tokenizer (from a repaired checkpoint), reuses its version.
 
-        Version tags: the package's and the checkpoint marker's sha256, the tokenizer digest, the config hash,
+        Version tags: the package's, the weights' (`WEIGHTS_TAG`) and the checkpoint marker's sha256, the tokenizer digest, the config hash,
         the git commit, `lifecycle.dataset.<stage>.sha256` for every dataset from collect to the token shards,
         `lifecycle.raw_input.<i>` = "sha256 path" for every raw input file (and `lifecycle.raw_inputs_sha256`
         over the whole list), `metric.<name>` for the evaluation metrics and `lifecycle.eval_set_sha256`, the digest
@@ -58,9 +69,11 @@ class Registry:
         name = self.model_name
         if eval_set_sha256:
             self.client.set_tag(self.parent_id, EVAL_SET_TAG, eval_set_sha256)
+        identity = model_identity(model_ref)
         try:
             for mv in self.client.search_model_versions(f"name = '{name}'"):
-                if mv.tags.get("lifecycle.model_package_sha256") == model_ref.sha256:
+                if mv.tags.get("lifecycle.model_package_sha256") == model_ref.sha256 or \
+                        mv.tags.get(WEIGHTS_TAG) == identity:
                     self.client.set_tag(self.parent_id, "lifecycle.model_version", f"{name}/{mv.version}")
                     return name, str(mv.version)
         except Exception as e:  # no registered model yet
@@ -71,6 +84,7 @@ class Registry:
         raw = sorted({r["path"]: r["sha256"] for d in lineage["datasets"] for r in d["inputs"]}.items())
         tags = {
             "lifecycle.model_package_sha256": model_ref.sha256,
+            WEIGHTS_TAG: identity,
             "lifecycle.model_package_manifest": str(model_ref.manifest_path),
             "lifecycle.checkpoint_marker_sha256": lineage["checkpoint_marker_sha256"],
             "lifecycle.checkpoint_dir": lineage["checkpoint_dir"],
@@ -159,32 +173,8 @@ class Registry:
         champ_bpb = float(champ.tags[f"metric.{PROMOTION_METRIC}"]) if champ is not None and \
             f"metric.{PROMOTION_METRIC}" in champ.tags else None
         champ_set = champ.tags.get(EVAL_SET_TAG) if champ is not None else None
-        comparison, champ_value = "", champ_bpb
-        if candidate is None:
-            decision, reason = "not_promoted", f"the new version has no {PROMOTION_METRIC}"
-        elif champ is None:
-            decision, reason = "promoted", "no champion yet"
-        elif champ_bpb is None:
-            decision, reason = "promoted", f"champion version {champ.version} has no {PROMOTION_METRIC}"
-        else:
-            comparison = f"same eval set {str(champ_set)[:12]}"
-            if champ_set is None or champ_set != eval_set_sha256:
-                sets = (f"champion version {champ.version} was scored on eval set {str(champ_set)[:12]}, "
-                        f"the candidate on {str(eval_set_sha256)[:12]}")
-                how = "no re-scoring available"
-                champ_value = None
-                if rescore is not None and eval_set_sha256:
-                    package = champ.tags.get("lifecycle.model_package_manifest")
-                    champ_value, how = rescore(Path(package).parent) if package else (None, "it has no package tag")
-                comparison = f"{sets}; {how}"
-            if champ_value is None:
-                decision, reason = "not_promoted", f"not comparable: {comparison}"
-            elif candidate < champ_value:
-                decision = "promoted"
-                reason = f"{PROMOTION_METRIC} {candidate:.6g} < champion's {champ_value:.6g} ({comparison})"
-            else:
-                decision = "not_promoted"
-                reason = f"{PROMOTION_METRIC} {candidate:.6g} >= champion's {champ_value:.6g} ({comparison})"
+        decision, reason, comparison, champ_value = metric_gate(champ, champ_bpb, champ_set, candidate,
+                                                                eval_set_sha256, rescore)
         tainted = champ.tags.get(TAINT_TAG) if champ is not None else None
         if (decision != "promoted" and candidate is not None and tainted
                 and not self.client.get_model_version(name, version).tags.get(TAINT_TAG)):
@@ -203,3 +193,35 @@ class Registry:
             self.client.set_model_version_tag(name, version, f"lifecycle.promotion.{k}", str(v))
             self.client.set_tag(self.parent_id, f"lifecycle.promotion.{k}", str(v))
         return record
+
+
+def metric_gate(champ, champ_bpb: float | None, champ_set: str | None, candidate: float | None,
+                eval_set_sha256: str | None, rescore: Rescore | None) -> tuple[str, str, str, float | None]:
+    """`Registry.promote`'s metric comparison: (decision, reason, comparison, the champion's value compared)."""
+    comparison, champ_value = "", champ_bpb
+    if candidate is None:
+        decision, reason = "not_promoted", f"the new version has no {PROMOTION_METRIC}"
+    elif champ is None:
+        decision, reason = "promoted", "no champion yet"
+    elif champ_bpb is None:
+        decision, reason = "promoted", f"champion version {champ.version} has no {PROMOTION_METRIC}"
+    else:
+        comparison = f"same eval set {str(champ_set)[:12]}"
+        if champ_set is None or champ_set != eval_set_sha256:
+            sets = (f"champion version {champ.version} was scored on eval set {str(champ_set)[:12]}, "
+                    f"the candidate on {str(eval_set_sha256)[:12]}")
+            how = "no re-scoring available"
+            champ_value = None
+            if rescore is not None and eval_set_sha256:
+                package = champ.tags.get("lifecycle.model_package_manifest")
+                champ_value, how = rescore(Path(package).parent) if package else (None, "it has no package tag")
+            comparison = f"{sets}; {how}"
+        if champ_value is None:
+            decision, reason = "not_promoted", f"not comparable: {comparison}"
+        elif candidate < champ_value:
+            decision = "promoted"
+            reason = f"{PROMOTION_METRIC} {candidate:.6g} < champion's {champ_value:.6g} ({comparison})"
+        else:
+            decision = "not_promoted"
+            reason = f"{PROMOTION_METRIC} {candidate:.6g} >= champion's {champ_value:.6g} ({comparison})"
+    return decision, reason, comparison, champ_value
