@@ -1,12 +1,16 @@
 """Whether a committed checkpoint can resume this run: the same sampler (seed, sequence length, skipped data
 steps), the same token dataset and the same global batch. A different layout (world size, micro-batch, grad_accum,
 tp/pp/sp) with the same global batch is a layout change, not a mismatch: `get_batch` is keyed on (seed, step,
-sequence index in the global batch), so the same global batch draws the same sequences under any layout."""
+sequence index in the global batch), so the same global batch draws the same sequences under any layout.
+
+`fallback_note` says, for the supervisor's console, why the ranks resumed from an older commit than the newest one
+(a DeepSpeed `.pt` file that fails its hash is found only in the ranks, whose log is train.log)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from lifecycle.tasks.train.commit import list_committed, verify
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.layout import describe, layout_of
 from lifecycle.tasks.train.sampler import LAYOUT_SAMPLER_FIELDS, sampler_state
@@ -32,3 +36,17 @@ def check_resume(state: dict, marker: dict, tag_dir: Path, cfg: TrainConfig, wor
         return None
     return {"kind": "layout_change", "step": state["step"], "from": describe(saved), "to": describe(layout_of(cfg)),
             "checkpoint": str(tag_dir), "converter": marker.get("converter", "native")}
+
+
+def fallback_note(ckpt_root: Path, newest_step: int | None, restored_step: int | None) -> str | None:
+    """One line when the ranks restored `restored_step` (None: nothing, from step 0) although commits up to
+    `newest_step` exist: each newer commit and what is damaged in it, and how many steps are trained again."""
+    if newest_step is None or (restored_step or 0) >= newest_step:
+        return None
+    damaged = [f"{path} ({why})" for step, path in reversed(list_committed(ckpt_root))
+               if (restored_step or 0) < step <= newest_step and (why := verify(path)) is not None]
+    if not damaged:
+        return None
+    start = f"step {restored_step}" if restored_step else "step 0 (no valid commit left)"
+    return (f"damaged checkpoint {'; '.join(damaged)}: training resumed from {start} instead of step {newest_step} "
+            f"and trains {newest_step - (restored_step or 0)} steps again")
