@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 from pathlib import Path
@@ -43,9 +44,10 @@ import pyarrow as pa
 
 from lifecycle.core.dataset import MANIFEST
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
-from lifecycle.core.paths import resolve_within
+from lifecycle.core.paths import PathEscape, resolve_within
 from lifecycle.tasks.stages import DOCUMENT_STAGES
 
+log = logging.getLogger(__name__)
 DOC_STAGES = DOCUMENT_STAGES
 SIG_STAGE, INDEX_FILE = "dedup-signatures", "dedup-index.parquet"  # lifecycle.tasks.data.dedup.stage's names (not imported: no numba here)
 
@@ -136,6 +138,17 @@ def _stamp(path: Path) -> list:
     return [os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns]
 
 
+_warned: set[tuple[str, str]] = set()  # (file, reason) said once per process: a run updates after every commit
+
+
+def _skip(path: Path, e: Exception) -> None:
+    """Warn, once per process, that `path` is left out of the catalog and why (the rest is still catalogued)."""
+    reason = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+    if (str(path), reason) not in _warned:
+        _warned.add((str(path), reason))
+        log.warning("audit catalog: %s left out (%s); the other datasets are catalogued", path, reason)
+
+
 def _dataset_entry(workdir: Path, mp: Path, m: dict) -> dict:
     """One committed manifest's rows for the catalog tables, and the files of its views."""
     d, st = mp.parent, m.get("stats") or {}
@@ -221,7 +234,12 @@ def update(workdir: str | Path, tracking_uri: str | None = None, with_models: bo
             m = json.loads(mp.read_text())
         except (OSError, ValueError):
             continue  # a manifest is written atomically; an unreadable one is not ours to interpret
-        datasets[mp.as_posix()] = {"stamp": stamp, **_dataset_entry(workdir, mp, m)}
+        try:
+            datasets[mp.as_posix()] = {"stamp": stamp, **_dataset_entry(workdir, mp, m)}
+        except PathEscape:
+            raise  # a manifest naming a file outside the work dir: the audit command refuses
+        except (KeyError, TypeError, AttributeError, ValueError) as e:  # parses, but not as a manifest
+            _skip(mp, e)
     for cfg_path in sorted(workdir.glob("train/*/config.json")):
         cfg_path = inside(workdir, cfg_path, "training run config")
         run = None
@@ -230,8 +248,14 @@ def update(workdir: str | Path, tracking_uri: str | None = None, with_models: bo
             if marker.as_posix() in old_ck and old_ck[marker.as_posix()]["stamp"] == stamp:
                 checkpoints[marker.as_posix()] = old_ck[marker.as_posix()]
                 continue
-            run = run if run is not None else json.loads(cfg_path.read_text())
-            checkpoints[marker.as_posix()] = {"stamp": stamp, "row": _checkpoint_row(workdir, cfg_path, run, marker)}
+            try:
+                run = run if run is not None else json.loads(cfg_path.read_text())
+                checkpoints[marker.as_posix()] = {"stamp": stamp,
+                                                  "row": _checkpoint_row(workdir, cfg_path, run, marker)}
+            except PathEscape:
+                raise
+            except (KeyError, TypeError, AttributeError, ValueError) as e:
+                _skip(marker if run is not None else cfg_path, e)
     new = {"version": CATALOG_VERSION, "workdir": str(workdir), "datasets": datasets, "checkpoints": checkpoints,
            "index_parts": [str(inside(workdir, p, "dedup index part"))
                            for p in sorted(workdir.glob("dedup-index/*/part-*.parquet"))],
