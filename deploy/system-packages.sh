@@ -7,6 +7,12 @@ set -euo pipefail
 
 WORDNET=${LIFECYCLE_WORDNET_DIR:-/usr/share/wordnet}/data.noun  # where METEOR looks (metrics_text.py)
 PACKAGES=()
+# the team stack and the two-node tests (deploy/stack.sh, tests/deploy/): PostgreSQL, an sshd and pdsh for DeepSpeed's
+# hostfile launch, ip for the network namespaces (checked by path: the install's PATH may be bare)
+compgen -G '/usr/lib/postgresql/*/bin/pg_ctl' > /dev/null || PACKAGES+=(postgresql)
+[ -x /usr/sbin/sshd ] || PACKAGES+=(openssh-server)
+[ -x /usr/bin/pdsh ] || PACKAGES+=(pdsh)
+[ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || [ -x /bin/ip ] || PACKAGES+=(iproute2)
 [ -f "$WORDNET" ] || PACKAGES+=(wordnet-base)
 [ ${#PACKAGES[@]} -eq 0 ] && exit 0
 
