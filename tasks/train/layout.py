@@ -272,10 +272,32 @@ def _pipeline_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dic
     return pp.to_dense(src_tag, dst_tag, src, dst)
 
 
+def _replicas_reason(src: dict, dst: dict) -> str | None:
+    if src.get("pp", 1) == 1 or any(src.get(a, 1) != dst.get(a, 1) for a in ("pp", "tp", "sp", "ep")):
+        return "changes the data-parallel degree of a pipeline (same pp, tp, sp, ep) only"
+    if src["zero"] != 0 or dst["zero"] != 0:
+        return ("copies ZeRO-0 pipeline state, which every data-parallel replica holds whole; ZeRO-1 partitions "
+                "over dp would need repartitioning")
+    return None
+
+
+def _replicas_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
+    """A ZeRO-0 pipeline checkpoint under another data-parallel degree: DeepSpeed's files are per layer and per
+    model-parallel rank (pp × tp), the same for any dp, so they are copied as they are; the sampler's layout
+    fields and the RNG states of ranks the source had come from the client_state (resume.check_resume), and the
+    new replicas start with fresh RNG states (no dropout under tp or pp consumes them)."""
+    for f in sorted(src_tag.iterdir()):
+        if f.is_file() and f.name != ckpt.MARKER:
+            shutil.copy2(f, dst_tag / f.name)
+    return {"format": "deepspeed"}
+
+
 CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reason, _universal_convert),
-                               Converter("pipeline-to-dense", _pipeline_reason, _pipeline_convert)]
-"""Tried in order: DeepSpeed's universal checkpoint between ZeRO layouts, then a pipeline checkpoint to a dense
-ZeRO-0 one (lifecycle.tasks.train.parallel.pp.to_dense)."""
+                               Converter("pipeline-to-dense", _pipeline_reason, _pipeline_convert),
+                               Converter("pipeline-replicas", _replicas_reason, _replicas_convert)]
+"""Tried in order: DeepSpeed's universal checkpoint between ZeRO layouts, a pipeline checkpoint (tp inside its
+stages or not) to a dense ZeRO-0 one (lifecycle.tasks.train.parallel.pp.to_dense), and a ZeRO-0 pipeline to more
+or fewer data-parallel replicas of it."""
 
 
 def convert(src: Sibling, dst_root: Path, dst_layout: dict) -> tuple[Path, dict]:

@@ -27,7 +27,8 @@ class Parallelism:
         self.cfg, self.rank, self.device = cfg, rank, device
         self.grid = Grid.of(cfg)
         self.dp_rank = self.grid.coords(rank)["dp"]
-        self.mesh = Mesh(self.grid, rank) if cfg.parallel.tp * cfg.parallel.sp > 1 else None
+        # DeepSpeed's mpu for tp/sp; a pipeline engine makes its own groups from its topology (tp included)
+        self.mesh = Mesh(self.grid, rank) if cfg.parallel.tp * cfg.parallel.sp > 1 and cfg.parallel.pp == 1 else None
         self.sp = None
         if cfg.parallel.sp > 1:
             from lifecycle.tasks.train.parallel.sp import SequenceParallel
@@ -50,8 +51,9 @@ class Parallelism:
         if self.pp:
             from lifecycle.tasks.train.parallel import pp
 
-            model = pp.pipeline_module(model, cfg.parallel.pp, cfg.dp, cfg.engine.activation_checkpointing)
-        if cfg.parallel.tp > 1:
+            model = pp.pipeline_module(model, cfg.parallel.pp, cfg.dp, cfg.engine.activation_checkpointing,
+                                       tp=cfg.parallel.tp)  # its blocks split over tp by the stage itself
+        elif cfg.parallel.tp > 1:
             from lifecycle.tasks.train.parallel.tp import TPGroup, shard_model
 
             model = shard_model(model, TPGroup.of(self.mesh))

@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced
 
 from lifecycle.tasks.train.config import ModelConfig
@@ -183,23 +183,31 @@ def stage_param_names(cfg: ModelConfig, pp: int, stage: int) -> list[str]:
 # the module
 
 
-def pipeline_module(model: GPT, pp: int, dp: int, activation_checkpointing: bool):
-    """This rank's stage of `model` as a DeepSpeed PipelineModule (grid pp × dp, DeepSpeed's rank order = the
-    lifecycle Grid's with tp = sp = 1), holding `model`'s weights for its layers. Collective."""
+def pipeline_module(model: GPT, pp: int, dp: int, activation_checkpointing: bool, tp: int = 1):
+    """This rank's stage of `model` as a DeepSpeed PipelineModule (grid pp × dp × tp: DeepSpeed's
+    PipeModelDataParallelTopology lays ranks out as pipe, data, model, the lifecycle Grid's order with sp = 1),
+    holding `model`'s weights for its layers, its blocks split over the tp group when tp > 1. Collective."""
     cfg = model.cfg
     kwargs = {}
     if activation_checkpointing:  # every block recomputed in backward (non-reentrant: its RNG state is restored)
         kwargs = {"activation_checkpoint_interval": 1, "checkpointable_layers": ["BlockPipe"],
                   "activation_checkpoint_func": partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)}
-    pipe = GPTPipe(cfg, layer_specs(cfg), topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
-                   loss_fn=lm_loss, partition_method=PARTITION_METHOD, **kwargs)
+    # without tp, the topology (and so the layer files' names, `layer_XX-model_states.pt`) of pipelines before tp
+    topology = (PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) if tp > 1
+                else PipeDataParallelTopology(num_pp=pp, num_dp=dp))
+    pipe = GPTPipe(cfg, layer_specs(cfg), topology=topology, loss_fn=lm_loss, partition_method=PARTITION_METHOD,
+                   **kwargs)
     rank = dist.get_rank()
     coord = pipe._topo.get_coord(rank)
-    if Grid(pp=pp, dp=dp).coords(rank) != {"pp": coord.pipe, "dp": coord.data, "sp": 0, "tp": 0}:
+    if Grid(pp=pp, dp=dp, tp=tp).coords(rank) != {"pp": coord.pipe, "dp": coord.data, "sp": 0, "tp": getattr(coord, "model", 0)}:
         raise RuntimeError(f"DeepSpeed's pipeline topology puts rank {rank} at {coord}, the lifecycle Grid elsewhere")
     pipe.load_dense(model.export_state(copy=False))
-    for p in pipe.parameters():  # see the module docstring: ZeRO-0's clip_grad_norm_ counts marked ones on every stage
-        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+    if tp > 1:
+        pipe.shard_blocks()
+    tp_rank = pipe._grid.get_slice_parallel_rank()
+    for p in pipe.parameters():  # the gradient norm: see "Gradient norm" in the module docstring
+        p.model_parallel = getattr(p, "tensor_model_parallel", False) or (
+            tp_rank == 0 and not getattr(p, "ds_pipe_replicated", False))
     return pipe
 
 
@@ -238,16 +246,39 @@ class GPTPipe(PipelineModule):
                     raise ValueError(f"pipeline parameter {local} ({name}) is not in the dense weights")
                 p.copy_(state[name])
 
+    def shard_blocks(self) -> None:
+        """Split this stage's blocks over its tp group (DeepSpeed's slice group), in place, as
+        lifecycle.tasks.train.parallel.tp.shard_model splits a dense GPT's: same names, local shapes."""
+        from lifecycle.tasks.train.parallel.tp import TPAttention, TPGroup, TPMLP, check_divisible
+
+        grid = self._grid
+        self.tp = TPGroup(grid.get_slice_parallel_group(), grid.get_slice_parallel_world_size(),
+                          grid.get_slice_parallel_rank())
+        check_divisible(self.cfg, self.tp.size)
+        for idx in range(self._local_start, self._local_stop):
+            layer = self.forward_funcs[idx - self._local_start]
+            if isinstance(layer, BlockPipe):
+                prefix = layer_prefix(self.cfg, idx)
+                layer.attn = TPAttention(layer.attn, prefix + "attn", self.tp)
+                layer.mlp = TPMLP(layer.mlp, prefix + "mlp", self.cfg, self.tp)
+
     def stage_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        """This stage's parameters under GPT names (fp32 CPU)."""
+        """This stage's parameters under GPT names and dense shapes (fp32 CPU); with tp, the slices are gathered
+        over the tp group (collective over it)."""
         params = dict(self.named_parameters())
-        state = {dense: params[local].detach().float().cpu() for local, dense in self.dense_names().items()}
+        state = {dense: params[local].detach().float() for local, dense in self.dense_names().items()}
+        if getattr(self, "tp", None) is not None:
+            from lifecycle.tasks.train.parallel.tp import gather_dense
+
+            state = gather_dense(self.cfg, state, self.tp)
+        state = {k: t.cpu() for k, t in state.items()}
         return {k: t.clone() for k, t in state.items()} if copy else state
 
     def export_state(self, copy: bool = True) -> dict[str, torch.Tensor] | None:
         """GPT.export_state of the whole model on global rank 0 (None elsewhere), gathered from data-parallel
         rank 0 of every stage. Collective: every rank calls it."""
-        mine = self.stage_state(copy=True) if self._grid.data_parallel_id == 0 else None
+        whole = self.stage_state(copy=True)  # collective over the tp group
+        mine = whole if self._grid.data_parallel_id == 0 and self._grid.get_slice_parallel_rank() == 0 else None
         got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, got, dst=0)
         if dist.get_rank() != 0:
@@ -284,8 +315,9 @@ def dense_reason(src: dict, dst: dict) -> str | None:
     are `lifecycle.tasks.train.layout.layout_of` dicts ({dp, zero, micro, accum, pp?, tp?, ...})."""
     if src.get("pp", 1) == 1:
         return "the source is not a pipeline checkpoint (pp=1)"
-    if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("tp", "sp", "ep")) or dst.get("pp", 1) != 1:
-        return "converts pipeline (pp > 1, tp = sp = ep = 1) checkpoints to a dense layout (pp = 1) only"
+    if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("sp", "ep")) or \
+            any(dst.get(axis, 1) != 1 for axis in ("pp", "tp")):
+        return "converts pipeline (pp > 1, tp ≥ 1, sp = ep = 1) checkpoints to a dense layout (pp = tp = 1) only"
     if src["zero"] not in (0, 1):
         return f"a pipeline checkpoint has ZeRO-0 or ZeRO-1 state, not ZeRO-{src['zero']}"
     if dst["zero"] != 0:
@@ -355,6 +387,33 @@ def _stage_moments_zero1(cfg: ModelConfig, tag: Path, stage: int, dp: int, param
     return moments, weights
 
 
+def _merged_state(cfg: ModelConfig, src_tag: Path, src: dict, stages: list[dict], shapes: dict) -> tuple[dict, dict]:
+    """({GPT name: (step, exp_avg, exp_avg_sq)}, {GPT name: fp32 master weight}; empty under ZeRO-0, whose module
+    weights are the consolidated file's) of every stage, its tp slices merged. The files of stage s, tp rank t
+    are DeepSpeed's model-parallel rank s·tp + t (its pp × tp group, pipe-major)."""
+    from lifecycle.tasks.train.parallel.tp import merge_tensors, split_spec
+
+    pp, tp, dp = src["pp"], src.get("tp", 1), src["dp"]
+    moments, weights = {}, {}
+    for s in reversed(range(pp)):  # the first stage's copy of a tied table wins
+        parts = []
+        for t in range(tp):
+            m = s * tp + t
+            if src["zero"] == 0:
+                parts.append((_stage_moments_zero0(cfg, stages[m], stage_param_names(cfg, pp, s), shapes), {}))
+            else:
+                parts.append(_stage_moments_zero1(cfg, src_tag, m, dp, stages[m]["param_shapes"]))
+        for name in parts[0][0]:
+            spec = split_spec(cfg, name) if tp > 1 else None
+            step = parts[0][0][name][0]
+            moments[name] = (step, *(merge_tensors([p[0][name][i] for p in parts], spec) if spec
+                                     else parts[0][0][name][i] for i in (1, 2)))
+        for name in parts[0][1]:
+            spec = split_spec(cfg, name) if tp > 1 else None
+            weights[name] = merge_tensors([p[1][name] for p in parts], spec) if spec else parts[0][1][name]
+    return moments, weights
+
+
 def to_dense(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
     """Convert the committed pipeline checkpoint `src_tag` (layout `src`) into a dense ZeRO-0 DeepSpeed checkpoint
     in the empty directory `dst_tag` (layout `dst`, pp = 1): `mp_rank_00_model_states.pt` with GPT's state dict,
@@ -375,22 +434,14 @@ def to_dense(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
         raise ValueError(f"{src_tag}: {why}")
     src_tag, dst_tag = Path(src_tag), Path(dst_tag)
     cfg = ModelConfig.model_validate_json((src_tag / ckpt.MODEL_CONFIG).read_text())
-    pp, dp = src["pp"], src["dp"]
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
-    stages = [_load(src_tag / f"mp_rank_{s:02d}_model_states.pt") for s in range(pp)]
+    stages = [_load(src_tag / f"mp_rank_{m:02d}_model_states.pt") for m in range(src["pp"] * src.get("tp", 1))]
     train = TrainConfig.model_validate(stages[0]["config"])
     if train.engine.precision != "fp32":
         raise ValueError(f"{src_tag}: {train.engine.precision} run; this converter writes the fp32 ZeRO-0 engine "
                          "state (a bf16 ZeRO-0 engine keeps its fp32 masters in DeepSpeed's BF16_Optimizer format)")
-    moments, weights = {}, {}
-    for s in reversed(range(pp)):  # the first stage's copy of a tied table wins
-        if src["zero"] == 0:
-            moments.update(_stage_moments_zero0(cfg, stages[s], stage_param_names(cfg, pp, s), shapes))
-        else:
-            m, w = _stage_moments_zero1(cfg, src_tag, s, dp, stages[s]["param_shapes"])
-            moments.update(m)
-            weights.update(w)
+    moments, weights = _merged_state(cfg, src_tag, src, stages, shapes)
     if src["zero"] == 0:  # fp32 module weights: the consolidated file holds them
         from safetensors.torch import load_file
 

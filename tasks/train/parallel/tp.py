@@ -242,22 +242,26 @@ class TensorParallelGPT(GPT):
     collective_export = True
 
     def export_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        tp, out = self.tp, {}
-        for name, p in self.named_parameters():
-            t = p.detach().float()
-            if (spec := split_spec(self.cfg, name)) is not None:
-                shards = [torch.empty_like(t) for _ in range(tp.size)]
-                dist.all_gather(shards, t.contiguous(), group=tp.group)
-                t = merge_tensors(shards, spec)
-                out[name] = t.cpu()  # a new tensor already
-            else:
-                out[name] = t.cpu().clone() if copy else t.cpu()
-        return out
+        state = gather_dense(self.cfg, {n: p.detach().float() for n, p in self.named_parameters()}, self.tp)
+        return {n: t.cpu().clone() if copy and split_spec(self.cfg, n) is None else t.cpu() for n, t in state.items()}
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
         """Dense weights (`GPT.export_state` names and shapes) into this rank's slices."""
         GPT.load_export(self, {n: shard_tensor(t, spec, self.tp.size, self.tp.rank)
                                if (spec := split_spec(self.cfg, n)) is not None else t for n, t in state.items()})
+
+
+def gather_dense(cfg: ModelConfig, state: dict[str, torch.Tensor], tp: TPGroup) -> dict[str, torch.Tensor]:
+    """`state` (dense names, this rank's slices) with every split tensor gathered over the tp group and merged
+    to its dense shape; replicated ones as they are. Collective over the tp group, in `state`'s order."""
+    out = {}
+    for name, t in state.items():
+        if (spec := split_spec(cfg, name)) is not None:
+            shards = [torch.empty_like(t) for _ in range(tp.size)]
+            dist.all_gather(shards, t.contiguous(), group=tp.group)
+            t = merge_tensors(shards, spec)
+        out[name] = t
+    return out
 
 
 def check_divisible(cfg: ModelConfig, tp: int) -> None:

@@ -21,9 +21,10 @@ def check(cfg: "TrainConfig") -> None:
                          "shards again over dp and gather them by its own hooks around our tp layers; that "
                          "path, its consolidated export and its tp checkpoint conversion are not built. "
                          "Use zero_stage 1 or 2 (optimizer states and gradients partitioned over dp)")
-    if cfg.engine.zero_stage == 0:
+    if cfg.engine.zero_stage == 0 and cfg.parallel.pp == 1:
         raise ValueError(f"train.parallel.tp={tp} with train.engine.zero_stage=0: the tp checkpoint converter "
-                         "reads ZeRO-1/2 optimizer partitions; use zero_stage 1 or 2")
+                         "reads ZeRO-1/2 optimizer partitions; use zero_stage 1 or 2 (or pipeline stages: tp × pp "
+                         "runs ZeRO-0 and ZeRO-1)")
     if m.dropout > 0:
         raise ValueError(f"train.parallel.tp={tp} with train.model.dropout={m.dropout}: dropout on the replicated "
                          "residual stream needs the same mask on every tp rank and attention dropout a "
@@ -31,8 +32,7 @@ def check(cfg: "TrainConfig") -> None:
     if cfg.moe.num_experts:
         raise ValueError(f"train.parallel.tp={tp} with train.moe.num_experts={cfg.moe.num_experts}: tp splits "
                          "the dense MLP only; MoE experts are not tp-sharded")
-    if cfg.parallel.pp > 1 or cfg.parallel.sp > 1:
-        raise ValueError(f"train.parallel.tp={tp} with pp={cfg.parallel.pp}, sp={cfg.parallel.sp}: tensor "
-                         "parallelism composes with data parallelism only here (DeepSpeed's pipeline engine "
-                         "refuses our mesh as its mpu; tp × sp is not tested); use one model-parallel axis")
-
+    if cfg.parallel.sp > 1:
+        raise ValueError(f"train.parallel.tp={tp} with sp={cfg.parallel.sp}: Ulysses sequence parallelism inside "
+                         "a tp group is not built (its all-to-all would split each rank's n_head/tp heads again, "
+                         "and nothing tests it); use tp × pp × dp, or sp × dp")
