@@ -81,12 +81,15 @@ class EngineConfig(Section):
     """Where the ranks run: `cpu` (DeepSpeed's CPU accelerator, gloo) or `cuda` (one GPU per rank, NCCL; the
     launcher's `--num_gpus` picks the local GPUs). Every rank fails at start-up, naming this field, when `cuda`
     is asked for and torch sees no GPU. In the fingerprint: a GPU run's numerics differ from a CPU run's."""
-    activation_checkpointing: bool = False
-    """Keep only each transformer block's input in forward and recompute the block in backward
+    activation_checkpointing: bool | Literal["selective"] = False
+    """true: keep only each transformer block's input in forward and recompute the block in backward
     (torch.utils.checkpoint, non-reentrant): activation memory drops from every intermediate of every block
-    to one (B, T, n_embd) tensor per block, for about one extra forward of compute. Gradients are the same
-    up to rounding; it stays in the run fingerprint, so switching it starts a new run rather than mixing
-    two numerics in one trajectory."""
+    to one (B, T, n_embd) tensor per block, for about one extra forward of compute. `selective`: torchtitan's
+    per-op policy: inside each block keep the outputs of the attention kernel and of every other matmul (the
+    1st and 3rd: q/k/v and the MLP's up projection), recompute the rest in backward (norms, RoPE, activation
+    functions, the output and down projections), which costs two of the block's four matmuls again instead of
+    all of them. The gradients are the same as without recomputation; it is layout, not trajectory (a run may
+    resume with another setting)."""
     compile: bool | Literal["auto"] = "auto"
     """Compile the model with `torch.compile` (inductor) under DeepSpeed (`engine.compile()`: the module's
     forward and backward become fused kernels; parameter names and checkpoints are unchanged). `auto`: on for

@@ -110,7 +110,7 @@ def resolve_model(cfg: TrainConfig, vocab_size: int, train_tokens: int) -> tuple
                  train_tokens, target, sized.n_layer, sized.n_embd, sized.n_head, plan.non_embedding_params(sized))
         cfg = cfg.model_copy(update={"model": sized})
     if cfg.layout == "auto":
-        from lifecycle.tasks.train.planner import resolve_layout
+        from lifecycle.tasks.train.layout_search import resolve_layout
 
         cfg, why = resolve_layout(cfg)
         log.info("%s", why)

@@ -16,6 +16,7 @@ width 128) the token table is a large share of all parameters, and sharing it wi
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -169,6 +170,43 @@ def numel(p: torch.Tensor) -> int:
     return getattr(p, "ds_numel", p.numel())
 
 
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)}
+
+
+def selective_context():
+    """Per-op selective recomputation of one block (torchtitan's policy, torch's selective checkpoint API): the
+    attention kernel's outputs and the odd-numbered matmuls of the block's forward are kept, everything else is
+    recomputed in backward. Counting restarts with each block (one context per checkpointed call), and the
+    recomputation counts apart from the forward, so both number the same matmuls alike."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    seen = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _MATMULS:
+            phase = "recompute" if ctx.is_recompute else "forward"
+            seen[phase] += 1
+            if seen[phase] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def recompute_fn(mode):
+    """The checkpoint function of `train.engine.activation_checkpointing`: whole blocks (true) or per-op
+    (`selective`); (fn, *inputs) -> outputs, as DeepSpeed's pipeline engine calls it too."""
+    if mode == "selective":
+        return partial(checkpoint, use_reentrant=False, context_fn=selective_context)
+    return partial(checkpoint, use_reentrant=False)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -244,7 +282,7 @@ class GPT(nn.Module):
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Non-reentrant: works with ZeRO-3's parameter hooks and with inputs that need no grad; the
                 # RNG state is stashed and restored, so a recomputed dropout mask equals the first one.
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = recompute_fn(self.activation_checkpointing)(block, x, rope)
             else:
                 x = block(x, rope)
         logits = self.lm_head(self.norm_f(x))

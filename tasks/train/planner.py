@@ -40,17 +40,14 @@ overlap of communication with compute (an upper bound). Torch-free.
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.parallel.mesh import RECOMPUTE, Layout
-from lifecycle.tasks.train.sizing import flops_per_token, largest_tensor, param_count
+from lifecycle.tasks.train.sizing import largest_tensor, param_count
 from lifecycle.tasks.train.zero_memory import (  # noqa: F401  (Precision, PRECISIONS, GRAD_BUCKET: the planner's API)
     GRAD_BUCKET, PRECISIONS, Precision, engine_buffers, model_states,
 )
@@ -146,11 +143,43 @@ class ActivationModel:
     rope: bool = False
     fused_attention: bool = False
     """Flash/SDPA attention: no a·s·s score matrix is kept, the attention output is."""
+    kv_ratio: float = 1.0
+    """Key/value heads over query heads (grouped-query attention: 8/32 for Llama 3 8B)."""
+    fused_projections: bool = True
+    """q/k/v one matmul and SwiGLU's gate|up one (this trainer's GPT); False: separate ones (Llama's wq, wk,
+    wv, w1, w3, as torchtitan runs them). Per-op selective recomputation keeps every other matmul's output, so
+    which outputs those are depends on it."""
 
     @classmethod
-    def for_model(cls, m: ModelConfig, act_bytes: int, fused_attention: bool = True) -> "ActivationModel":
+    def for_model(cls, m: ModelConfig, act_bytes: int, fused_attention: bool = True,
+                  fused_projections: bool = True) -> "ActivationModel":
         return cls(act_bytes=act_bytes, dropout=m.dropout > 0, mlp_ratio=m.mlp_hidden / m.n_embd,
-                   gated=m.mlp == "swiglu", rope=m.pos == "rope", fused_attention=fused_attention)
+                   gated=m.mlp == "swiglu", rope=m.pos == "rope", fused_attention=fused_attention,
+                   kv_ratio=m.kv_heads / m.n_head, fused_projections=fused_projections)
+
+    def matmul_outputs(self) -> list[float]:
+        """Output widths, over h, of a block's matmuls in forward order."""
+        kv, hid = self.kv_ratio, self.mlp_ratio
+        if self.fused_projections:
+            return [1 + 2 * kv, 1, hid * (2 if self.gated else 1), 1]
+        return [1, kv, kv, 1, *([hid, hid] if self.gated else [hid]), 1]
+
+    def per_op_selective(self) -> tuple[float, float]:
+        """(replicated, split) bytes per s·b·h a block keeps under per-op selective recomputation (torchtitan's
+        policy, lifecycle.tasks.train.model.selective_context): its input, the attention kernel's output and
+        the outputs of the odd-numbered matmuls; the attention's log-sum-exp (fp32 per head) is left out."""
+        e = self.act_bytes
+        kept = sum(w for i, w in enumerate(self.matmul_outputs()) if i % 2 == 0)
+        return e, (1 + kept) * e
+
+    def recomputed_matmuls(self) -> float:
+        """Matmul parameters per h² that per-op selective recomputation runs again in backward: the even-numbered
+        ones before the last (nothing needs the last one's output: torch stops recomputing there)."""
+        widths = self.matmul_outputs()
+        ins: list[float] = [1.0] * len(widths)  # every projection reads h wide (or its output width for down/proj: see below)
+        if self.fused_projections:
+            ins = [1, 1, 1, self.mlp_ratio]
+        return sum(w * i for k, (w, i) in enumerate(zip(widths, ins)) if k % 2 == 1 and k < len(widths) - 1)
 
     def coefficients(self) -> tuple[float, float, float]:
         """(replicated, split, scores): bytes per s·b·h kept outside tp's split without sequence parallelism,
@@ -180,6 +209,9 @@ def activation_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_pa
     sbh = s * b * h
     if recompute == "full":
         return am.act_bytes * sbh / (t if sequence_parallel else 1)
+    if recompute == "selective" and am.fused_attention:  # no score matrix to drop: per-op selective instead
+        replicated, split = am.per_op_selective()
+        return (replicated / t if sequence_parallel else replicated) * sbh + split * sbh / t
     kept = (replicated / t if sequence_parallel else replicated) * sbh + split * sbh / t
     if recompute == "none":
         kept += scores * a * s * s * b / t
@@ -292,121 +324,7 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
 
 
 # --------------------------------------------------------------------------------------------------
-# step time
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Constants the step-time model assumes (override them on the command line). Defaults: an H100 SXM node."""
-
-    peak_flops: float = 989e12
-    """Dense bf16 FLOP/s of one GPU (H100 SXM datasheet)."""
-    mfu: float = 0.45
-    """Fraction of peak the matmuls reach (Megatron-LM/torchtitan report 40-55 % on H100 for 7-70B models)."""
-    gpus_per_node: int = 8
-    intra_node_bw: float = 360e9
-    """Bytes/s one GPU moves in a ring inside a node (NVLink 4: 450 GB/s per direction, ~80 % achieved)."""
-    inter_node_bw: float = 40e9
-    """Bytes/s per GPU between nodes (one 400 Gb/s NDR InfiniBand NIC per GPU, ~80 % achieved)."""
-    pcie_bw: float = 25e9
-    """Bytes/s host<->device per GPU for ZeRO-Offload (PCIe 5 x16, about half its peak as measured in practice)."""
-    cpu_adam_params_per_s: float = 1e9
-    """Parameters per second the CPU Adam of ZeRO-Offload updates for one GPU (its share of the host's cores)."""
-    reserve_bytes: float = 2 * GiB
-    """Memory per GPU not available to training: CUDA context, NCCL buffers, allocator fragmentation."""
-
-
-def step_time(m: ModelConfig, lay: Layout, global_batch: int, hw: Hardware, precision: str = "bf16",
-              seq_len: int | None = None) -> dict:
-    """Seconds per optimizer step of `global_batch` sequences, by part (no overlap assumed)."""
-    prec = PRECISIONS[precision]
-    s, h, L = seq_len or m.seq_len, m.n_embd, m.n_layer
-    n_active = param_count(m).active  # the matmul parameters a token goes through (top_k experts of an MoE)
-    m_micro = global_batch // (lay.dp * lay.micro_batch)  # micro-batches per step per pipeline
-    tokens = global_batch * s
-    per_token = flops_per_token(m, s)  # 6·N + 12·L·h·s, forward + backward (PaLM appendix B)
-    recompute = {"none": 0, "selective": 4 * L * h * s, "full": 2 * n_active + 4 * L * h * s}[lay.recompute]
-    flops = tokens * (per_token + recompute)
-    compute = flops / (lay.ranks * hw.peak_flops * hw.mfu)
-    bubble = compute * (lay.pp - 1) / m_micro
-    psi_rank = total_params(m) / (lay.tp * lay.pp)
-    within_node = lay.ranks <= hw.gpus_per_node
-    dp_bw = hw.intra_node_bw if within_node else hw.inter_node_bw
-    nd = lay.dp * lay.sp
-    ring = (nd - 1) / nd if nd > 1 else 0.0
-    # ZeRO-0/1: one all-reduce per step (2(n-1)/n Ψ); ZeRO-2: a reduce-scatter per micro-batch + an all-gather;
-    # ZeRO-3: all-gather in forward and backward + reduce-scatter per micro-batch.
-    volume = {0: 2, 1: 2, 2: m_micro + 1, 3: 3 * m_micro}[lay.zero]
-    dp_comm = volume * ring * psi_rank * prec.grad / dp_bw
-    act = s / lay.sp * lay.micro_batch * h * prec.act  # one activation tensor
-    tp_ar = (4 + (2 if lay.recompute == "full" else 0)) * L / lay.pp * m_micro  # all-reduces (or AG + RS) per step
-    tp_comm = tp_ar * 2 * (lay.tp - 1) / lay.tp * act / hw.intra_node_bw if lay.tp > 1 else 0.0
-    sp_comm = (8 * L / lay.pp * m_micro * (lay.sp - 1) / lay.sp * act / lay.tp / hw.intra_node_bw
-               if lay.sp > 1 else 0.0)  # 4 all-to-alls forward, 4 backward
-    pp_bw = hw.intra_node_bw if lay.tp * lay.pp * lay.sp <= hw.gpus_per_node else hw.inter_node_bw
-    pp_comm = 2 * m_micro * act / lay.tp / pp_bw if lay.pp > 1 else 0.0
-    offload = 0.0
-    if lay.offload:
-        part = psi_rank / nd
-        offload = part * (prec.grad + prec.param) / hw.pcie_bw + part / hw.cpu_adam_params_per_s
-    parts = {"compute_s": compute, "bubble_s": bubble, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm,
-             "sp_comm_s": sp_comm, "pp_comm_s": pp_comm, "offload_s": offload}
-    parts["step_s"] = sum(parts.values())
-    parts["mfu"] = flops / (parts["step_s"] * lay.ranks * hw.peak_flops) if parts["step_s"] else 0.0
-    return parts
-
-
-# --------------------------------------------------------------------------------------------------
-# search
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tps=None, pps=None, sps=None,
-               zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, offloads=(False, True), micro_batches=None):
-    """Every layout the search considers: tp within a node and dividing the heads, sp dividing the heads
-    left, pp dividing the layers, dp the rest; ZeRO-2/3 not under pp (DeepSpeed's pipeline engine runs
-    ZeRO-0/1 only); offload only with ZeRO >= 1; micro-batches dividing the per-replica batch."""
-    for tp in tps or [d for d in divisors(min(hw.gpus_per_node, gpus)) if m.n_head % d == 0]:
-        for sp in sps or [d for d in divisors(gpus // tp) if (m.n_head // tp) % d == 0 and d <= hw.gpus_per_node]:
-            for pp in pps or [d for d in divisors(gpus // (tp * sp)) if m.n_layer % d == 0]:
-                dp = gpus // (tp * sp * pp)
-                if dp * tp * sp * pp != gpus or global_batch % dp:
-                    continue
-                for zero, rc, off in itertools.product(zeros, recomputes, offloads):
-                    if (pp > 1 and zero >= 2) or (off and zero == 0):
-                        continue
-                    for b in micro_batches or [d for d in divisors(global_batch // dp) if d <= 64]:
-                        yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b, accum=global_batch // (dp * b),
-                                     recompute=rc, offload=off)
-
-
-@dataclass(frozen=True)
-class Option:
-    layout: Layout
-    memory: Estimate
-    time: dict
-    fits: bool
-
-    def as_dict(self) -> dict:
-        return {**self.memory.as_dict(), "fits": self.fits, "step_time": {k: round(x, 6) for k, x in self.time.items()}}
-
-
-def search(m: ModelConfig, gpus: int, gpu_memory: float, global_batch: int, hw: Hardware = Hardware(),
-           precision: str = "bf16", seq_len: int | None = None, device: str = "cuda", **space) -> list[Option]:
-    """All candidate layouts, the fitting ones first, fastest first (ties: bigger micro-batch, lower ZeRO stage,
-    no offload, less recomputation)."""
-    out = []
-    for lay in candidates(m, gpus, global_batch, hw, **space):
-        mb = global_batch // (lay.dp * lay.micro_batch)
-        est = memory(m, lay, precision, seq_len, micro_batches=mb, device=device)
-        t = step_time(m, lay, global_batch, hw, precision, seq_len)
-        out.append(Option(lay, est, t, est.total_bytes <= gpu_memory - hw.reserve_bytes))
-    out.sort(key=lambda o: (not o.fits, round(o.time["step_s"], 9), -o.layout.micro_batch, o.layout.zero,
-                            o.layout.offload, RECOMPUTE.index(o.layout.recompute), o.layout.tp, o.layout.pp))
-    return out
+# units
 
 
 def parse_bytes(text: str) -> float:
@@ -430,266 +348,12 @@ def parse_count(text: str) -> float:
     return float(mt.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[mt.group(2).lower()]
 
 
-def runners_up(options: list[Option], n: int) -> list[Option]:
-    """The fastest fitting option of each distinct (tp, pp, sp, ZeRO stage, offload), fastest first."""
-    seen, out = set(), []
-    for o in options:
-        key = (o.layout.tp, o.layout.pp, o.layout.sp, o.layout.zero, o.layout.offload)
-        if o.fits and key not in seen:
-            seen.add(key)
-            out.append(o)
-        if len(out) == n:
-            break
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# `lifecycle plan memory` and `lifecycle plan layout`
-
-
 def gib(x: float) -> str:
     return f"{x / GiB:.2f} GiB"
 
 
-def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, float]:
-    """(shape, Ψ): `--model SHAPE`, or `--params P` with a Llama-style shape of P parameters (sizing)."""
-    from lifecycle.tasks.train.sizing import model_for_params
-
-    if args.model:
-        m = parse_model(args.model)
-        if args.seq_len:
-            m = m.model_copy(update={"seq_len": args.seq_len})
-        return m, float(total_params(m))
-    psi = parse_count(args.params)
-    if psi <= 0:
-        raise UsageError(f"--params must be positive, got {args.params}")
-    base = ModelConfig(vocab_size=32000, seq_len=args.seq_len or 2048, tie_embeddings=False)
-    return model_for_params(psi, base), psi
-
-
-def shape_of(m: ModelConfig) -> dict:
-    return {k: getattr(m, k) for k in ("n_layer", "n_embd", "n_head", "kv_heads", "mlp_hidden", "seq_len", "vocab_size",
-                                       "mlp", "pos", "tie_embeddings", "qkv_bias")}
-
-
-def cmd_memory(args: argparse.Namespace) -> int:
-    m, psi = model_from_args(args)
-    model_par = args.tp * args.pp * args.sp
-    if args.ranks % model_par:
-        raise UsageError(f"--ranks {args.ranks} is not a multiple of tp x pp x sp = {model_par}")
-    if m.n_head % (args.tp * args.sp):
-        raise UsageError(f"n_head {m.n_head} is not divisible by tp x sp = {args.tp * args.sp}")
-    if args.offload and args.zero == 0:
-        raise UsageError("--offload needs --zero 1, 2 or 3 (ZeRO-Offload moves the partitioned optimizer states)")
-    lay = Layout(dp=args.ranks // model_par, tp=args.tp, pp=args.pp, sp=args.sp, zero=args.zero,
-                 micro_batch=args.micro_batch, recompute=args.activation_checkpointing, offload=args.offload,
-                 tp_sequence_parallel=not args.no_sequence_parallel)
-    est = memory(m, lay, args.precision, micro_batches=args.micro_batches,
-                 fused_attention=args.attention == "fused", params=psi, device=args.device,
-                 reduce_bucket=args.reduce_bucket, prefetch_bucket=args.prefetch_bucket)
-    out = {"model": shape_of(m), "params": psi, "precision": args.precision, "attention": args.attention,
-           "ranks": args.ranks, **est.as_dict()}
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    br = est.breakdown
-    print(f"model     {' '.join(f'{k}={v}' for k, v in shape_of(m).items())}  Ψ = {psi:,.0f} parameters")
-    print(f"layout    {lay.describe()} ({args.ranks} ranks, {args.precision}, {args.attention} attention)")
-    print(f"per rank  model states {gib(est.model_states_bytes)} (params {gib(br['params_bytes'])}, grads "
-          f"{gib(br['grads_bytes'])}, optimizer {gib(br['optimizer_bytes'])})")
-    print(f"          activations  {gib(est.activation_bytes)} ({gib(br['activation_per_layer_bytes'])} per layer, "
-          f"output layer {gib(br['output_layer_bytes'])})")
-    states, acts = est.model_states_bytes, est.activation_bytes
-    print(f"          buffers      backward {gib(br['backward_buffers_bytes'])} (gradient bucket "
-          f"{gib(br['grad_bucket_bytes'])}, a gradient waiting for it {gib(br['pending_grad_bytes'])}, loss backward "
-          f"{gib(br['loss_backward_bytes'])}, ZeRO-3 gathered {gib(br['zero3_gathered_bytes'])} and prefetch buffer "
-          f"{gib(br['zero3_prefetch_bytes'])})")
-    print(f"                       step {gib(br['step_buffers_bytes'] + br['step_grads_released_bytes'])} (fp32 "
-          f"gradients {gib(br['step_fp32_grad_bytes'])}, optimizer step {gib(br['optimizer_step_temp_bytes'])}, ZeRO-3's "
-          f"gradient bucket), and ZeRO-1 has released {gib(br['step_grads_released_bytes'])} of gradients")
-    print(f"          peak of      backward {gib(states + acts + br['backward_buffers_bytes'])} (states + activations "
-          f"+ buffers), step {gib(states + br['step_buffers_bytes'])} (states + buffers - released)")
-    print(f"          total        {gib(est.total_bytes)}")
-    return 0
-
-
-def hardware_from_args(args: argparse.Namespace) -> Hardware:
-    hw = Hardware()
-    over = {k: getattr(args, k) for k in ("peak_flops", "mfu", "gpus_per_node", "intra_node_bw", "inter_node_bw",
-                                           "pcie_bw", "cpu_adam_params_per_s") if getattr(args, k) is not None}
-    if args.reserve is not None:
-        over["reserve_bytes"] = parse_bytes(args.reserve)
-    return replace(hw, **over)
-
-
-def describe_option(o: Option) -> str:
-    t = o.time
-    return (f"{o.layout.describe()}\n    memory {gib(o.memory.total_bytes)} per GPU (model states "
-            f"{gib(o.memory.model_states_bytes)}, activations {gib(o.memory.activation_bytes)}, temporary "
-            f"{gib(o.memory.temp_bytes)})\n    step {t['step_s']:.3f} s (compute {t['compute_s']:.3f}, bubble "
-            f"{t['bubble_s']:.3f}, dp {t['dp_comm_s']:.3f}, tp {t['tp_comm_s']:.3f}, sp {t['sp_comm_s']:.3f}, "
-            f"pp {t['pp_comm_s']:.3f}, offload {t['offload_s']:.3f}), MFU {t['mfu']:.1%}")
-
-
-def cmd_layout(args: argparse.Namespace) -> int:
-    m, _ = model_from_args(args)
-    hw = hardware_from_args(args)
-    mem = parse_bytes(args.gpu_memory)
-    if args.gpus < 1 or args.global_batch < 1:
-        raise UsageError("--gpus and --global-batch must be >= 1")
-    opts = search(m, args.gpus, mem, args.global_batch, hw, args.precision)
-    fitting = [o for o in opts if o.fits]
-    best, rest = (fitting[0], runners_up(fitting[1:], args.top)) if fitting else (None, [])
-    if args.json:
-        print(json.dumps({"model": shape_of(m), "params": total_params(m), "gpus": args.gpus, "gpu_memory_bytes": mem,
-                          "global_batch": args.global_batch, "precision": args.precision,
-                          "constants": asdict(hw), "searched": len(opts), "fitting": len(fitting),
-                          "best": best.as_dict() if best else None, "runners_up": [o.as_dict() for o in rest],
-                          "smallest_if_none_fits": None if best else min(opts, key=lambda o: o.memory.total_bytes).as_dict()}))
-        return 0 if best else 1
-    print(f"model     {' '.join(f'{k}={v}' for k, v in shape_of(m).items())}  Ψ = {total_params(m):,} parameters")
-    print(f"hardware  {args.gpus} GPUs x {gib(mem)}, {hw.gpus_per_node} per node; peak {hw.peak_flops:.3g} FLOP/s at "
-          f"MFU {hw.mfu:.0%}; ring {hw.intra_node_bw / 1e9:g} GB/s in a node, {hw.inter_node_bw / 1e9:g} GB/s "
-          f"across; PCIe {hw.pcie_bw / 1e9:g} GB/s; {gib(hw.reserve_bytes)} reserved per GPU")
-    print(f"searched  {len(opts)} layouts for a global batch of {args.global_batch} x {m.seq_len} tokens "
-          f"({args.precision}); {len(fitting)} fit")
-    if not best:
-        small = min(opts, key=lambda o: o.memory.total_bytes)
-        print(f"none fits: the smallest needs {gib(small.memory.total_bytes)} per GPU: {small.layout.describe()}")
-        return 1
-    print(f"best      {describe_option(best)}")
-    print("run it    lifecycle run CONFIG " + " ".join(f"--set {line}" for line in best.layout.set_lines()))
-    for i, o in enumerate(rest, 1):
-        print(f"{i}.        {describe_option(o)}")
-    return 0
-
-
 def register(subparsers) -> None:
-    """`lifecycle plan` (lifecycle.tasks.train.sizing.register) with `memory` and `layout` under it."""
-    from lifecycle.tasks.train.sizing import register as register_plan
+    """`lifecycle plan memory` and `lifecycle plan layout` (lifecycle.tasks.train.plan_cli)."""
+    from lifecycle.tasks.train import plan_cli
 
-    plan_parser = register_plan(subparsers)
-    sub = plan_parser.add_subparsers(dest="plan_command", metavar="{memory,layout}")
-
-    def model_args(p: argparse.ArgumentParser, params: bool) -> None:
-        g = p.add_mutually_exclusive_group(required=True)
-        g.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + "), hf:DIR (a Hugging Face checkpoint's "
-                                       "config.json: Llama, Mistral, Qwen2; seq_len 4096) or n_layer=32,n_embd=4096,"
-                                       "n_head=32,vocab=32000[,seq_len=4096,n_kv_head=8,mlp=gelu,...]; presets and "
-                                       "hf:DIR take overrides: 7b,seq_len=2048")
-        if params:
-            g.add_argument("--params", help="a parameter count (7e9, 7B, 350M): a Llama-style shape of that size")
-        else:
-            p.set_defaults(params=None)
-        p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-        p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
-                       help="bf16/fp16: mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper); fp32: 4+4+8 "
-                            "(+4 for DeepSpeed's ZeRO-1/2 master copy) as this project trains on CPU (default bf16)")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
-
-    mem = sub.add_parser("memory", help="Per-rank bytes of one layout: model states (ZeRO paper), activations "
-                                        "(Korthikanti et al. 2022) and temporary buffers.")
-    model_args(mem, params=True)
-    mem.add_argument("--ranks", type=int, default=1, help="total ranks (dp = ranks / (tp x pp x sp)); default 1")
-    mem.add_argument("--zero", type=int, choices=range(4), default=0, help="ZeRO stage 0-3 (default 0)")
-    for axis in ("tp", "pp", "sp"):
-        mem.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (default 1)")
-    mem.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per forward (default 1)")
-    mem.add_argument("--micro-batches", type=int, help="micro-batches per step under pp (default pp: 1F1B full)")
-    mem.add_argument("--activation-checkpointing", choices=RECOMPUTE, default="none",
-                     help="none, selective (recompute attention scores) or full (keep each layer's input)")
-    mem.add_argument("--attention", choices=("fused", "materialized"), default="fused",
-                     help="fused (SDPA/flash: no a·s·s scores kept; this project's model) or materialized "
-                          "(Korthikanti's 5·a·s/h term)")
-    mem.add_argument("--no-sequence-parallel", action="store_true",
-                     help="tp without Megatron sequence parallelism (norm/dropout activations not split)")
-    mem.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer states on the CPU")
-    mem.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                     help="cuda (default): a reserved buffer counts whole, as the caching allocator hands it out; "
-                          "cpu: only the pages written count (the resident set of a CPU run)")
-    mem.add_argument("--reduce-bucket", type=float, default=GRAD_BUCKET,
-                     help="DeepSpeed's zero_optimization.reduce_bucket_size, elements (default 5e8)")
-    mem.add_argument("--prefetch-bucket", type=float, default=ZERO3_PREFETCH,
-                     help="DeepSpeed's zero_optimization.stage3_prefetch_bucket_size, elements (default 5e7)")
-    mem.set_defaults(func=cmd_memory)
-
-    lay = sub.add_parser("layout", help="Search dp/tp/pp/sp, ZeRO stage, micro-batch, recomputation and offload; "
-                                        "print the fastest layout that fits and the runners-up.")
-    model_args(lay, params=False)
-    lay.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    lay.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
-    lay.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    lay.add_argument("--top", type=int, default=4, help="runners-up to print (default 4)")
-    for name, what in (("peak-flops", "dense FLOP/s per GPU"), ("mfu", "fraction of peak reached"),
-                       ("intra-node-bw", "ring bytes/s per GPU in a node"),
-                       ("inter-node-bw", "bytes/s per GPU across nodes"), ("pcie-bw", "host<->GPU bytes/s"),
-                       ("cpu-adam-params-per-s", "CPU Adam parameters/s per GPU")):
-        lay.add_argument(f"--{name}", type=float, help=f"{what} (default {getattr(Hardware(), name.replace('-', '_')):g})")
-    lay.add_argument("--gpus-per-node", type=int, help=f"default {Hardware().gpus_per_node}")
-    lay.add_argument("--reserve", help="memory per GPU kept out of the plan (default 2GiB)")
-    lay.set_defaults(func=cmd_layout)
-
-
-# --------------------------------------------------------------------------------------------------
-# `train.layout: auto`
-
-
-def rank_memory(cfg) -> tuple[float, str]:
-    """(bytes per rank, where the figure comes from) for `train.layout: auto`."""
-    import subprocess
-
-    if cfg.layout_memory:
-        return parse_bytes(cfg.layout_memory), "train.layout_memory"
-    if cfg.engine.accelerator == "cuda":
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
-        if out.returncode or not out.stdout.strip():
-            raise RuntimeError("train.layout=auto: nvidia-smi could not tell the GPU memory; set train.layout_memory")
-        return float(out.stdout.split()[0]) * 2**20, "nvidia-smi memory.total"
-    from lifecycle.core.procs import mem_available
-
-    if (avail := mem_available()) is None:
-        raise RuntimeError("train.layout=auto: /proc/meminfo gives no MemAvailable; set train.layout_memory")
-    n = cfg.batch.num_ranks
-    return avail / 2 / n, f"half of MemAvailable {avail / GiB:.1f} GiB over {n} ranks"
-
-
-def resolve_layout(cfg, memory_bytes: float | None = None):
-    """`train.layout: auto`: the TrainConfig with ZeRO stage, micro-batch, grad_accum and activation checkpointing
-    chosen for its ranks and per-rank memory, and a sentence saying what was chosen and why. Only what the
-    trainer runs today is searched: data parallelism over `num_ranks`, ZeRO 0-3, recomputation none or full
-    (the trainer's checkpointing is per block; with SDPA there is no score matrix for selective to drop)."""
-    if cfg.layout != "auto":
-        return cfg, None
-    source = "argument"
-    if memory_bytes is None:
-        memory_bytes, source = rank_memory(cfg)
-    m, n, gb = cfg.model, cfg.batch.num_ranks, cfg.global_batch
-    hw = Hardware(peak_flops=cfg.logging.peak_flops_per_rank or (989e12 if cfg.engine.accelerator == "cuda" else 1e11),
-                  gpus_per_node=n if cfg.launch.hostfile is None else Hardware().gpus_per_node,
-                  **({} if cfg.engine.accelerator == "cuda" else {"intra_node_bw": 5e9, "inter_node_bw": 1e9,
-                                                                   "reserve_bytes": 0.0}))
-    opts = search(m, n, memory_bytes, gb, hw, cfg.engine.precision, device="cuda" if cfg.engine.accelerator == "cuda"
-                  else "cpu", tps=[1], pps=[1], sps=[1],
-                  recomputes=("none", "full"), offloads=(False,),
-                  micro_batches=divisors(gb // n))
-    fitting = [o for o in opts if o.fits]
-    if not fitting:
-        small = min(opts, key=lambda o: o.memory.total_bytes)
-        raise ValueError(f"train.layout=auto: no data-parallel layout of {n} ranks fits {gib(memory_bytes)} per rank "
-                         f"({source}); the smallest, {small.layout.describe()}, needs {gib(small.memory.total_bytes)}")
-    best = fitting[0]
-    lay = best.layout
-    new = cfg.model_copy(update={
-        "batch": cfg.batch.model_copy(update={"micro_batch_size": lay.micro_batch,
-                                              "grad_accum": gb // (n * lay.micro_batch)}),
-        "engine": cfg.engine.model_copy(update={"zero_stage": lay.zero,
-                                                "activation_checkpointing": lay.recompute == "full"})})
-    nxt = next((o for o in fitting[1:] if (o.layout.zero, o.layout.recompute) != (lay.zero, lay.recompute)), None)
-    why = (f"train.layout=auto: {n} ranks x {gib(memory_bytes)} ({source}), global batch {gb}: zero_stage={lay.zero} "
-           f"micro_batch_size={lay.micro_batch} grad_accum={gb // (n * lay.micro_batch)} activation_checkpointing="
-           f"{lay.recompute == 'full'}; predicted {gib(best.memory.total_bytes)} per rank (model states "
-           f"{gib(best.memory.model_states_bytes)}, activations {gib(best.memory.activation_bytes)}) and "
-           f"{best.time['step_s']:.3g} s per step, the fastest of {len(fitting)} of {len(opts)} layouts that fit"
-           + (f"; next: {nxt.layout.describe()} at {nxt.time['step_s']:.3g} s" if nxt else ""))
-    return new, why
+    plan_cli.register(subparsers)

@@ -8,7 +8,8 @@ import pytest
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig, MoEArch
 from lifecycle.tasks.train.hf_config import model_fields
-from lifecycle.tasks.train.planner import parse_model, step_time, total_params, Hardware, Layout
+from lifecycle.tasks.train.planner import Layout, parse_model, total_params
+from lifecycle.tasks.train.step_time import Hardware, step_time
 from lifecycle.tasks.train.sizing import flops_per_token, non_embedding_params, param_count, tensors
 
 TINY = dict(vocab_size=96, n_layer=3, n_head=4, n_embd=32, seq_len=16)

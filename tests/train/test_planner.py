@@ -4,10 +4,12 @@
 import pytest
 
 from lifecycle.tasks.train.config import ModelConfig
+from lifecycle.tasks.train.layout_search import search
 from lifecycle.tasks.train.planner import (
-    ActivationModel, Hardware, Layout, PRECISIONS, activation_per_layer, memory, model_states,
-    paper_activation_per_layer, parse_bytes, parse_model, search, step_time, total_params,
+    ActivationModel, Layout, PRECISIONS, activation_per_layer, memory, model_states,
+    paper_activation_per_layer, parse_bytes, parse_model, total_params,
 )
+from lifecycle.tasks.train.step_time import Hardware, step_time
 from tests.conftest import lifecycle_in_process
 
 GB = 1e9
@@ -206,7 +208,7 @@ def test_cli(capsys):
 
 def test_layout_auto_picks_what_fits():
     from lifecycle.tasks.train.config import TrainConfig
-    from lifecycle.tasks.train.planner import resolve_layout
+    from lifecycle.tasks.train.layout_search import resolve_layout
 
     def cfg(mem):
         return TrainConfig(model=ModelConfig(vocab_size=4096, n_layer=4, n_embd=512, n_head=8, seq_len=256),

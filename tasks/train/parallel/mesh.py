@@ -113,7 +113,8 @@ class Layout:
     @classmethod
     def of(cls, cfg) -> "Layout":
         """The layout a TrainConfig (lifecycle.tasks.train.config) runs under."""
-        recompute = "full" if cfg.engine.activation_checkpointing else "none"
+        ac = cfg.engine.activation_checkpointing
+        recompute = "selective" if ac == "selective" else "full" if ac else "none"
         return cls(dp=cfg.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, sp=cfg.parallel.sp, ep=cfg.moe.ep,
                    zero=cfg.engine.zero_stage, micro_batch=cfg.batch.micro_batch_size, accum=cfg.batch.grad_accum,
                    recompute=recompute, tp_sequence_parallel=False)
@@ -153,7 +154,8 @@ class Layout:
         return [f"train.batch.num_ranks={self.ranks}", f"train.parallel.tp={self.tp}", f"train.parallel.pp={self.pp}",
                 f"train.parallel.sp={self.sp}", f"train.engine.zero_stage={self.zero}",
                 f"train.batch.micro_batch_size={self.micro_batch}", f"train.batch.grad_accum={self.accum}",
-                f"train.engine.activation_checkpointing={str(self.recompute == 'full').lower()}"]
+                "train.engine.activation_checkpointing="
+                + {"none": "false", "full": "true", "selective": "selective"}[self.recompute]]
 
 
 class Mesh:

@@ -48,7 +48,6 @@ protocol's consolidated `model.safetensors` is gathered from the stages to rank 
 from __future__ import annotations
 
 import math
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -60,7 +59,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelD
 from deepspeed.runtime.utils import partition_balanced
 
 from lifecycle.tasks.train.config import ModelConfig
-from lifecycle.tasks.train.model import GPT, Block, make_norm, rope_tables
+from lifecycle.tasks.train.model import GPT, Block, make_norm, recompute_fn, rope_tables
 from lifecycle.tasks.train.parallel.mesh import Grid
 
 PARTITION_METHOD = "type:BlockPipe"
@@ -183,15 +182,15 @@ def stage_param_names(cfg: ModelConfig, pp: int, stage: int) -> list[str]:
 # the module
 
 
-def pipeline_module(model: GPT, pp: int, dp: int, activation_checkpointing: bool, tp: int = 1):
+def pipeline_module(model: GPT, pp: int, dp: int, activation_checkpointing: bool | str, tp: int = 1):
     """This rank's stage of `model` as a DeepSpeed PipelineModule (grid pp × dp × tp: DeepSpeed's
     PipeModelDataParallelTopology lays ranks out as pipe, data, model, the lifecycle Grid's order with sp = 1),
     holding `model`'s weights for its layers, its blocks split over the tp group when tp > 1. Collective."""
     cfg = model.cfg
     kwargs = {}
-    if activation_checkpointing:  # every block recomputed in backward (non-reentrant: its RNG state is restored)
+    if activation_checkpointing:  # each block recomputed in backward, whole or per op (model.recompute_fn)
         kwargs = {"activation_checkpoint_interval": 1, "checkpointable_layers": ["BlockPipe"],
-                  "activation_checkpoint_func": partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)}
+                  "activation_checkpoint_func": recompute_fn(activation_checkpointing)}
     # without tp, the topology (and so the layer files' names, `layer_XX-model_states.pt`) of pipelines before tp
     topology = (PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp) if tp > 1
                 else PipeDataParallelTopology(num_pp=pp, num_dp=dp))

@@ -1,0 +1,140 @@
+"""The layout search (`lifecycle plan layout`, `train.layout: auto`): every candidate layout of a model on N
+ranks, its memory (lifecycle.tasks.train.planner.memory) and step time (lifecycle.tasks.train.step_time), the
+fitting ones first, fastest first. Torch-free."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from lifecycle.tasks.train.config import ModelConfig
+from lifecycle.tasks.train.parallel.mesh import RECOMPUTE, Layout
+from lifecycle.tasks.train.planner import GiB, Estimate, gib, memory, parse_bytes
+from lifecycle.tasks.train.step_time import Hardware, step_time
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tps=None, pps=None, sps=None,
+               zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, offloads=(False, True), micro_batches=None):
+    """Every layout the search considers: tp within a node and dividing the heads, sp dividing the heads
+    left, pp dividing the layers, dp the rest; ZeRO-2/3 not under pp (DeepSpeed's pipeline engine runs
+    ZeRO-0/1 only); offload only with ZeRO >= 1; micro-batches dividing the per-replica batch."""
+    for tp in tps or [d for d in divisors(min(hw.gpus_per_node, gpus)) if m.n_head % d == 0]:
+        for sp in sps or [d for d in divisors(gpus // tp) if (m.n_head // tp) % d == 0 and d <= hw.gpus_per_node]:
+            for pp in pps or [d for d in divisors(gpus // (tp * sp)) if m.n_layer % d == 0]:
+                dp = gpus // (tp * sp * pp)
+                if dp * tp * sp * pp != gpus or global_batch % dp:
+                    continue
+                for zero, rc, off in itertools.product(zeros, recomputes, offloads):
+                    if (pp > 1 and zero >= 2) or (off and zero == 0):
+                        continue
+                    for b in micro_batches or [d for d in divisors(global_batch // dp) if d <= 64]:
+                        yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b, accum=global_batch // (dp * b),
+                                     recompute=rc, offload=off)
+
+
+@dataclass(frozen=True)
+class Option:
+    layout: Layout
+    memory: Estimate
+    time: dict
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return {**self.memory.as_dict(), "fits": self.fits, "step_time": {k: round(x, 6) for k, x in self.time.items()}}
+
+
+def search(m: ModelConfig, gpus: int, gpu_memory: float, global_batch: int, hw: Hardware = Hardware(),
+           precision: str = "bf16", seq_len: int | None = None, device: str = "cuda", **space) -> list[Option]:
+    """All candidate layouts, the fitting ones first, fastest first (ties: bigger micro-batch, lower ZeRO stage,
+    no offload, less recomputation)."""
+    out = []
+    for lay in candidates(m, gpus, global_batch, hw, **space):
+        mb = global_batch // (lay.dp * lay.micro_batch)
+        est = memory(m, lay, precision, seq_len, micro_batches=mb, device=device)
+        t = step_time(m, lay, global_batch, hw, precision, seq_len)
+        out.append(Option(lay, est, t, est.total_bytes <= gpu_memory - hw.reserve_bytes))
+    out.sort(key=lambda o: (not o.fits, round(o.time["step_s"], 9), -o.layout.micro_batch, o.layout.zero,
+                            o.layout.offload, RECOMPUTE.index(o.layout.recompute), o.layout.tp, o.layout.pp))
+    return out
+
+
+def runners_up(options: list[Option], n: int) -> list[Option]:
+    """The fastest fitting option of each distinct (tp, pp, sp, ZeRO stage, offload), fastest first."""
+    seen, out = set(), []
+    for o in options:
+        key = (o.layout.tp, o.layout.pp, o.layout.sp, o.layout.zero, o.layout.offload)
+        if o.fits and key not in seen:
+            seen.add(key)
+            out.append(o)
+        if len(out) == n:
+            break
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# `train.layout: auto`
+
+
+def rank_memory(cfg) -> tuple[float, str]:
+    """(bytes per rank, where the figure comes from) for `train.layout: auto`."""
+    import subprocess
+
+    if cfg.layout_memory:
+        return parse_bytes(cfg.layout_memory), "train.layout_memory"
+    if cfg.engine.accelerator == "cuda":
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode or not out.stdout.strip():
+            raise RuntimeError("train.layout=auto: nvidia-smi could not tell the GPU memory; set train.layout_memory")
+        return float(out.stdout.split()[0]) * 2**20, "nvidia-smi memory.total"
+    from lifecycle.core.procs import mem_available
+
+    if (avail := mem_available()) is None:
+        raise RuntimeError("train.layout=auto: /proc/meminfo gives no MemAvailable; set train.layout_memory")
+    n = cfg.batch.num_ranks
+    return avail / 2 / n, f"half of MemAvailable {avail / GiB:.1f} GiB over {n} ranks"
+
+
+def resolve_layout(cfg, memory_bytes: float | None = None):
+    """`train.layout: auto`: the TrainConfig with ZeRO stage, micro-batch, grad_accum and activation checkpointing
+    chosen for its ranks and per-rank memory, and a sentence saying what was chosen and why. Only what the
+    trainer runs today is searched: data parallelism over `num_ranks`, ZeRO 0-3, recomputation none or full
+    (the trainer's checkpointing is per block; with SDPA there is no score matrix for selective to drop)."""
+    if cfg.layout != "auto":
+        return cfg, None
+    source = "argument"
+    if memory_bytes is None:
+        memory_bytes, source = rank_memory(cfg)
+    m, n, gb = cfg.model, cfg.batch.num_ranks, cfg.global_batch
+    hw = Hardware(peak_flops=cfg.logging.peak_flops_per_rank or (989e12 if cfg.engine.accelerator == "cuda" else 1e11),
+                  gpus_per_node=n if cfg.launch.hostfile is None else Hardware().gpus_per_node,
+                  **({} if cfg.engine.accelerator == "cuda" else {"intra_node_bw": 5e9, "inter_node_bw": 1e9,
+                                                                   "reserve_bytes": 0.0}))
+    opts = search(m, n, memory_bytes, gb, hw, cfg.engine.precision, device="cuda" if cfg.engine.accelerator == "cuda"
+                  else "cpu", tps=[1], pps=[1], sps=[1],
+                  recomputes=("none", "full"), offloads=(False,),
+                  micro_batches=divisors(gb // n))
+    fitting = [o for o in opts if o.fits]
+    if not fitting:
+        small = min(opts, key=lambda o: o.memory.total_bytes)
+        raise ValueError(f"train.layout=auto: no data-parallel layout of {n} ranks fits {gib(memory_bytes)} per rank "
+                         f"({source}); the smallest, {small.layout.describe()}, needs {gib(small.memory.total_bytes)}")
+    best = fitting[0]
+    lay = best.layout
+    new = cfg.model_copy(update={
+        "batch": cfg.batch.model_copy(update={"micro_batch_size": lay.micro_batch,
+                                              "grad_accum": gb // (n * lay.micro_batch)}),
+        "engine": cfg.engine.model_copy(update={"zero_stage": lay.zero,
+                                                "activation_checkpointing": lay.recompute == "full"})})
+    nxt = next((o for o in fitting[1:] if (o.layout.zero, o.layout.recompute) != (lay.zero, lay.recompute)), None)
+    why = (f"train.layout=auto: {n} ranks x {gib(memory_bytes)} ({source}), global batch {gb}: zero_stage={lay.zero} "
+           f"micro_batch_size={lay.micro_batch} grad_accum={gb // (n * lay.micro_batch)} activation_checkpointing="
+           f"{lay.recompute == 'full'}; predicted {gib(best.memory.total_bytes)} per rank (model states "
+           f"{gib(best.memory.model_states_bytes)}, activations {gib(best.memory.activation_bytes)}) and "
+           f"{best.time['step_s']:.3g} s per step, the fastest of {len(fitting)} of {len(opts)} layouts that fit"
+           + (f"; next: {nxt.layout.describe()} at {nxt.time['step_s']:.3g} s" if nxt else ""))
+    return new, why
