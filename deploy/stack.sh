@@ -79,7 +79,7 @@ spawn() {  # spawn NAME ENV... -- CMD...: a new session (its own process group),
 tool() { "$VENV/bin/python" "$HERE/stack_tool.py" "$@"; }
 
 write_secret_files() {
-    : "${POSTGRES_PASSWORD:?stack: set POSTGRES_PASSWORD in the environment or $ENV_FILE (deploy/env.example)}"
+    [[ -n ${POSTGRES_PASSWORD:-} ]] || die "set POSTGRES_PASSWORD in the environment or $ENV_FILE (deploy/env.example)"
     # asyncpg (0.32) reads a pgpass file without undoing its escapes, so `\:` would reach Postgres as two characters
     [[ $POSTGRES_PASSWORD != *[:\\]* ]] || die "POSTGRES_PASSWORD must not contain ':' or '\\' (asyncpg, the Prefect" \
         "server's driver, misreads them in a pgpass file)"
@@ -129,11 +129,16 @@ start_s3() {
     [[ -n ${LIFECYCLE_S3_ENDPOINT:-} ]] && return 0  # a real S3 store: nothing to start here
     spawn s3 -- moto_server -H "$BIND" -p "$S3_PORT"
     tool wait "$S3_ENDPOINT/moto-api/" 60 "$(cat "$(pidfile s3)")"
+    make_bucket  # moto keeps its buckets in memory: a restarted one has none
+}
+
+make_bucket() {
+    AWS_SHARED_CREDENTIALS_FILE=$STACK/secrets/aws-credentials MLFLOW_S3_ENDPOINT_URL=$S3_ENDPOINT \
+        tool bucket "$ARTIFACTS"
 }
 
 start_mlflow() {
-    AWS_SHARED_CREDENTIALS_FILE=$STACK/secrets/aws-credentials MLFLOW_S3_ENDPOINT_URL=$S3_ENDPOINT \
-        tool bucket "$ARTIFACTS"
+    make_bucket
     spawn mlflow PGPASSFILE="$STACK/secrets/pgpass" AWS_SHARED_CREDENTIALS_FILE="$STACK/secrets/aws-credentials" \
         AWS_DEFAULT_REGION=us-east-1 MLFLOW_S3_ENDPOINT_URL="$S3_ENDPOINT" \
         MLFLOW_BACKEND_STORE_URI="postgresql://$PG_ROLE@$BIND:$PG_PORT/mlflow" \
@@ -209,8 +214,8 @@ main() {
     settings
     local services=("$@"); [[ ${#services[@]} -gt 0 ]] || services=("${ALL[@]}")
     case $cmd in
-        start)
-            write_secret_files
+        start)  # a worker-only host (`start worker`) needs no secret
+            [[ " ${services[*]} " =~ \ (postgres|s3|mlflow|prefect)\  ]] && write_secret_files
             for s in "${ALL[@]}"; do  # in dependency order, whatever order they were named in
                 [[ " ${services[*]} " == *" $s "* ]] || continue
                 "start_$s"
@@ -227,4 +232,4 @@ main() {
     esac
 }
 
-main "$@"
+main "$@"; exit $?  # on one line: bash never reads past it, so editing this file mid-run is safe

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import time
 from pathlib import Path
 
+HOST = socket.gethostname()  # a beat names its node: the supervisor may run on another one
 WORLD_ENV = "LIFECYCLE_WORLD"  # a rank's world: "" for the launch's first, "spare<k>" for its k-th standby world
 STANDBY_ENV = "LIFECYCLE_STANDBY"  # a standby world's go file: its ranks wait for it before they restore and train
 
@@ -32,7 +34,8 @@ def write_heartbeat(run_dir: Path, rank: int, step: int, step_time: float | None
     """A rank's `heartbeat/rank<N>`: its last completed step, when, its pid (this process's unless given), and how
     long that step took."""
     _write_beat(heartbeat_dir(run_dir, world) / f"rank{rank}",
-                {"step": step, "time": time.time(), "pid": pid or os.getpid(), "step_time": step_time})
+                {"step": step, "time": time.time(), "pid": pid or os.getpid(), "step_time": step_time,
+                 "host": HOST})
 
 
 def _write_beat(path: Path, beat: dict) -> None:
@@ -83,8 +86,10 @@ def rank_alive_beat(argv: list[str]) -> None:
         start_alive_beat(Path(config).parent, int(os.environ.get("RANK", "0")), world=os.environ.get(WORLD_ENV, ""))
 
 
-def _state(pid: int) -> str:
-    """`stopped`, `gone`, ... of a local pid, from /proc (empty where it cannot be read, e.g. a remote rank)."""
+def _state(pid: int, host: str | None = None) -> str:
+    """`stopped`, `gone`, ... of a local pid, from /proc; `on <host>` for a rank of another node."""
+    if host and host != HOST:
+        return f"on {host}"
     try:
         code = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -158,7 +163,40 @@ class Heartbeats:
             return None
         # every rank waits in a collective for the one that stopped; name the one whose process is not running
         # (stopped, gone), else the one with the oldest heartbeat
-        order = sorted(beats, key=lambda r: (_state(beats[r]["pid"]) == "running", beats[r]["time"]))
-        parts = [f"rank {r} (pid {beats[r]['pid']}, {_state(beats[r]['pid'])}) last step {beats[r]['step']} "
+        states = {r: _state(b["pid"], b.get("host")) for r, b in beats.items()}
+        order = sorted(beats, key=lambda r: (states[r] == "running" or states[r].startswith("on "), beats[r]["time"]))
+        parts = [f"rank {r} (pid {beats[r]['pid']}, {states[r]}) last step {beats[r]['step']} "
                  f"{now - beats[r]['time']:.0f} s ago" for r in order]
-        return f"training stalled: no step for more than {bound:.0f} s: " + "; ".join(parts)
+        cut = self.unreachable_nodes(beats)
+        return (f"training stalled: no step for more than {bound:.0f} s: " + (f"{cut}; " if cut else "")
+                + "; ".join(parts))
+
+    def unreachable_nodes(self, beats: dict[int, dict], port: int = 22, timeout: float = 3.0) -> str | None:
+        """With a hostfile (`train.launch.hostfile` in the run's config.json): the nodes that do not answer on
+        their ssh port, named with their ranks' last step, since every rank of the others then waits on them in a
+        collective. None when all answer (or there is no hostfile)."""
+        try:
+            launch = json.loads((self.dir.parent / "config.json").read_text())["train"]["launch"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not launch.get("hostfile"):
+            return None
+        from types import SimpleNamespace
+
+        from lifecycle.tasks.train.launcher import read_hostfile, select_hosts
+
+        try:
+            hosts = select_hosts(read_hostfile(launch["hostfile"]), SimpleNamespace(**launch))
+        except (ValueError, TypeError):
+            return None
+        cut, first = [], 0
+        for host, slots in hosts.items():  # the launcher numbers ranks node by node, in hostfile order
+            ranks = [r for r in range(first, first + slots) if r in beats]
+            first += slots
+            try:
+                socket.create_connection((host, port), timeout=timeout).close()
+            except OSError as e:
+                last = max((beats[r]["step"] for r in ranks), default=None)
+                cut.append(f"node {host} (ranks {first - slots}-{first - 1}, last step {last}) does not answer "
+                           f"on port {port}: {e.strerror or type(e).__name__}")
+        return "; ".join(cut) or None

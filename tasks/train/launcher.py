@@ -21,6 +21,9 @@ from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
+# which network interface the collectives use, where a node has several (or a hostname that resolves to none of
+# them): set on the launching node, they reach the ranks of every node through .deepspeed_env
+FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
 
 def rank_threads(configured: int | None, ranks: int) -> int:
@@ -187,7 +190,7 @@ def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> lis
     """Arguments of the `deepspeed` launcher before the module: `--num_gpus` local ranks, or the hostfile
     with its host selection. With a hostfile, the rank environment that the launcher does not forward over
     ssh itself (it forwards PYTHON* variables) is written to `<run_dir>/.deepspeed_env`, which it reads
-    from its working directory."""
+    from its working directory: the accelerator, the threads per rank and `FORWARDED_ENV`."""
     hl = cfg.launch
     if hl.hostfile is None:
         return ["--num_gpus", str(cfg.batch.num_ranks), "--master_port", str(port)]
@@ -206,5 +209,7 @@ def launch_args(cfg: TrainConfig, port: int, run_dir: Path, threads: int) -> lis
     for flag, value in (("--num_nodes", hl.num_nodes), ("--include", hl.include), ("--exclude", hl.exclude)):
         if value:
             args += [flag, str(value)]
-    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.engine.accelerator}\nOMP_NUM_THREADS={threads}\n")
+    forwarded = "".join(f"{k}={os.environ[k]}\n" for k in FORWARDED_ENV if os.environ.get(k))
+    (run_dir / ".deepspeed_env").write_text(f"DS_ACCELERATOR={cfg.engine.accelerator}\nOMP_NUM_THREADS={threads}\n"
+                                           + forwarded)
     return args

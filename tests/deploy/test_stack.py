@@ -9,21 +9,11 @@ from datetime import timedelta
 
 import pytest
 
-from tests.deploy.stack import (Stack, pause_yaml_schedules, prefect, start_runs, tiny_config, tiny_inputs,
+from tests.deploy.stack import (prefect, start_runs, tiny_config, tiny_inputs,
                                 wait_runs, why_no_stack)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(why_no_stack() is not None, reason=str(why_no_stack()))]
 
-
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack()
-    try:
-        s.sh("start")
-        prefect(s, lambda client: pause_yaml_schedules(client))
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")
