@@ -4,6 +4,7 @@ fitting ones first, fastest first. Torch-free."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -17,11 +18,31 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@functools.lru_cache(maxsize=4096)
+def trainer_refusal(m: ModelConfig, tp: int, pp: int, sp: int, zero: int, recompute: str) -> str | None:
+    """Why the trainer refuses this combination (lifecycle.tasks.train.parallel.rules), None when it runs it;
+    the batch does not matter to the rules, so one rank per model-parallel group stands for any dp."""
+    from lifecycle.tasks.train.config import TrainConfig
+    from lifecycle.tasks.train.parallel import rules
+
+    ac = {"none": False, "full": True, "selective": "selective"}[recompute]
+    try:
+        cfg = TrainConfig.model_validate({
+            "model": m.model_dump(), "batch": {"num_ranks": tp * pp * sp}, "parallel": {"tp": tp, "pp": pp, "sp": sp},
+            "engine": {"zero_stage": zero, "activation_checkpointing": ac}})
+    except ValueError as e:
+        return str(e)
+    return rules.refusal(cfg)
+
+
 def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tps=None, pps=None, sps=None,
-               zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, offloads=(False, True), micro_batches=None):
+               zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, offloads=(False,), micro_batches=None,
+               trainer_only: bool = True):
     """Every layout the search considers: tp within a node and dividing the heads, sp dividing the heads
     left, pp dividing the layers, dp the rest; ZeRO-2/3 not under pp (DeepSpeed's pipeline engine runs
-    ZeRO-0/1 only); offload only with ZeRO >= 1; micro-batches dividing the per-replica batch."""
+    ZeRO-0/1 only); offload only with ZeRO >= 1; micro-batches dividing the per-replica batch. `trainer_only`:
+    only what this trainer runs (`trainer_refusal` is None; it has no optimizer offload, and its tp keeps the
+    norms' activations whole: no Megatron sequence parallelism)."""
     for tp in tps or [d for d in divisors(min(hw.gpus_per_node, gpus)) if m.n_head % d == 0]:
         for sp in sps or [d for d in divisors(gpus // tp) if (m.n_head // tp) % d == 0 and d <= hw.gpus_per_node]:
             for pp in pps or [d for d in divisors(gpus // (tp * sp)) if m.n_layer % d == 0]:
@@ -31,9 +52,11 @@ def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tp
                 for zero, rc, off in itertools.product(zeros, recomputes, offloads):
                     if (pp > 1 and zero >= 2) or (off and zero == 0):
                         continue
+                    if trainer_only and (off or trainer_refusal(m, tp, pp, sp, zero, rc) is not None):
+                        continue
                     for b in micro_batches or [d for d in divisors(global_batch // dp) if d <= 64]:
                         yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b, accum=global_batch // (dp * b),
-                                     recompute=rc, offload=off)
+                                     recompute=rc, offload=off, tp_sequence_parallel=not trainer_only)
 
 
 @dataclass(frozen=True)
@@ -99,42 +122,53 @@ def rank_memory(cfg) -> tuple[float, str]:
     return avail / 2 / n, f"half of MemAvailable {avail / GiB:.1f} GiB over {n} ranks"
 
 
+def _auto_hardware(cfg) -> Hardware:
+    """The constants `train.layout: auto` plans with: an H100 node on cuda; on cpu a flat MFU (the matmul-shape
+    model is a GPU's) and the loopback's bandwidths."""
+    n, cuda = cfg.batch.num_ranks, cfg.engine.accelerator == "cuda"
+    return Hardware(peak_flops=cfg.logging.peak_flops_per_rank or (989e12 if cuda else 1e11), mfu=None if cuda else 0.45,
+                    gpus_per_node=n if cfg.launch.hostfile is None else Hardware().gpus_per_node,
+                    **({} if cuda else {"intra_node_bw": 5e9, "inter_node_bw": 1e9, "reserve_bytes": 0.0}))
+
+
+def apply_layout(cfg, lay: Layout):
+    """`cfg` run under `lay` (same ranks and global batch), validated again."""
+    from lifecycle.tasks.train.config import TrainConfig
+
+    data = cfg.model_dump()
+    data["layout"] = "fixed"
+    data["parallel"] = {**data["parallel"], "tp": lay.tp, "pp": lay.pp, "sp": lay.sp}
+    data["batch"] = {**data["batch"], "micro_batch_size": lay.micro_batch, "grad_accum": lay.accum}
+    ac = {"none": False, "full": True, "selective": "selective"}[lay.recompute]
+    data["engine"] = {**data["engine"], "zero_stage": lay.zero, "activation_checkpointing": ac}
+    return TrainConfig.model_validate(data).model_copy(update={"layout": cfg.layout})
+
+
 def resolve_layout(cfg, memory_bytes: float | None = None):
-    """`train.layout: auto`: the TrainConfig with ZeRO stage, micro-batch, grad_accum and activation checkpointing
-    chosen for its ranks and per-rank memory, and a sentence saying what was chosen and why. Only what the
-    trainer runs today is searched: data parallelism over `num_ranks`, ZeRO 0-3, recomputation none or full
-    (the trainer's checkpointing is per block; with SDPA there is no score matrix for selective to drop)."""
+    """`train.layout: auto`: the TrainConfig with the layout the search finds fastest among those that fit its
+    ranks and per-rank memory (tp, pp, sp, ZeRO stage, micro-batch with grad_accum following, recomputation;
+    only what the trainer runs), keeping the ranks and the global batch; and a sentence saying what was chosen
+    and why."""
     if cfg.layout != "auto":
         return cfg, None
     source = "argument"
     if memory_bytes is None:
         memory_bytes, source = rank_memory(cfg)
-    m, n, gb = cfg.model, cfg.batch.num_ranks, cfg.global_batch
-    hw = Hardware(peak_flops=cfg.logging.peak_flops_per_rank or (989e12 if cfg.engine.accelerator == "cuda" else 1e11),
-                  gpus_per_node=n if cfg.launch.hostfile is None else Hardware().gpus_per_node,
-                  **({} if cfg.engine.accelerator == "cuda" else {"intra_node_bw": 5e9, "inter_node_bw": 1e9,
-                                                                   "reserve_bytes": 0.0}))
-    opts = search(m, n, memory_bytes, gb, hw, cfg.engine.precision, device="cuda" if cfg.engine.accelerator == "cuda"
-                  else "cpu", tps=[1], pps=[1], sps=[1],
-                  recomputes=("none", "full"), offloads=(False,),
-                  micro_batches=divisors(gb // n))
+    n, gb = cfg.batch.num_ranks, cfg.global_batch
+    opts = search(cfg.model, n, memory_bytes, gb, _auto_hardware(cfg), cfg.engine.precision,
+                  device="cuda" if cfg.engine.accelerator == "cuda" else "cpu")
     fitting = [o for o in opts if o.fits]
     if not fitting:
+        if not opts:
+            raise ValueError(f"train.layout=auto: no layout of {n} ranks keeps the global batch of {gb}")
         small = min(opts, key=lambda o: o.memory.total_bytes)
-        raise ValueError(f"train.layout=auto: no data-parallel layout of {n} ranks fits {gib(memory_bytes)} per rank "
+        raise ValueError(f"train.layout=auto: no layout of {n} ranks fits {gib(memory_bytes)} per rank "
                          f"({source}); the smallest, {small.layout.describe()}, needs {gib(small.memory.total_bytes)}")
     best = fitting[0]
-    lay = best.layout
-    new = cfg.model_copy(update={
-        "batch": cfg.batch.model_copy(update={"micro_batch_size": lay.micro_batch,
-                                              "grad_accum": gb // (n * lay.micro_batch)}),
-        "engine": cfg.engine.model_copy(update={"zero_stage": lay.zero,
-                                                "activation_checkpointing": lay.recompute == "full"})})
-    nxt = next((o for o in fitting[1:] if (o.layout.zero, o.layout.recompute) != (lay.zero, lay.recompute)), None)
-    why = (f"train.layout=auto: {n} ranks x {gib(memory_bytes)} ({source}), global batch {gb}: zero_stage={lay.zero} "
-           f"micro_batch_size={lay.micro_batch} grad_accum={gb // (n * lay.micro_batch)} activation_checkpointing="
-           f"{lay.recompute == 'full'}; predicted {gib(best.memory.total_bytes)} per rank (model states "
+    nxt = next((o for o in fitting[1:] if o.layout != best.layout), None)
+    why = (f"train.layout=auto: {n} ranks x {gib(memory_bytes)} ({source}), global batch {gb}: "
+           f"{best.layout.describe()}; predicted {gib(best.memory.total_bytes)} per rank (model states "
            f"{gib(best.memory.model_states_bytes)}, activations {gib(best.memory.activation_bytes)}) and "
            f"{best.time['step_s']:.3g} s per step, the fastest of {len(fitting)} of {len(opts)} layouts that fit"
            + (f"; next: {nxt.layout.describe()} at {nxt.time['step_s']:.3g} s" if nxt else ""))
-    return new, why
+    return apply_layout(cfg, best.layout), why

@@ -80,8 +80,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
     hw = Hardware()
-    over = {k: getattr(args, k) for k in ("peak_flops", "mfu", "gpus_per_node", "intra_node_bw", "inter_node_bw",
-                                           "pcie_bw", "cpu_adam_params_per_s") if getattr(args, k) is not None}
+    names = ("peak_flops", "gemm_efficiency", "attention_efficiency", "memory_bw", "mfu", "gpus_per_node",
+             "intra_node_bw", "inter_node_bw", "pcie_bw", "cpu_adam_params_per_s")
+    over = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.reserve is not None:
         over["reserve_bytes"] = parse_bytes(args.reserve)
     return replace(hw, **over)
@@ -113,8 +114,10 @@ def cmd_layout(args: argparse.Namespace) -> int:
                           "smallest_if_none_fits": None if best else min(opts, key=lambda o: o.memory.total_bytes).as_dict()}))
         return 0 if best else 1
     print(f"model     {' '.join(f'{k}={v}' for k, v in shape_of(m).items())}  Ψ = {total_params(m):,} parameters")
-    print(f"hardware  {args.gpus} GPUs x {gib(mem)}, {hw.gpus_per_node} per node; peak {hw.peak_flops:.3g} FLOP/s at "
-          f"MFU {hw.mfu:.0%}; ring {hw.intra_node_bw / 1e9:g} GB/s in a node, {hw.inter_node_bw / 1e9:g} GB/s "
+    rate = (f"a flat MFU of {hw.mfu:.0%}" if hw.mfu is not None else f"matmuls by shape up to {hw.gemm_efficiency:.0%}, "
+            f"attention {hw.attention_efficiency:.0%}, memory {hw.memory_bw / 1e12:g} TB/s")
+    print(f"hardware  {args.gpus} GPUs x {gib(mem)}, {hw.gpus_per_node} per node; peak {hw.peak_flops:.3g} FLOP/s, "
+          f"{rate}; ring {hw.intra_node_bw / 1e9:g} GB/s in a node, {hw.inter_node_bw / 1e9:g} GB/s "
           f"across; PCIe {hw.pcie_bw / 1e9:g} GB/s; {gib(hw.reserve_bytes)} reserved per GPU")
     print(f"searched  {len(opts)} layouts for a global batch of {args.global_batch} x {m.seq_len} tokens "
           f"({args.precision}); {len(fitting)} fit")
@@ -185,7 +188,11 @@ def register(subparsers) -> None:
     lay.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
     lay.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     lay.add_argument("--top", type=int, default=4, help="runners-up to print (default 4)")
-    for name, what in (("peak-flops", "dense FLOP/s per GPU"), ("mfu", "fraction of peak reached"),
+    lay.add_argument("--mfu", type=float, help="a flat fraction of peak for all compute instead of the matmul-shape "
+                     "model (default: the shape model)")
+    for name, what in (("peak-flops", "dense FLOP/s per GPU"), ("gemm-efficiency", "fraction of peak large matmuls "
+                       "sustain"), ("attention-efficiency", "fraction of peak fused attention reaches"),
+                       ("memory-bw", "GPU memory bytes/s"),
                        ("intra-node-bw", "ring bytes/s per GPU in a node"),
                        ("inter-node-bw", "bytes/s per GPU across nodes"), ("pcie-bw", "host<->GPU bytes/s"),
                        ("cpu-adam-params-per-s", "CPU Adam parameters/s per GPU")):

@@ -67,6 +67,8 @@ PRESETS: dict[str, dict] = {
                       tie_embeddings=False),
     "llama3.1-8b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, seq_len=8192, vocab_size=128256,
                         mlp_hidden_dim=14336, rope_theta=500000.0, tie_embeddings=False),
+    "llama3.1-70b": dict(n_layer=80, n_embd=8192, n_head=64, n_kv_head=8, seq_len=8192, vocab_size=128256,
+                         mlp_hidden_dim=28672, rope_theta=500000.0, tie_embeddings=False),
     "mistral-7b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, seq_len=4096, vocab_size=32000,
                        mlp_hidden_dim=14336, tie_embeddings=False),
     "qwen2-7b": dict(n_layer=28, n_embd=3584, n_head=28, n_kv_head=4, seq_len=4096, vocab_size=152064,
