@@ -118,6 +118,11 @@ class ParallelConfig(Section):
     the pipeline."""
     sp: int = Field(1, ge=1)
     """Sequence parallelism (DeepSpeed-Ulysses all-to-all attention): ranks that split each sequence."""
+    tp_sequence_parallel: bool = False
+    """Megatron's sequence parallelism inside each tp group (Korthikanti et al. 2022): between the matmuls each tp
+    rank keeps 1/tp of the sequence, so the norms' and residual adds' activations shrink by tp; the all-reduces
+    around each block become an all-gather and a reduce-scatter of the same volume. Needs tp > 1 and seq_len
+    divisible by tp; not with pipeline stages."""
 
     @property
     def model_parallel(self) -> int:

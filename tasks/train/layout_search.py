@@ -35,17 +35,22 @@ def trainer_refusal(m: ModelConfig, tp: int, pp: int, sp: int, zero: int, recomp
     return rules.refusal(cfg)
 
 
+def tp_seq_runs(m: ModelConfig, tp: int, pp: int) -> bool:
+    """Whether the trainer runs Megatron sequence parallelism in this layout (parallel.rules.tp)."""
+    return tp > 1 and pp == 1 and m.seq_len % tp == 0
+
+
 def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tps=None, pps=None, sps=None,
                zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, offloads=(False,), micro_batches=None,
                trainer_only: bool = True):
     """Every layout the search considers: tp within a node and dividing the heads, sp dividing the heads
     left, pp dividing the layers, dp the rest; ZeRO-2/3 not under pp (DeepSpeed's pipeline engine runs
     ZeRO-0/1 only); offload only with ZeRO >= 1; micro-batches dividing the per-replica batch. `trainer_only`:
-    only what this trainer runs (`trainer_refusal` is None; it has no optimizer offload, and its tp keeps the
-    norms' activations whole: no Megatron sequence parallelism)."""
+    only what this trainer runs (`trainer_refusal` is None; it has no optimizer offload, and it runs Megatron's
+    sequence parallelism inside tp groups without pipeline stages, `tp_seq_runs`)."""
     for tp in tps or [d for d in divisors(min(hw.gpus_per_node, gpus)) if m.n_head % d == 0]:
         for sp in sps or [d for d in divisors(gpus // tp) if (m.n_head // tp) % d == 0 and d <= hw.gpus_per_node]:
-            for pp in pps or [d for d in divisors(gpus // (tp * sp)) if m.n_layer % d == 0]:
+            for pp in pps or [d for d in divisors(gpus // (tp * sp)) if d <= m.n_layer]:
                 dp = gpus // (tp * sp * pp)
                 if dp * tp * sp * pp != gpus or global_batch % dp:
                     continue
@@ -56,7 +61,8 @@ def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tp
                         continue
                     for b in micro_batches or [d for d in divisors(global_batch // dp) if d <= 64]:
                         yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b, accum=global_batch // (dp * b),
-                                     recompute=rc, offload=off, tp_sequence_parallel=not trainer_only)
+                                     recompute=rc, offload=off,
+                                     tp_sequence_parallel=not trainer_only or tp_seq_runs(m, tp, pp))
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,8 @@ def apply_layout(cfg, lay: Layout):
 
     data = cfg.model_dump()
     data["layout"] = "fixed"
-    data["parallel"] = {**data["parallel"], "tp": lay.tp, "pp": lay.pp, "sp": lay.sp}
+    data["parallel"] = {**data["parallel"], "tp": lay.tp, "pp": lay.pp, "sp": lay.sp,
+                        "tp_sequence_parallel": lay.tp > 1 and lay.tp_sequence_parallel}
     data["batch"] = {**data["batch"], "micro_batch_size": lay.micro_batch, "grad_accum": lay.accum}
     ac = {"none": False, "full": True, "selective": "selective"}[lay.recompute]
     data["engine"] = {**data["engine"], "zero_stage": lay.zero, "activation_checkpointing": ac}

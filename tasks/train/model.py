@@ -36,9 +36,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.weight)
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even when the model runs in bf16: the mean of squares loses precision otherwise.
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * weight
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -264,6 +267,14 @@ class GPT(nn.Module):
                                                            if hasattr(m, "inactive_params"))
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T
 
+    def enter_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream as the blocks take it (Megatron sequence parallelism: this rank's slice)."""
+        return x
+
+    def leave_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream as the final norm and head take it (whole again)."""
+        return x
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) int64 with T <= seq_len. Returns (logits (B, T, vocab), mean loss or None).
         Targets equal to -1 are ignored in the loss."""
@@ -277,7 +288,7 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         else:
             rope = rope_tables(self.cfg, T, idx.device, start)
-        x = self.drop(x)
+        x = self.enter_blocks(self.drop(x))
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Non-reentrant: works with ZeRO-3's parameter hooks and with inputs that need no grad; the
@@ -285,7 +296,7 @@ class GPT(nn.Module):
                 x = recompute_fn(self.activation_checkpointing)(block, x, rope)
             else:
                 x = block(x, rope)
-        logits = self.lm_head(self.norm_f(x))
+        logits = self.lm_head(self.norm_f(self.leave_blocks(x)))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

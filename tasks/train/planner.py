@@ -69,6 +69,8 @@ PRESETS: dict[str, dict] = {
                         mlp_hidden_dim=14336, rope_theta=500000.0, tie_embeddings=False),
     "llama3.1-70b": dict(n_layer=80, n_embd=8192, n_head=64, n_kv_head=8, seq_len=8192, vocab_size=128256,
                          mlp_hidden_dim=28672, rope_theta=500000.0, tie_embeddings=False),
+    "llama3.1-405b": dict(n_layer=126, n_embd=16384, n_head=128, n_kv_head=8, seq_len=8192, vocab_size=128256,
+                          mlp_hidden_dim=53248, rope_theta=500000.0, tie_embeddings=False),
     "mistral-7b": dict(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, seq_len=4096, vocab_size=32000,
                        mlp_hidden_dim=14336, tie_embeddings=False),
     "qwen2-7b": dict(n_layer=28, n_embd=3584, n_head=28, n_kv_head=4, seq_len=4096, vocab_size=152064,
@@ -274,17 +276,17 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     layer = activation_per_layer(s_rank, b, h, a * lay.sp, lay.tp, lay.tp_sequence_parallel, lay.recompute, am)
     mb = micro_batches or lay.pp
     inflight = min(mb, lay.pp)
-    layers_first = L / lay.pp * inflight
+    layers_first = -(-L // lay.pp) * inflight  # the heaviest stage: ceil(L/pp) blocks
     t = lay.tp
     sbh = s_rank * b * h
     out_layer = prec.act * sbh / t * 2 + 4 * s_rank * b * v / t  # final norm input, head input, fp32 log-probs
     if lay.recompute == "full":  # inputs of every layer, plus one layer recomputed in backward
         full_layer = activation_per_layer(s_rank, b, h, a * lay.sp, t, lay.tp_sequence_parallel, "none", am)
         first = layers_first * layer + full_layer
-        last = L / lay.pp * layer + full_layer + out_layer
+        last = -(-L // lay.pp) * layer + full_layer + out_layer
     else:
         first = layers_first * layer
-        last = L / lay.pp * layer + out_layer
+        last = -(-L // lay.pp) * layer + out_layer
     acts = max(first, last) if lay.pp > 1 else first + out_layer
     # DeepSpeed's buffers beside the model states (lifecycle.tasks.train.zero_memory)
     big = largest_tensor(m) / t

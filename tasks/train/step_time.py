@@ -132,7 +132,7 @@ def step_time(m: ModelConfig, lay: Layout, global_batch: int, hw: Hardware, prec
     blk = block_seconds(m, lay, hw, e, s)
     tokens = lay.micro_batch * s / lay.sp
     head_f, head_b = _train_gemms(tokens, m.vocab_size, h, hw, e)  # replicated over tp (no vocab-parallel head)
-    per_micro = L / lay.pp * (blk["forward"] + blk["backward"] + blk["recompute"]) + (head_f + head_b) / lay.pp
+    per_micro = -(-L // lay.pp) * (blk["forward"] + blk["backward"] + blk["recompute"]) + (head_f + head_b) / lay.pp
     compute = per_micro * m_micro
     bubble = per_micro * (lay.pp - 1)
     psi_rank = total_params(m) / (lay.tp * lay.pp)
@@ -146,9 +146,9 @@ def step_time(m: ModelConfig, lay: Layout, global_batch: int, hw: Hardware, prec
     overlap = compute * (0.9 if lay.zero == 3 else 2 / 3)  # forward too at ZeRO-3 (prefetched all-gathers)
     dp_exposed = max(dp_comm - overlap, dp_comm / max(1, L))  # the last layer's share never hides
     act = tokens * h * prec.act  # one activation tensor
-    tp_ar = (4 + (2 if lay.recompute == "full" else 0)) * L / lay.pp * m_micro  # all-reduces (or AG + RS) per step
+    tp_ar = (4 + (2 if lay.recompute == "full" else 0)) * -(-L // lay.pp) * m_micro  # all-reduces (or AG + RS) per step
     tp_comm = tp_ar * 2 * (lay.tp - 1) / lay.tp * act / hw.intra_node_bw if lay.tp > 1 else 0.0
-    sp_comm = (8 * L / lay.pp * m_micro * (lay.sp - 1) / lay.sp * act / lay.tp / hw.intra_node_bw
+    sp_comm = (8 * -(-L // lay.pp) * m_micro * (lay.sp - 1) / lay.sp * act / lay.tp / hw.intra_node_bw
                if lay.sp > 1 else 0.0)  # 4 all-to-alls forward, 4 backward
     pp_bw = hw.intra_node_bw if lay.tp * lay.pp * lay.sp <= hw.gpus_per_node else hw.inter_node_bw
     pp_comm = 2 * m_micro * act / lay.tp / pp_bw if lay.pp > 1 else 0.0

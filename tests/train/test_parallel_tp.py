@@ -44,7 +44,7 @@ def test_shards_merge_back_to_the_dense_tensor_and_keep_whole_heads(cfg):
     assert split_spec(cfg, "wte.weight") is None and split_spec(cfg, "blocks.0.norm1.weight") is None
 
 
-def _tp_worker(rank: int, world: int, init: str, out: str, cfg_json: str) -> None:
+def _tp_worker(rank: int, world: int, init: str, out: str, cfg_json: str, seq_parallel: bool = False) -> None:
     import torch.distributed as dist
 
     from lifecycle.tasks.train.parallel.mesh import Grid, Mesh
@@ -55,7 +55,7 @@ def _tp_worker(rank: int, world: int, init: str, out: str, cfg_json: str) -> Non
     cfg = ModelConfig.model_validate_json(cfg_json)
     mesh = Mesh(Grid(tp=world), rank)
     torch.manual_seed(0)
-    model = shard_model(GPT(cfg), TPGroup.of(mesh))
+    model = shard_model(GPT(cfg), TPGroup.of(mesh), seq_parallel)
     idx = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     logits, loss = model(idx, idx.roll(-1, 1))
     loss.backward()
@@ -67,15 +67,18 @@ def _tp_worker(rank: int, world: int, init: str, out: str, cfg_json: str) -> Non
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("seq_parallel", [False, True], ids=["tp", "tp+sequence-parallel"])
 @pytest.mark.parametrize("cfg", [GQA, GELU], ids=["gqa-swiglu", "gelu"])
-def test_tp2_layers_match_the_dense_model_forward_backward_and_export(cfg, tmp_path):
+def test_tp2_layers_match_the_dense_model_forward_backward_and_export(cfg, seq_parallel, tmp_path):
     """Two gloo ranks as tp=2 from the dense model's seed: logits, loss and every gradient (each rank's slice of the
     dense gradient; replicated parameters the full one on both ranks) equal the dense model's to fp32 rounding,
-    and the collective export gives the dense names, shapes and values."""
+    and the collective export gives the dense names, shapes and values. With Megatron's sequence parallelism the
+    norms and residual adds see half the sequence on each rank, and the norms' gradients are summed back."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "r")
-    mp.spawn(_tp_worker, args=(2, f"file://{tmp_path / 'store'}", out, cfg.model_dump_json()), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, f"file://{tmp_path / 'store'}", out, cfg.model_dump_json(), seq_parallel),
+             nprocs=2, join=True)
     got = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     torch.manual_seed(0)
     dense = GPT(cfg)
@@ -180,6 +183,22 @@ def ckpt_weights(tag_dir) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(Path(tag_dir) / "model.safetensors"))
+
+
+@pytest.mark.slow  # one more launch of 2 ranks
+def test_tp2_with_megatron_sequence_parallelism_trains_the_single_rank_loss_curve(tp_and_dense_runs, tokens, tmp_path):
+    """tp=2 with Megatron's sequence parallelism (norms and residual adds on half the sequence, all-gather and
+    reduce-scatter around the matmuls, the norms' gradients summed over the tp group) against one rank: 20
+    steps agree to relative 1e-5, and the checkpoint's files and names are those of plain tp."""
+    from lifecycle.tasks.train.launch import run_train
+
+    dense, tp2 = tp_and_dense_runs
+    r = run_train(tokens, with_(TP_CFG, **{"parallel.tp": 2, "parallel.tp_sequence_parallel": True}), str(tmp_path))
+    a, b = _losses(dense), _losses(r)
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    print(json.dumps({"tp2_sequence_parallel_vs_single_rank_max_rel_loss_diff": rel, "steps": len(b)}))
+    assert len(b) == 20 and rel < LOSS_RTOL
+    assert set(ckpt_weights(r.checkpoint_dir)) == set(ckpt_weights(tp2.checkpoint_dir))
 
 
 def test_tp_checkpoint_converts_to_the_dense_state_with_adam_moments(tp_and_dense_runs):

@@ -117,7 +117,7 @@ class Layout:
         recompute = "selective" if ac == "selective" else "full" if ac else "none"
         return cls(dp=cfg.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, sp=cfg.parallel.sp, ep=cfg.moe.ep,
                    zero=cfg.engine.zero_stage, micro_batch=cfg.batch.micro_batch_size, accum=cfg.batch.grad_accum,
-                   recompute=recompute, tp_sequence_parallel=False)
+                   recompute=recompute, tp_sequence_parallel=cfg.parallel.tp_sequence_parallel)
 
     @property
     def ranks(self) -> int:
@@ -137,6 +137,8 @@ class Layout:
             out["ac"] = 1 if self.recompute == "full" else self.recompute
         if self.offload:
             out["offload"] = "cpu"
+        if self.tp > 1 and self.tp_sequence_parallel:
+            out["tpsp"] = 1
         return out
 
     @classmethod
@@ -144,7 +146,8 @@ class Layout:
         ac = d.get("ac")
         return cls(dp=d["dp"], tp=d.get("tp", 1), pp=d.get("pp", 1), sp=d.get("sp", 1), ep=d.get("ep", 1),
                    zero=d["zero"], micro_batch=d["micro"], accum=d["accum"], offload=d.get("offload") == "cpu",
-                   recompute="none" if not ac else "full" if ac == 1 else str(ac), tp_sequence_parallel=False)
+                   recompute="none" if not ac else "full" if ac == 1 else str(ac),
+                   tp_sequence_parallel=bool(d.get("tpsp")))
 
     def describe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
@@ -152,7 +155,9 @@ class Layout:
     def set_lines(self) -> list[str]:
         """The `--set` overrides that run this layout (what `lifecycle plan layout` prints)."""
         return [f"train.batch.num_ranks={self.ranks}", f"train.parallel.tp={self.tp}", f"train.parallel.pp={self.pp}",
-                f"train.parallel.sp={self.sp}", f"train.engine.zero_stage={self.zero}",
+                f"train.parallel.sp={self.sp}",
+                f"train.parallel.tp_sequence_parallel={str(self.tp > 1 and self.tp_sequence_parallel).lower()}",
+                f"train.engine.zero_stage={self.zero}",
                 f"train.batch.micro_batch_size={self.micro_batch}", f"train.batch.grad_accum={self.accum}",
                 "train.engine.activation_checkpointing="
                 + {"none": "false", "full": "true", "selective": "selective"}[self.recompute]]

@@ -56,7 +56,7 @@ class Parallelism:
         elif cfg.parallel.tp > 1:
             from lifecycle.tasks.train.parallel.tp import TPGroup, shard_model
 
-            model = shard_model(model, TPGroup.of(self.mesh))
+            model = shard_model(model, TPGroup.of(self.mesh), cfg.parallel.tp_sequence_parallel)
         if self.moe:  # expert-parallel groups made here
             moe.install(model, cfg)
         return model

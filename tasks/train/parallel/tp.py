@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lifecycle.tasks.train.config import ModelConfig
-from lifecycle.tasks.train.model import GPT, CausalSelfAttention, MLP, apply_rope
+from lifecycle.tasks.train.model import GPT, MLP, CausalSelfAttention, RMSNorm, apply_rope
 
 __all__ = ["TPGroup", "split_spec", "shard_tensor", "merge_tensors", "shard_model", "TensorParallelGPT",
            "dense_from_checkpoint"]
@@ -167,6 +167,106 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
+# Megatron's sequence parallelism (Korthikanti et al. 2022, section 4.2.2): between the blocks' matmuls each tp
+# rank holds 1/t of the sequence (dim 1), so the norms and residual adds work on a slice and keep a slice; f and g
+# become an all-gather along the sequence (backward: reduce-scatter) and a reduce-scatter (backward: all-gather).
+
+
+def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group, this rank's slice of dim 1 (an all-reduce, then the slice: gloo has no
+    reduce-scatter, and the values are the same)."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return _own_slice(out, group)
+
+
+def _own_slice(x: torch.Tensor, group) -> torch.Tensor:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(n, dim=1)[r].contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Before a column-parallel matmul: the whole sequence from the slices; backward, the gradient summed over
+    the group and sliced."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """After a row-parallel matmul: the partial outputs summed, this rank's slice kept; backward, all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _SliceSeq(torch.autograd.Function):
+    """Into the blocks: a replicated tensor's slice; backward, the slices' gradients gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _UnsliceSeq(torch.autograd.Function):
+    """Out of the blocks: the whole sequence, used alike on every rank after; backward, this rank's slice of the
+    (identical) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.group), None
+
+
+def _sequence_parallel_norm(self, x: torch.Tensor) -> torch.Tensor:
+    """forward of a norm on this rank's slice of the sequence: its weight enters through f, so its gradient is
+    summed over the tp group (each rank saw other tokens) and every rank holds the whole, replicated gradient."""
+    w = copy_to_tp(self.weight, self.tp.group)
+    if isinstance(self, RMSNorm):
+        return self.normalize(x, w)
+    return F.layer_norm(x, self.normalized_shape, w, self.bias, self.eps)
+
+
+_SP_NORMS: dict[type, type] = {}
+
+
+def sequence_parallel_norm_(norm: nn.Module, tp: "TPGroup") -> None:
+    """Make `norm` (RMSNorm or LayerNorm) a sequence-parallel norm in place: its class changes, its parameter
+    and its name in the state dict do not."""
+    base = type(norm)
+    if base not in _SP_NORMS:
+        _SP_NORMS[base] = type(f"SequenceParallel{base.__name__}", (base,), {"forward": _sequence_parallel_norm})
+    norm.__class__ = _SP_NORMS[base]
+    norm.tp = tp
+
+
 # --------------------------------------------------------------------------------------------------
 # the layers
 
@@ -185,13 +285,18 @@ def _shard_linear_(linear: nn.Linear, cfg: ModelConfig, prefix: str, tp: TPGroup
     linear.out_features, linear.in_features = linear.weight.shape
 
 
+def _leave_tp(y: torch.Tensor, tp: TPGroup, seq_parallel: bool) -> torch.Tensor:
+    """g after a row-parallel matmul: summed over the tp group (whole, or this rank's sequence slice)."""
+    return _ReduceScatterSeq.apply(y, tp.group) if seq_parallel else reduce_from_tp(y, tp.group)
+
+
 class TPAttention(nn.Module):
     """Causal self-attention over this rank's heads: column-parallel qkv, row-parallel proj."""
 
-    def __init__(self, dense: CausalSelfAttention, prefix: str, tp: TPGroup):
+    def __init__(self, dense: CausalSelfAttention, prefix: str, tp: TPGroup, seq_parallel: bool = False):
         super().__init__()
         cfg = self.cfg = dense.cfg
-        self.tp = tp
+        self.tp, self.seq_parallel = tp, seq_parallel
         self.n_head, self.kv_heads = cfg.n_head // tp.size, cfg.kv_heads // tp.size
         self.q_dim, self.kv_dim = self.n_head * cfg.head_dim, self.kv_heads * cfg.head_dim
         _shard_linear_(dense.qkv, cfg, f"{prefix}.qkv", tp)
@@ -199,9 +304,10 @@ class TPAttention(nn.Module):
         self.qkv, self.proj, self.resid_drop = dense.qkv, dense.proj, dense.resid_drop
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = _GatherSeq.apply(x, self.tp.group) if self.seq_parallel else copy_to_tp(x, self.tp.group)
         B, T, _ = x.shape
         hd = self.cfg.head_dim
-        q, k, v = self.qkv(copy_to_tp(x, self.tp.group)).split([self.q_dim, self.kv_dim, self.kv_dim], dim=2)
+        q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=2)
         q = q.view(B, T, self.n_head, hd).transpose(1, 2)
         k, v = (t.view(B, T, self.kv_heads, hd).transpose(1, 2) for t in (k, v))
         if rope is not None:
@@ -209,27 +315,27 @@ class TPAttention(nn.Module):
         # dropout is refused with tp > 1 (config): masks would need a tp-aware RNG stream (Megatron's tracker)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, self.q_dim)
-        return self.resid_drop(reduce_from_tp(self.proj(y), self.tp.group))
+        return self.resid_drop(_leave_tp(self.proj(y), self.tp, self.seq_parallel))
 
 
 class TPMLP(nn.Module):
     """GELU or SwiGLU MLP over this rank's hidden units: column-parallel up (gate|up fused), row-parallel down."""
 
-    def __init__(self, dense: MLP, prefix: str, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, dense: MLP, prefix: str, cfg: ModelConfig, tp: TPGroup, seq_parallel: bool = False):
         super().__init__()
-        self.kind, self.tp = dense.kind, tp
+        self.kind, self.tp, self.seq_parallel = dense.kind, tp, seq_parallel
         _shard_linear_(dense.up, cfg, f"{prefix}.up", tp)
         _shard_linear_(dense.down, cfg, f"{prefix}.down", tp)
         self.up, self.down, self.drop = dense.up, dense.down, dense.drop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(copy_to_tp(x, self.tp.group))
+        h = self.up(_GatherSeq.apply(x, self.tp.group) if self.seq_parallel else copy_to_tp(x, self.tp.group))
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
-        return self.drop(reduce_from_tp(self.down(h), self.tp.group))
+        return self.drop(_leave_tp(self.down(h), self.tp, self.seq_parallel))
 
 
 class TensorParallelGPT(GPT):
@@ -240,6 +346,13 @@ class TensorParallelGPT(GPT):
     `lifecycle export hf` see the model a single rank would have trained."""
 
     collective_export = True
+    seq_parallel = False
+
+    def enter_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return _SliceSeq.apply(x, self.tp.group) if self.seq_parallel else x
+
+    def leave_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return _UnsliceSeq.apply(x, self.tp.group) if self.seq_parallel else x
 
     def export_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         state = gather_dense(self.cfg, {n: p.detach().float() for n, p in self.named_parameters()}, self.tp)
@@ -271,17 +384,21 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
             raise ValueError(f"train.parallel.tp={tp} must divide the model's {what} ({n})")
 
 
-def shard_model(model: GPT, tp: TPGroup) -> TensorParallelGPT:
+def shard_model(model: GPT, tp: TPGroup, seq_parallel: bool = False) -> TensorParallelGPT:
     """Turn a dense GPT (the same initial weights on every rank) into this rank's tp shard, in place; returns it.
-    Parameter names are unchanged; split ones get their local shapes."""
+    Parameter names are unchanged; split ones get their local shapes. `seq_parallel`: Megatron's sequence
+    parallelism between the matmuls (the norms wrapped, not renamed: their weights keep their names)."""
     check_divisible(model.cfg, tp.size)
     if tp.size == 1:
         raise ValueError("shard_model needs a tp group of 2 or more ranks")
     for i, block in enumerate(model.blocks):
-        block.attn = TPAttention(block.attn, f"blocks.{i}.attn", tp)
-        block.mlp = TPMLP(block.mlp, f"blocks.{i}.mlp", model.cfg, tp)
+        block.attn = TPAttention(block.attn, f"blocks.{i}.attn", tp, seq_parallel)
+        block.mlp = TPMLP(block.mlp, f"blocks.{i}.mlp", model.cfg, tp, seq_parallel)
+        if seq_parallel:
+            sequence_parallel_norm_(block.norm1, tp)
+            sequence_parallel_norm_(block.norm2, tp)
     model.__class__ = TensorParallelGPT  # same attributes; export and load become tp-aware (num_params: this rank's)
-    model.tp = tp
+    model.tp, model.seq_parallel = tp, seq_parallel
     model.universal_checkpoint_info = universal_checkpoint_info(model.cfg, tp.size)  # saved by DeepSpeed
     return model
 

@@ -23,6 +23,9 @@ def check(cfg: "TrainConfig") -> None:
         sp.check(cfg)
     if par.tp > 1:
         tp.check(cfg)
+    elif par.tp_sequence_parallel:
+        raise ValueError("train.parallel.tp_sequence_parallel needs train.parallel.tp > 1 (it splits the sequence "
+                         "inside a tensor-parallel group)")
     if par.pp > 1:
         pp.check(cfg)
     if cfg.moe.num_experts:

@@ -24,11 +24,20 @@ def check(cfg: "TrainConfig") -> None:
     if moe.every > cfg.model.n_layer:
         raise ValueError(f"{pre}.every ({moe.every}) exceeds train.model.n_layer ({cfg.model.n_layer}): "
                          "no block would get an MoE MLP")
-    if cfg.parallel.model_parallel > 1:
-        raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.parallel tp·pp·sp = "
-                         f"{cfg.parallel.model_parallel}: mixture of experts composes with data parallelism "
-                         "only here (DeepSpeed's expert tensor parallelism and MoE inside a PipelineModule "
-                         "are not wired)")
+    if cfg.parallel.pp > 1:
+        raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.parallel.pp={cfg.parallel.pp}: DeepSpeed's "
+                         "MoE layer returns (output, load-balancing loss, expert counts) "
+                         "(deepspeed/moe/layer.py, MoE.forward) and its pipeline engine passes one activation "
+                         "between stages and takes the loss from the last stage only "
+                         "(deepspeed/runtime/pipe/engine.py, PipelineEngine._exec_forward_pass), so the earlier "
+                         "stages' balancing losses would be dropped; not built: use experts over dp")
+    if cfg.parallel.tp > 1 or cfg.parallel.sp > 1:
+        raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.parallel tp={cfg.parallel.tp}, "
+                         f"sp={cfg.parallel.sp}: DeepSpeed's expert tensor parallelism "
+                         "(enable_expert_tensor_parallelism, deepspeed/moe/layer.py) splits experts over the "
+                         "groups of its own mpu (deepspeed/utils/groups.py, _create_expert_data_and_model_parallel), "
+                         "not over this trainer's tp layers, and the sequence-parallel ranks are left out of the "
+                         "expert-data-parallel groups; not built: use experts over dp")
     if cfg.engine.zero_stage == 3:
         raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.engine.zero_stage=3: DeepSpeed's "
                          "MoE layer (deepspeed.moe.layer.MoE) is not supported under ZeRO-3 (its engine "

@@ -36,3 +36,11 @@ def check(cfg: "TrainConfig") -> None:
         raise ValueError(f"train.parallel.tp={tp} with sp={cfg.parallel.sp}: Ulysses sequence parallelism inside "
                          "a tp group is not built (its all-to-all would split each rank's n_head/tp heads again, "
                          "and nothing tests it); use tp × pp × dp, or sp × dp")
+    if cfg.parallel.tp_sequence_parallel:
+        if cfg.parallel.pp > 1:
+            raise ValueError(f"train.parallel.tp_sequence_parallel with pp={cfg.parallel.pp}: a pipeline stage would "
+                             "pass sequence slices between stages, which DeepSpeed's pipeline engine partitions "
+                             "itself (pipe_partitioned); not built: use tp_sequence_parallel with tp × dp")
+        if m.seq_len % tp:
+            raise ValueError(f"train.parallel.tp_sequence_parallel: train.model.seq_len ({m.seq_len}) must be "
+                             f"divisible by tp ({tp}): each tp rank keeps an equal slice of every sequence")
