@@ -191,58 +191,38 @@ def _own_slice(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(n, dim=1)[r].contiguous()
 
 
-class _GatherSeq(torch.autograd.Function):
-    """Before a column-parallel matmul: the whole sequence from the slices; backward, the gradient summed over
-    the group and sliced."""
+class _SeqOp(torch.autograd.Function):
+    """A sequence-dimension collective `forward` whose backward is `backward` (both (tensor, group) -> tensor)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
+    def forward(ctx, x, group, forward, backward):
+        ctx.group, ctx.backward_fn = group, backward
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Before a column-parallel matmul: the whole sequence from the slices; backward, summed and sliced."""
+    return _SeqOp.apply(x, group, _all_gather_seq, _reduce_scatter_seq)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     """After a row-parallel matmul: the partial outputs summed, this rank's slice kept; backward, all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
+    return _SeqOp.apply(x, group, _reduce_scatter_seq, _all_gather_seq)
 
 
-class _SliceSeq(torch.autograd.Function):
+def slice_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Into the blocks: a replicated tensor's slice; backward, the slices' gradients gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _own_slice(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
+    return _SeqOp.apply(x, group, _own_slice, _all_gather_seq)
 
 
-class _UnsliceSeq(torch.autograd.Function):
+def unslice_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Out of the blocks: the whole sequence, used alike on every rank after; backward, this rank's slice of the
     (identical) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_slice(grad, ctx.group), None
+    return _SeqOp.apply(x, group, _all_gather_seq, _own_slice)
 
 
 def _sequence_parallel_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +267,7 @@ def _shard_linear_(linear: nn.Linear, cfg: ModelConfig, prefix: str, tp: TPGroup
 
 def _leave_tp(y: torch.Tensor, tp: TPGroup, seq_parallel: bool) -> torch.Tensor:
     """g after a row-parallel matmul: summed over the tp group (whole, or this rank's sequence slice)."""
-    return _ReduceScatterSeq.apply(y, tp.group) if seq_parallel else reduce_from_tp(y, tp.group)
+    return reduce_scatter_seq(y, tp.group) if seq_parallel else reduce_from_tp(y, tp.group)
 
 
 class TPAttention(nn.Module):
@@ -304,7 +284,7 @@ class TPAttention(nn.Module):
         self.qkv, self.proj, self.resid_drop = dense.qkv, dense.proj, dense.resid_drop
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = _GatherSeq.apply(x, self.tp.group) if self.seq_parallel else copy_to_tp(x, self.tp.group)
+        x = gather_seq(x, self.tp.group) if self.seq_parallel else copy_to_tp(x, self.tp.group)
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=2)
@@ -329,7 +309,7 @@ class TPMLP(nn.Module):
         self.up, self.down, self.drop = dense.up, dense.down, dense.drop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(_GatherSeq.apply(x, self.tp.group) if self.seq_parallel else copy_to_tp(x, self.tp.group))
+        h = self.up(gather_seq(x, self.tp.group) if self.seq_parallel else copy_to_tp(x, self.tp.group))
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
@@ -349,10 +329,10 @@ class TensorParallelGPT(GPT):
     seq_parallel = False
 
     def enter_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        return _SliceSeq.apply(x, self.tp.group) if self.seq_parallel else x
+        return slice_seq(x, self.tp.group) if self.seq_parallel else x
 
     def leave_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        return _UnsliceSeq.apply(x, self.tp.group) if self.seq_parallel else x
+        return unslice_seq(x, self.tp.group) if self.seq_parallel else x
 
     def export_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         state = gather_dense(self.cfg, {n: p.detach().float() for n, p in self.named_parameters()}, self.tp)
