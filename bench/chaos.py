@@ -13,6 +13,8 @@ work dir and injects one fault at a uniformly random moment of it:
 - `disk_full`: the work dir's file system (a tmpfs of its own; needs root) is filled to the last byte.
 - `byte_flip`: one byte flipped in a committed file (a dataset part or a checkpoint file, chosen at random).
 - `tracking_dead`: the run logs to an `mlflow server`, which is SIGKILLed.
+- `hostile_base_model`, `sandbox_abuse`, `server_killed` (a server's main process SIGKILLed under `lifecycle up`):
+  see bench/chaos_faults.py.
 
 A round passes when it ends within its bound in one of two ways: the run completes with outputs identical to the
 reference, or it fails with a clear message (a final `lifecycle:` line, no traceback; a SIGKILLed flow has none
@@ -52,10 +54,14 @@ sys.path.insert(0, str(ROOT))
 from lifecycle.core.fs import sha256_file  # noqa: E402
 from lifecycle.core.procs import free_port  # noqa: E402
 from lifecycle.flows.startup.servers import commands  # noqa: E402
+from bench.chaos_faults import (STATIC, UpServers, hostile_base_model, sandbox_leftovers,  # noqa: E402
+                                sandbox_problems, sandbox_problems_check)
 CONFIG = ROOT / "deploy" / "configs" / "demo.yaml"
 OVERRIDES = [f'collect.inputs=["{ROOT}/corpus/python-docs/*.jsonl.gz"]', "train.max_steps=30", "train.checkpoint.every=10", "train.optimizer.warmup_steps=5",
              "evaluate.max_batches=10"]
-FAULTS = ("flow_sigkill", "flow_sigterm", "rank_sigkill", "rank_sigstop", "disk_full", "byte_flip", "tracking_dead")
+FAULTS = ("flow_sigkill", "flow_sigterm", "rank_sigkill", "rank_sigstop", "disk_full", "byte_flip", "tracking_dead",
+          "hostile_base_model", "sandbox_abuse", "server_killed")
+NOT_COMPARED = {"sandbox_abuse": ("dataset:evaluate",)}  # outputs a fault's own config changes
 TMPFS_SIZE = "2g"
 MESSAGE = re.compile(r"lifecycle( run)?: (?!warning: )")  # the run's own error line, e.g. `lifecycle run: run failed: ...`, not a warning
 PACKAGE_CONTENT = ("model.safetensors", "model_config.json", "tokenizer.json")
@@ -249,7 +255,7 @@ class TrackingServer:
 # ------------------------------------------------------------------------------------------- rounds
 
 def inject(fault: str, run: Run, rng: random.Random, t_ref: float, train_window: tuple[float, float],
-           server: TrackingServer | None) -> str:
+           server: TrackingServer | None, ups: UpServers | None = None) -> str:
     """Wait for the fault's moment and inject it; returns what was done ('' if the run ended first)."""
     if fault in ("rank_sigkill", "rank_sigstop"):  # a uniform moment of training, counted from the first rank
         while not ranks_of(run.workdir):
@@ -292,6 +298,9 @@ def inject(fault: str, run: Run, rng: random.Random, t_ref: float, train_window:
     if fault == "tracking_dead":
         server.kill()
         return f"tracking server killed {when}"
+    if fault == "server_killed":
+        done = ups.kill_main(rng)
+        return f"{done} {when}" if done else ""
     raise ValueError(fault)
 
 
@@ -335,10 +344,19 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
         server.start()
         extra = [f"tracking.tracking_uri={server.uri}"]
     rec = {"round": i, "fault": fault, "outcome": "FAIL", "problems": []}
+    ups, faulty, sandbox_before = None, [], sandbox_leftovers() if fault == "sandbox_abuse" else None
     try:
         runner_log = warm_up(round_dir, workdir, extra, bound) if warm else None
-        run = Run(round_dir, workdir, extra)
-        rec["injected"] = inject(fault, run, rng, t_ref, train_window, server)
+        if fault == "hostile_base_model":
+            faulty, rec["injected"] = hostile_base_model(round_dir, rng)
+        elif fault == "sandbox_abuse":
+            faulty, rec["injected"] = sandbox_problems(round_dir, workdir)
+        elif fault == "server_killed":
+            ups = UpServers(round_dir, workdir)
+            ups.up()
+        run = Run(round_dir, workdir, extra + faulty)
+        if fault not in STATIC:
+            rec["injected"] = inject(fault, run, rng, t_ref, train_window, server, ups)
         rc, secs = run.wait(bound)
         rec.update(rc=rc, seconds=round(secs, 1), promotions=promotions(workdir))
         if runner_log:  # the runner logs each run it forks: the faulted run must be one
@@ -358,7 +376,7 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
         if rec["leftover"]:
             rec["problems"].append(f"processes outlived the run: {rec['leftover']}")
         if rc == 0:
-            diff = compare(outputs(run.summary()), ref)
+            diff = [k for k in compare(outputs(run.summary()), ref) if not k.startswith(NOT_COMPARED.get(fault, ()))]
             if diff:
                 rec["problems"].append(f"completed with different outputs: {diff}")
             rec["ended"] = "completed"
@@ -367,10 +385,14 @@ def one_round(i: int, fault: str, base: Path, rng: random.Random, ref: dict, t_r
             rec["message"] = run.last_error_line()
             if fault != "flow_sigkill" and (run.traceback() or not rec["message"]):
                 rec["problems"].append(f"unclear failure message: {rec['message']!r}")
+        if sandbox_before is not None:
+            rec["problems"] += sandbox_problems_check(sandbox_before, run.summary())
         # the fault is over: free the disk, restart the server, rerun where needed
         (workdir.parent / "filler").unlink(missing_ok=True)
         if server:
             server.start()
+        if ups and rc != 0:
+            ups.up()  # `leftovers` ran `lifecycle down`
         if rc != 0 or fault == "byte_flip":
             rerun = Run(round_dir, workdir, extra)
             rrc, rsecs = rerun.wait(bound)
