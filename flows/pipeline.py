@@ -93,71 +93,11 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
     shards = ShardRunner(cfg.orchestration, timing)
     if not collect_committed(cfg.collect, cfg.workdir, inputs):  # a rerun that reuses collect starts none early
         shards.start_soon()  # the data stages' workers start while MLflow sets up
-    try:
-        tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
-        summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,
-                             prefect_flow_run_id=str(flow_run.id))
-        summary.timing = timing  # the very dict the workers' start thread writes to (pydantic would copy it)
-        logger = _Logger(tracker, summary, reporter)
-        run = StageRunner(cfg, summary, until, on_done=logger.stage_done, shards=shards, reporter=reporter)
-        # the parent run is named after the pipeline (one parent per config; the Prefect flow run is a tag)
-        summary.mlflow_run_id = tracker.start(run_name=cfg.name, config=cfg, tags={
-            "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
-            **tags})
-    except BaseException:
-        shards.close()  # the workers started above
-        raise
+    tracker, summary, logger, run = _open_run(cfg, until, flow_run, tags, timing, reporter, shards)
     timing["tracker_ready"] = time.time()
     try:
-        init_weights, tokenize_cfg = None, None
-        warm = cfg.train.init_from == "champion" and run.wants(TOKENIZE)
-        scoring = enabled(PERPLEXITY, cfg) and run.wants(PERPLEXITY)
-        # the champion as this run starts (before it registers a model of its own), looked up once for both,
-        # before any stage computes
-        registry = Registry(tracker) if warm or scoring else None
-        champion = registry.champion_package() if registry is not None else None
-        taint = registry.champion_taint() if champion is not None else None  # never a warm start nor a scorer
-        if warm:
-            init_weights, tokenize_cfg = _warm_start(tracker, champion, taint, cfg, summary, reporter)
-        docs = run(COLLECT, inputs=inputs)  # after the registry lookup: a server that fails, fails before compute
-        kept = run(FILTER, docs)
-        unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
-        clean = run(SCRUB, unique)
-        # optional, off by default: tokenize then reads scrub's output
-        for stage in (DECONTAMINATE, QUALITY, PERPLEXITY, SELECT):
-            if not enabled(stage, cfg) or not run.wants(stage):
-                continue
-            if stage is PERPLEXITY:
-                model, why = (None, tainted_reason(taint)) if taint else _scoring_model(champion)
-                if model is None:
-                    _skip(tracker, summary, stage, why, reporter)
-                    continue
-                clean = run(stage, clean, model=model)
-            elif stage is SELECT and cfg.select.column == PERPLEXITY_COLUMN and PERPLEXITY.name in summary.skipped:
-                _skip(tracker, summary, stage, f"select.column is {PERPLEXITY_COLUMN}, which was not scored "
-                                               f"(perplexity skipped: {summary.skipped[PERPLEXITY.name]})", reporter)
-            else:
-                clean = run(stage, clean)
-        tokens = run(TOKENIZE, clean, config=tokenize_cfg)
-        trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None,
-                      on_metrics=reporter.train_metrics)
-        scores = run(EVALUATE, trained, tokens,  # the data checks ran at tokenize, before training
-                     progress=lambda text: reporter.progress("evaluate", text))
-        model = run(CHECKPOINT, trained, tokens)
-        if model is not None:
-            _register(tracker, summary, model, cfg, scores, reporter)
-        _log_charts(tracker, summary, trained)
-        tracker.log_parent_metrics({k: v for k, v in summary.metrics.items() if isinstance(v, (int, float))})
-        tracker.log_parent_datasets([docs], "source")  # what the run read, and what it trained on
-        tracker.log_parent_datasets([t for t in (tokens,) if t is not None], "training")
-        # every completed run records its raw files, so that a later incremental run skips them
-        n = plain_task(record_collected, "record-collected")(cfg.workdir, docs)
-        print(f"[collect] ledger: {n} new input file(s) recorded in {cfg.workdir}/collected.parquet")
-        # <workdir>/latest/<stage>: this run's datasets, and no link left from an earlier run past its --until
-        point_latest(cfg.workdir, latest_targets(summary.datasets, summary.checkpoint), only=True)
-        summary.status = "completed"
-        tracker.end("FINISHED")
-        _update_catalog(cfg.workdir, with_models=True)  # the registry as this run left it
+        docs, tokens, trained = _run_stages(run, inputs, cfg, tracker, summary, reporter)
+        _finish(cfg, tracker, summary, docs, tokens, trained)
     except BaseException as e:
         signame = interrupt_of(e)
         try:
@@ -174,6 +114,92 @@ def _pipeline(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
     return summary.model_dump()
 
 
+def _open_run(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, str], timing: dict,
+              reporter: Reporter, shards: ShardRunner):
+    """(tracker, summary, stage logger, stage runner), with the MLflow parent run started; the shard workers are
+    stopped if any of it fails."""
+    try:
+        tracker = Tracker(cfg.tracking, cfg.workdir, cfg.name)
+        summary = RunSummary(workdir=cfg.workdir, mlflow_tracking_uri=tracker.uri,
+                             prefect_flow_run_id=str(flow_run.id))
+        summary.timing = timing  # the very dict the workers' start thread writes to (pydantic would copy it)
+        logger = _Logger(tracker, summary, reporter)
+        run = StageRunner(cfg, summary, until, on_done=logger.stage_done, shards=shards, reporter=reporter)
+        # the parent run is named after the pipeline (one parent per config; the Prefect flow run is a tag)
+        summary.mlflow_run_id = tracker.start(run_name=cfg.name, config=cfg, tags={
+            "prefect.flow_run_id": str(flow_run.id), "lifecycle.workdir": cfg.workdir, "lifecycle.until": until or "end",
+            **tags})
+    except BaseException:
+        shards.close()  # the workers started above
+        raise
+    return tracker, summary, logger, run
+
+
+def _run_stages(run: StageRunner, inputs, cfg: PipelineConfig, tracker: Tracker, summary: RunSummary,
+                reporter: Reporter):
+    """The diagram, one stage per line; (collect's, tokenize's and train's outputs) for the end of the run."""
+    init_weights, tokenize_cfg = None, None
+    warm = cfg.train.init_from == "champion" and run.wants(TOKENIZE)
+    scoring = enabled(PERPLEXITY, cfg) and run.wants(PERPLEXITY)
+    # the champion as this run starts (before it registers a model of its own), looked up once for both,
+    # before any stage computes
+    registry = Registry(tracker) if warm or scoring else None
+    champion = registry.champion_package() if registry is not None else None
+    taint = registry.champion_taint() if champion is not None else None  # never a warm start nor a scorer
+    if warm:
+        init_weights, tokenize_cfg = _warm_start(tracker, champion, taint, cfg, summary, reporter)
+    docs = run(COLLECT, inputs=inputs)  # after the registry lookup: a server that fails, fails before compute
+    kept = run(FILTER, docs)
+    unique = run(DEDUP, kept, memory_limit=cfg.orchestration.dedup_memory_limit)
+    clean = run(SCRUB, unique)
+    clean = _optional_stages(run, clean, cfg, champion, taint, tracker, summary, reporter)
+    tokens = run(TOKENIZE, clean, config=tokenize_cfg)
+    trained = run(TRAIN, tokens, init_weights=str(init_weights) if init_weights else None,
+                  on_metrics=reporter.train_metrics)
+    scores = run(EVALUATE, trained, tokens,  # the data checks ran at tokenize, before training
+                 progress=lambda text: reporter.progress("evaluate", text))
+    model = run(CHECKPOINT, trained, tokens)
+    if model is not None:
+        _register(tracker, summary, model, cfg, scores, reporter)
+    return docs, tokens, trained
+
+
+def _optional_stages(run: StageRunner, clean, cfg: PipelineConfig, champion, taint, tracker: Tracker,
+                     summary: RunSummary, reporter: Reporter):
+    """Optional, off by default: decontaminate, quality, perplexity, select; tokenize then reads scrub's output."""
+    for stage in (DECONTAMINATE, QUALITY, PERPLEXITY, SELECT):
+        if not enabled(stage, cfg) or not run.wants(stage):
+            continue
+        if stage is PERPLEXITY:
+            model, why = (None, tainted_reason(taint)) if taint else _scoring_model(champion)
+            if model is None:
+                _skip(tracker, summary, stage, why, reporter)
+                continue
+            clean = run(stage, clean, model=model)
+        elif stage is SELECT and cfg.select.column == PERPLEXITY_COLUMN and PERPLEXITY.name in summary.skipped:
+            _skip(tracker, summary, stage, f"select.column is {PERPLEXITY_COLUMN}, which was not scored "
+                                           f"(perplexity skipped: {summary.skipped[PERPLEXITY.name]})", reporter)
+        else:
+            clean = run(stage, clean)
+    return clean
+
+
+def _finish(cfg: PipelineConfig, tracker: Tracker, summary: RunSummary, docs, tokens, trained) -> None:
+    """The parent run's charts, metrics and datasets, the collected-files ledger, `latest/`, and the catalog."""
+    _log_charts(tracker, summary, trained)
+    tracker.log_parent_metrics({k: v for k, v in summary.metrics.items() if isinstance(v, (int, float))})
+    tracker.log_parent_datasets([docs], "source")  # what the run read, and what it trained on
+    tracker.log_parent_datasets([t for t in (tokens,) if t is not None], "training")
+    # every completed run records its raw files, so that a later incremental run skips them
+    n = plain_task(record_collected, "record-collected")(cfg.workdir, docs)
+    print(f"[collect] ledger: {n} new input file(s) recorded in {cfg.workdir}/collected.parquet")
+    # <workdir>/latest/<stage>: this run's datasets, and no link left from an earlier run past its --until
+    point_latest(cfg.workdir, latest_targets(summary.datasets, summary.checkpoint), only=True)
+    summary.status = "completed"
+    tracker.end("FINISHED")
+    _update_catalog(cfg.workdir, with_models=True)  # the registry as this run left it
+
+
 def funnel_metrics(stats: dict) -> dict[str, float]:
     """MLflow metrics of a dataset's manifest `stats`."""
     out = {k: stats[k] for k in ("rows_in", "rows_kept", "rows_rejected", "bytes_in", "bytes_out") if k in stats}
@@ -188,10 +214,11 @@ class _Logger:
     def __init__(self, tracker: Tracker, summary: RunSummary, reporter: Reporter):
         self.tracker, self.summary, self.reporter = tracker, summary, reporter
         self.parents: dict[str, DatasetRef] = {}
+        self.by_group = {"data": self._data, "train": self._train, "eval": self._eval}  # a stage's group -> its log
 
     def stage_done(self, stage, value, outcome: str, extra: dict, section) -> None:
         self.tracker.stage_run(stage.name, self.summary.timing.get(f"stage_start:{stage.name}"))
-        getattr(self, f"_{stage.group}")(stage, value, outcome, extra, section)
+        self.by_group[stage.group](stage, value, outcome, extra, section)
         self.tracker.finish_stage(stage.name)  # the child run spans the stage, in the UI too
 
     def stage_failed(self, error: BaseException, status: str) -> None:

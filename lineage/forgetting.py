@@ -47,7 +47,7 @@ def taint_versions(cfg, tombstones: list[dict]) -> list[str]:
     among them gives way to the next version without them, and is no longer a warm start. Returns
     "name/version" of the versions tagged (none when nothing was registered yet)."""
     from lifecycle.lineage import catalog as cat
-    from lifecycle.lineage.cli import versions_trained_on
+    from lifecycle.lineage.forget_report import versions_trained_on
 
     tracker = Tracker(cfg.tracking, cfg.workdir, default_experiment=cfg.name)
     if not (Path(cfg.workdir) / "datasets").is_dir():
