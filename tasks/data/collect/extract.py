@@ -1,6 +1,6 @@
 """HTML and WARC readers for collect: main-text extraction with trafilatura, WARC records with warcio.
 
-Both yield the same items as the readers in `tasks/collect.py`: ("ok", record) or ("bad", source_id, reason,
+Both yield the same items as the readers in `tasks/data/collect/readers.py`: ("ok", record) or ("bad", source_id, reason,
 detail). Memory is bounded by `max_doc_bytes`: an HTML file or a WARC payload larger than that is rejected as
 `too_large` after reading at most `max_doc_bytes + 1` bytes of it (warcio skips the rest of the record).
 
