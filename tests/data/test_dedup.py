@@ -138,7 +138,7 @@ def test_signature_batches_do_not_change_the_output(tmp_path, monkeypatch):
     texts = [BASE, BASE.replace("winter", "summer"), "short one", BASE.upper(), BASE.replace("books", "maps")]
     parent = make(tmp_path, texts)
     whole = run_dedup(parent, DedupConfig(), str(tmp_path / "a"))
-    monkeypatch.setattr("lifecycle.tasks.data.dedup.stage.BATCH_DOCS", 2)
+    monkeypatch.setattr("lifecycle.tasks.data.dedup.signatures.BATCH_DOCS", 2)
     batched = run_dedup(parent, DedupConfig(), str(tmp_path / "b"))
     assert batched.sha256 == whole.sha256 and whole.read_rejected().num_rows >= 2
 
