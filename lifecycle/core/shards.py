@@ -213,9 +213,10 @@ _warmed: set[tuple[str, str]] = set()  # (stage module, fingerprint) already war
 
 def warm_worker(plan: StagePlan) -> None:
     """Load, once in this process, what each forked shard process would otherwise load again for itself and
-    lose at its exit: the stage's module, pandas (which pyarrow imports when it builds its first table, 0.5-1 s),
+    lose at its exit: the stage's module, pandas (which pyarrow imports when it builds its first table),
     and whatever the stage's `warm(config)` loads (its stage object's, carried by the plan as `warm_fn`; filter:
-    the language-ID model and the n-gram kernels; dedup's signatures: the MinHash kernel)."""
+    the language-ID model and the n-gram kernels; dedup's signatures: the MinHash kernel). What that saves:
+    docs/benchmarks.md, "Issue 25: shards as plain futures on a forkserver pool"."""
     module = plan.shard_fn.partition(":")[0]
     if (module, plan.fingerprint) in _warmed:
         return
@@ -235,7 +236,8 @@ def freeze_heap() -> None:
     """Before a fork: collect this process's garbage, then move what survives into the collector's permanent
     generation (`gc.freeze`), so that a forked child's collections never visit the objects it inherited. A visit
     writes into each object's header, which makes the kernel copy every page of the parent's heap into the child
-    (copy-on-write): a shard process forked from a pool worker that had run filter held ~180 MB of such copies."""
+    (copy-on-write): docs/benchmarks.md, "Issue 25: 2.3 GB, the same mix at every size, and three fixes it found",
+    measures what a shard process forked from a pool worker that had run filter held of such copies."""
     gc.collect()
     gc.freeze()
 
@@ -282,14 +284,7 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 pid = 0
-                for tmp in plan.building.glob(f".tmp-{plan.shard_dir(index).name}-*"):
-                    shutil.rmtree(tmp, ignore_errors=True)
-                why = (f"made no progress for {timeout_s:g} s (orchestration.shard_timeout_s)" if now - last > timeout_s
-                       else f"ran for more than {limit_s:g} s (orchestration.stage_timeout_s)")
-                raise ShardTimeout(
-                    f"{plan.stage}: shard {index} of {len(plan.shards)} {why}, so its process was killed; a retry or "
-                    f"a rerun builds it again (finished shards are kept). Its inputs: "
-                    f"{', '.join(plan.shards[index])[:300]}")
+                raise _shard_timeout(plan, index, now - last > timeout_s, timeout_s, limit_s)
     finally:
         os.close(r)
         del counter
@@ -304,6 +299,20 @@ def run_shard_watched(plan: StagePlan, index: int, timeout_s: float | None = Non
     if kind == "error":
         raise value
     return value
+
+
+def _shard_timeout(plan: StagePlan, index: int, stalled: bool, timeout_s: float,
+                   limit_s: float | None) -> ShardTimeout:
+    """A killed shard (it stalled, or ran past the stage's limit): its partial output removed, and the ShardTimeout
+    that names the stage, the shard and its inputs."""
+    for tmp in plan.building.glob(f".tmp-{plan.shard_dir(index).name}-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    why = (f"made no progress for {timeout_s:g} s (orchestration.shard_timeout_s)" if stalled
+           else f"ran for more than {limit_s:g} s (orchestration.stage_timeout_s)")
+    return ShardTimeout(
+        f"{plan.stage}: shard {index} of {len(plan.shards)} {why}, so its process was killed; a retry or "
+        f"a rerun builds it again (finished shards are kept). Its inputs: "
+        f"{', '.join(plan.shards[index])[:300]}")
 
 
 def _exit_text(status: int) -> str:
@@ -348,7 +357,8 @@ PER_FILE_SHARD_BYTES = 1 << 20  # consecutive parent files smaller than this sha
 def group_files(files: list[tuple[str, int]], size: int) -> list[list[str]]:
     """(path, bytes) in order -> shards: consecutive files while their bytes stay within `size`; a larger file
     is a shard of its own (collect's input files; a per-file stage's parent files, where a shard costs a task
-    and a process, 0.2-0.5 s on a busy 2-core machine, more than scrubbing the 15 documents of a 40 KB file)."""
+    and a process, more than scrubbing a small file: docs/benchmarks.md, "Issue 25: shards as plain futures on a
+    forkserver pool")."""
     shards: list[list[str]] = []
     held = size
     for path, n in files:

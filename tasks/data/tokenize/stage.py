@@ -255,10 +255,67 @@ def _train_bpe(files: list[Path], cfg: TokenizeConfig, val: set[str], tok_path: 
 
 
 def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter) -> dict:
-    from tokenizers import Tokenizer
-
     files = parent.files()
     tok_path = writer.path("tokenizer.json")
+    tok, vs, framing = _tokenizer(files, cfg, writer, tok_path)
+    vocab_size, bos, eot_id = _framing_ids(tok, cfg, framing)
+    dtype = token_dtype(vocab_size)
+    out = _TokenShards(writer, dtype, score_columns(parent))
+    stats = ds.StageStats()
+    rejected: list[dict] = []
+    try:
+        for batch in iter_docs(files, cfg.batch_size, [f.name for f in out.scores]):
+            ids = batch.column("doc_id").to_pylist()
+            sources = batch.column("source_id").to_pylist()
+            texts = batch.column("text").to_pylist()
+            stats.rows_in += len(ids)
+            stats.bytes_in += sum(len(t.encode()) for t in texts if t)
+            encodings = tok.encode_batch([t or "" for t in texts], add_special_tokens=False)
+            extra = [batch.column(f.name).to_pylist() for f in out.scores]
+            for j, (doc_id, source_id, enc) in enumerate(zip(ids, sources, encodings)):
+                if not enc.ids:
+                    rejected.append({"doc_id": doc_id, "source_id": source_id, "reason": "empty_after_tokenize",
+                                     "detail": "text is null or encodes to zero tokens"})
+                    stats.rejected["empty_after_tokenize"] += 1
+                    continue
+                split = "val" if doc_id in vs.val else "train"
+                out.add(doc_id, source_id, split, bos, enc.ids, eot_id, [c[j] for c in extra])
+            if len(out.rows["doc_id"]) >= SIDE_ROWS_PER_FILE:
+                out.flush_rows(stats)
+        out.flush_rows(stats)
+    finally:
+        out.close()
+    for s in SPLITS:
+        writer.add_file(out.shards[s], kind="extra")
+    if rejected:
+        writer.write_table(ds.rejected_table(rejected, NAME), kind="rejected")
+    offsets, docs = out.offsets, out.docs
+    stats.bytes_out = sum(offsets.values()) * dtype.itemsize
+    stats.counters.update({f"tokens_{s}": offsets[s] for s in SPLITS} | {f"docs_{s}": docs[s] for s in SPLITS})
+    vs.tokens = offsets["val"]
+    overlap = _overlap(files, cfg, vs, writer)
+    return {
+        "stats": stats,
+        "extra": {
+            "tokenizer_sha256": fs.sha256_file(tok_path),
+            "tokenizer_file": "tokenizer.json",
+            "dtype": dtype.name,
+            "vocab_size": vocab_size,
+            "eot_id": eot_id,
+            "num_tokens": dict(offsets),
+            "num_docs": dict(docs),
+            "shards": {s: [out.shards[s]] for s in SPLITS},
+            "val_split": vs.summary(),
+            "contamination": overlap | {"ngram": cfg.contamination_ngram},
+        },
+    }
+
+
+def _tokenizer(files: list[Path], cfg: TokenizeConfig, writer: ds.DatasetWriter, tok_path: Path):
+    """(the tokenizer, the validation split, a base model's framing tokens or None): the given tokenizer copied or
+    a BPE trained (again, if the token floor moved documents into validation), saved with its HF config."""
+    from tokenizers import Tokenizer
+
     given = given_tokenizer(cfg)
     vs = valsplit.docs_floor(files, cfg, iter_docs)
     if given is not None:
@@ -283,7 +340,11 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     tok = Tokenizer.from_file(str(tok_path))  # encode with exactly what was saved
     fs.atomic_write_json(writer.path("tokenizer_config.json"), hf_tokenizer_config(cfg, tok, framing))
     writer.add_file("tokenizer_config.json", kind="extra")
+    return tok, vs, framing
 
+
+def _framing_ids(tok, cfg: TokenizeConfig, framing: base.BaseTokens | None) -> tuple[int, list[int], int]:
+    """(vocab size, the BOS ids before every document, the end-of-text id after it)."""
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     bos = []
     if framing is not None:
@@ -293,63 +354,49 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
         eot_id = tok.token_to_id(cfg.eot_token)
     if eot_id is None:
         raise ValueError(f"tokenize.tokenizer_file {cfg.tokenizer_file} has no token {cfg.eot_token!r} (eot_token)")
-    dtype = token_dtype(vocab_size)
-    shards = {s: shard_name(s) for s in SPLITS}
-    outs = {s: open(writer.path(shards[s]), "wb") for s in SPLITS}
-    offsets = dict.fromkeys(SPLITS, 0)
-    docs = Counter()
-    stats = ds.StageStats()
-    rejected: list[dict] = []
-    scores = score_columns(parent)
-    side_schema = SIDE_SCHEMA
-    for f in scores:
-        side_schema = side_schema.append(f)
-    rows = {name: [] for name in side_schema.names}
+    return vocab_size, bos, eot_id
 
-    def flush_rows() -> None:
-        if rows["doc_id"]:
-            writer.write_table(pa.table(rows, schema=side_schema))
-            stats.rows_kept += len(rows["doc_id"])
-            for col in rows.values():
+
+class _TokenShards:
+    """The token shards (one flat file per split) and the side table: each document's split, shard and token
+    range, with the parent's score columns."""
+
+    def __init__(self, writer: ds.DatasetWriter, dtype: np.dtype, scores: list[pa.Field]):
+        self.writer, self.dtype, self.scores = writer, dtype, scores
+        self.shards = {s: shard_name(s) for s in SPLITS}
+        self.outs = {s: open(writer.path(self.shards[s]), "wb") for s in SPLITS}
+        self.offsets = dict.fromkeys(SPLITS, 0)
+        self.docs: Counter = Counter()
+        self.side_schema = SIDE_SCHEMA
+        for f in scores:
+            self.side_schema = self.side_schema.append(f)
+        self.rows: dict[str, list] = {name: [] for name in self.side_schema.names}
+
+    def add(self, doc_id: str, source_id: str, split: str, bos: list[int], ids: list[int], eot_id: int,
+            extra: list) -> None:
+        arr = np.asarray(bos + ids + [eot_id], dtype=self.dtype)
+        arr.tofile(self.outs[split])
+        start = self.offsets[split] + len(bos)  # a BOS sits just before token_start
+        self.offsets[split] += arr.size
+        self.docs[split] += 1
+        row = (doc_id, source_id, split, self.shards[split], start, self.offsets[split] - 1, *extra)
+        for name, value in zip(self.side_schema.names, row):
+            self.rows[name].append(value)
+
+    def flush_rows(self, stats: ds.StageStats) -> None:
+        if self.rows["doc_id"]:
+            self.writer.write_table(pa.table(self.rows, schema=self.side_schema))
+            stats.rows_kept += len(self.rows["doc_id"])
+            for col in self.rows.values():
                 col.clear()
 
-    try:
-        for batch in iter_docs(files, cfg.batch_size, [f.name for f in scores]):
-            ids = batch.column("doc_id").to_pylist()
-            sources = batch.column("source_id").to_pylist()
-            texts = batch.column("text").to_pylist()
-            stats.rows_in += len(ids)
-            stats.bytes_in += sum(len(t.encode()) for t in texts if t)
-            encodings = tok.encode_batch([t or "" for t in texts], add_special_tokens=False)
-            extra = [batch.column(f.name).to_pylist() for f in scores]
-            for j, (doc_id, source_id, enc) in enumerate(zip(ids, sources, encodings)):
-                if not enc.ids:
-                    rejected.append({"doc_id": doc_id, "source_id": source_id, "reason": "empty_after_tokenize",
-                                     "detail": "text is null or encodes to zero tokens"})
-                    stats.rejected["empty_after_tokenize"] += 1
-                    continue
-                split = "val" if doc_id in vs.val else "train"
-                arr = np.asarray(bos + enc.ids + [eot_id], dtype=dtype)
-                arr.tofile(outs[split])
-                start = offsets[split] + len(bos)  # a BOS sits just before token_start
-                offsets[split] += arr.size
-                docs[split] += 1
-                row = (doc_id, source_id, split, shards[split], start, offsets[split] - 1, *(c[j] for c in extra))
-                for name, value in zip(side_schema.names, row):
-                    rows[name].append(value)
-            if len(rows["doc_id"]) >= SIDE_ROWS_PER_FILE:
-                flush_rows()
-        flush_rows()
-    finally:
-        for f in outs.values():
+    def close(self) -> None:
+        for f in self.outs.values():
             f.close()
-    for s in SPLITS:
-        writer.add_file(shards[s], kind="extra")
-    if rejected:
-        writer.write_table(ds.rejected_table(rejected, NAME), kind="rejected")
-    stats.bytes_out = sum(offsets.values()) * dtype.itemsize
-    stats.counters.update({f"tokens_{s}": offsets[s] for s in SPLITS} | {f"docs_{s}": docs[s] for s in SPLITS})
-    vs.tokens = offsets["val"]
+
+
+def _overlap(files: list[Path], cfg: TokenizeConfig, vs, writer: ds.DatasetWriter) -> dict:
+    """The train/validation overlap check (checks.py); its report goes into the dataset."""
 
     def batches():
         for b in iter_docs(files, cfg.batch_size):
@@ -358,21 +405,7 @@ def _build(parent: ds.DatasetRef, cfg: TokenizeConfig, writer: ds.DatasetWriter)
     overlap, report = checks.train_val_overlap(batches, vs.val, cfg)
     fs.atomic_write_json(writer.path(checks.REPORT), report)
     writer.add_file(checks.REPORT, kind="extra")
-    return {
-        "stats": stats,
-        "extra": {
-            "tokenizer_sha256": fs.sha256_file(tok_path),
-            "tokenizer_file": "tokenizer.json",
-            "dtype": dtype.name,
-            "vocab_size": vocab_size,
-            "eot_id": eot_id,
-            "num_tokens": dict(offsets),
-            "num_docs": dict(docs),
-            "shards": {s: [shards[s]] for s in SPLITS},
-            "val_split": vs.summary(),
-            "contamination": overlap | {"ngram": cfg.contamination_ngram},
-        },
-    }
+    return overlap
 
 
 def run_tokenize(parent: ds.DatasetRef, cfg: TokenizeConfig, workdir: str) -> ds.DatasetRef:
