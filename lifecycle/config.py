@@ -78,7 +78,7 @@ class PipelineConfig(BaseModel):
         "patterns), besides the work dir. When set, every `collect.inputs` pattern's fixed directory, "
         "`tokenize.tokenizer_file` and the directory of `train.init_from: hf:<dir>` must resolve (symlinks followed) inside one of them. null: each pattern's own "
         "fixed directory is its root. Either way, a file a pattern matches must resolve inside the pattern's "
-        "fixed directory (lifecycle/paths.py)."))
+        "fixed directory (lifecycle/core/paths.py)."))
     collect: CollectConfig = Field(description="Reading the raw input files (tasks/data/collect/stage.py).")
     filter: FilterConfig = Field(FilterConfig(), description="Quality and language rules, in order "
                                  "(tasks/data/filter/).")

@@ -30,7 +30,8 @@ _deadline_armed = False
 
 def stop_deadline(signum: int, after: float | None = None) -> None:
     """Once per process: a daemon thread that ends the process with 128 + `signum` if it is still alive `after`
-    seconds (`STOP_DEADLINE_S`) after the signal. An orderly stop takes 0.4-3 s (bench.chaos). But an exit handler
+    seconds (`STOP_DEADLINE_S`) after the signal. An orderly stop is quicker (bench.chaos `flow_sigterm`, in
+    docs/benchmarks.md). But an exit handler
     can wait for ever, on a pool worker, or on a write to the stdio of a killed command whose reader is gone, and
     SIGTERM must end a run within 30 s. Nothing is lost by this: every commit is an atomic rename, the ranks die
     with this process (PR_SET_PDEATHSIG), and the shard workers watch it. The one line goes to fd 2 without

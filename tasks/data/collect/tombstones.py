@@ -100,7 +100,7 @@ def content_hash(text: str) -> str:
 
 
 def signatures(texts: list[str], p: MinHashParams) -> np.ndarray:
-    # imported here: numba and datasketch cost a collect process ~100 MiB, paid only when there are tombstones
+    # imported here: numba and datasketch cost a collect process memory, paid only when there are tombstones
     from lifecycle.tasks.data.dedup import minhash
 
     return minhash.signatures(texts, p.ngram, p.num_perm, p.seed)

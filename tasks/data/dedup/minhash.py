@@ -97,7 +97,8 @@ def signatures_numpy(texts: list[str], n: int, num_perm: int, seed: int, chunk_s
     the benchmark. uint32 array (len(texts), num_perm).
 
     Chunks are small (8192 shingles x 112 permutations = 3.7 MB) and reuse one buffer: with 65536-shingle chunks
-    every chunk was a fresh 29 MB allocation, and first-touch page faults made the whole call 2-5x slower."""
+    every chunk was a fresh 29 MB allocation, and first-touch page faults made the whole call slower
+    (`python -m bench.minhash_signatures`)."""
     a, b = permutations(num_perm, seed)
     hv, off = shingle_hashes(texts, n)
     with np.errstate(over="ignore"):

@@ -24,9 +24,10 @@ MODEL_ARRAYS = ("ptc", "pc", "nextmove", "nextmove_row", "out_feat")  # py3langi
 
 def unpacked_model() -> Path:
     """py3langid's bundled model, unpacked once per model file into this user's cache (`lifecycle.core.fs.cache_dir`):
-    one `.npy` per array, and `classes.json`. Loading the package's LZMA-compressed npz took 0.3-0.4 s in every
-    pool worker; the unpacked arrays are mapped from the page cache instead, in ~5 ms, and every worker on the
-    machine shares one copy of them (~70 MB) instead of holding its own."""
+    one `.npy` per array, and `classes.json`. Loading the package's LZMA-compressed npz cost every pool worker
+    time and memory (docs/benchmarks.md, "Issue 25: 2.3 GB, the same mix at every size, and three fixes it
+    found"); the unpacked arrays are mapped from the page cache instead, and every worker on the machine shares
+    one copy of them instead of holding its own."""
     from py3langid.langid import MODEL_DIR, MODEL_FILE
 
     src = Path(MODEL_DIR) / MODEL_FILE

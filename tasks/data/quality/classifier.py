@@ -18,7 +18,7 @@ LABEL_HQ, LABEL_LQ = "__label__hq", "__label__lq"
 def line_of(text: str, max_chars: int) -> str:
     """fastText reads one example per line: whitespace collapsed (DCLM replaces newlines with spaces), cut to
     `max_chars` so one huge page costs no more than a long one."""
-    return " ".join(text[:max_chars].split())  # str.split: about 3x faster than a regex here
+    return " ".join(text[:max_chars].split())  # str.split: faster than a regex here (bench.quality)
 
 
 def held_out(key: str, seed: int, fraction: float) -> bool:

@@ -1,7 +1,7 @@
 """Privacy scrub: replace personal data and secrets with typed placeholders and count them, per type and document.
 
 Types (each switchable in ScrubConfig, each counted in an int32 `pii_<type>` column and a stats counter; the
-values themselves are never logged), detectors in tasks/pii_detectors.py:
+values themselves are never logged), detectors in tasks/data/scrub/detectors.py:
 - email: a regex close to datatrove's `formatters/pii.py` one, but the domain must end in a letter TLD, so
   version pins such as `pkg@1.2.3` are not e-mail addresses.
 - ipv4: four dotted decimal octets, each 0-255, not part of a longer dotted token (`1.2.3.4.5`, `1.2.3.4.tar`).
@@ -26,7 +26,7 @@ values themselves are never logged), detectors in tasks/pii_detectors.py:
 - secret: a value after password=/secret:/token=/api_key... that is long and random (Shannon entropy).
 Overlapping spans go to the type first in `PRIORITY`; a recognised look-alike (private IP, Luhn-failing card,
 bad-checksum IBAN) is left as it is but still shields its digits from the phone matcher.
-Hashes, UUIDs, dates, versions and ISBNs are left alone; tests/test_scrub_eval.py measures this on a generated,
+Hashes, UUIDs, dates, versions and ISBNs are left alone; tests/data/test_scrub_eval.py measures this on a generated,
 labelled evaluation set.
 
 Every document is kept with its PII replaced, as datatrove's PIIFormatter does: a page that lists its maintainers'
