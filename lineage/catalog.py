@@ -223,39 +223,7 @@ def update(workdir: str | Path, tracking_uri: str | None = None, with_models: bo
     if old.get("version") != CATALOG_VERSION or old.get("workdir") != str(workdir):
         old = {}
     old_ds, old_ck = old.get("datasets", {}), old.get("checkpoints", {})
-    datasets, checkpoints = {}, {}
-    for mp in sorted(workdir.glob(f"datasets/*/*/{MANIFEST}")):
-        mp = inside(workdir, mp, "manifest")
-        stamp = _stamp(mp)
-        if mp.as_posix() in old_ds and old_ds[mp.as_posix()]["stamp"] == stamp:
-            datasets[mp.as_posix()] = old_ds[mp.as_posix()]
-            continue
-        try:
-            m = json.loads(mp.read_text())
-        except (OSError, ValueError):
-            continue  # a manifest is written atomically; an unreadable one is not ours to interpret
-        try:
-            datasets[mp.as_posix()] = {"stamp": stamp, **_dataset_entry(workdir, mp, m)}
-        except PathEscape:
-            raise  # a manifest naming a file outside the work dir: the audit command refuses
-        except (KeyError, TypeError, AttributeError, ValueError) as e:  # parses, but not as a manifest
-            _skip(mp, e)
-    for cfg_path in sorted(workdir.glob("train/*/config.json")):
-        cfg_path = inside(workdir, cfg_path, "training run config")
-        run = None
-        for marker in sorted(cfg_path.parent.glob("checkpoints/step_*/COMMITTED.json")):
-            stamp = _stamp(marker) + _stamp(cfg_path)
-            if marker.as_posix() in old_ck and old_ck[marker.as_posix()]["stamp"] == stamp:
-                checkpoints[marker.as_posix()] = old_ck[marker.as_posix()]
-                continue
-            try:
-                run = run if run is not None else json.loads(cfg_path.read_text())
-                checkpoints[marker.as_posix()] = {"stamp": stamp,
-                                                  "row": _checkpoint_row(workdir, cfg_path, run, marker)}
-            except PathEscape:
-                raise
-            except (KeyError, TypeError, AttributeError, ValueError) as e:
-                _skip(marker if run is not None else cfg_path, e)
+    datasets, checkpoints = _dataset_entries(workdir, old_ds), _checkpoint_entries(workdir, old_ck)
     new = {"version": CATALOG_VERSION, "workdir": str(workdir), "datasets": datasets, "checkpoints": checkpoints,
            "index_parts": [str(inside(workdir, p, "dedup index part"))
                            for p in sorted(workdir.glob("dedup-index/*/part-*.parquet"))],
@@ -277,6 +245,51 @@ def update(workdir: str | Path, tracking_uri: str | None = None, with_models: bo
             new["scratch"] = True
             _write_tables(new, Path(_scratch[-1].name))
     return new
+
+
+def _dataset_entries(workdir: Path, old_ds: dict) -> dict:
+    """Each committed dataset's catalog entry, by manifest path; one whose manifest is unchanged since `old_ds`
+    is taken from there."""
+    datasets = {}
+    for mp in sorted(workdir.glob(f"datasets/*/*/{MANIFEST}")):
+        mp = inside(workdir, mp, "manifest")
+        stamp = _stamp(mp)
+        if mp.as_posix() in old_ds and old_ds[mp.as_posix()]["stamp"] == stamp:
+            datasets[mp.as_posix()] = old_ds[mp.as_posix()]
+            continue
+        try:
+            m = json.loads(mp.read_text())
+        except (OSError, ValueError):
+            continue  # a manifest is written atomically; an unreadable one is not ours to interpret
+        try:
+            datasets[mp.as_posix()] = {"stamp": stamp, **_dataset_entry(workdir, mp, m)}
+        except PathEscape:
+            raise  # a manifest naming a file outside the work dir: the audit command refuses
+        except (KeyError, TypeError, AttributeError, ValueError) as e:  # parses, but not as a manifest
+            _skip(mp, e)
+    return datasets
+
+
+def _checkpoint_entries(workdir: Path, old_ck: dict) -> dict:
+    """Each committed checkpoint's catalog row, by marker path; one unchanged since `old_ck` is taken from there."""
+    checkpoints: dict = {}
+    for cfg_path in sorted(workdir.glob("train/*/config.json")):
+        cfg_path = inside(workdir, cfg_path, "training run config")
+        run = None
+        for marker in sorted(cfg_path.parent.glob("checkpoints/step_*/COMMITTED.json")):
+            stamp = _stamp(marker) + _stamp(cfg_path)
+            if marker.as_posix() in old_ck and old_ck[marker.as_posix()]["stamp"] == stamp:
+                checkpoints[marker.as_posix()] = old_ck[marker.as_posix()]
+                continue
+            try:
+                run = run if run is not None else json.loads(cfg_path.read_text())
+                checkpoints[marker.as_posix()] = {"stamp": stamp,
+                                                  "row": _checkpoint_row(workdir, cfg_path, run, marker)}
+            except PathEscape:
+                raise
+            except (KeyError, TypeError, AttributeError, ValueError) as e:
+                _skip(marker if run is not None else cfg_path, e)
+    return checkpoints
 
 
 def _write_tables(state: dict, folder: Path) -> None:
