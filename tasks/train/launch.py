@@ -178,25 +178,16 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer vocab {meta.vocab_size} ({tokens.path})")
     cfg, sizing = resolve_model(cfg, meta.vocab_size, meta.num_tokens["train"])
-    need = cfg.model.seq_len + 1
-    for split in ("train", "val") if cfg.logging.eval_every else ("train",):
-        if meta.num_tokens[split] < need:
-            raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
-                             f"{need}" + (" (set train.logging.eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
+    _check_windows(cfg, meta, tokens)
     code = code_version(__package__)
-    init: dict = {"init_weights_sha256": fs.sha256_file(init_weights)} if init_weights else {}
-    if (base := hf_import.base_dir(cfg.init_from)) is not None:  # continue a Hugging Face checkpoint
-        if init_weights:
-            raise ValueError(f"train.init_from {cfg.init_from} and init_weights {init_weights} both give the start")
-        files = hf_import.base_files(base)
-        init = {"base_model": str(base), "base_model_files": {Path(f.path).name: f.sha256 for f in files}}
+    init = _start_weights(cfg, init_weights)
     trajectory = trajectory_of(tokens, cfg, init, code)
     found = siblings(Path(workdir).resolve(), trajectory, cfg.max_steps) if cfg.resume_across_layouts else []
     cfg = batch_for_siblings(cfg, found)  # grad_accum fitted when only the layout changed (or a refusal)
     fp = ds.fingerprint("train", {**cfg.run_key(), **init}, code, [tokens])
     run_dir = Path(workdir).resolve() / "train" / fp[:20]
     found = [s for s in found if s.global_batch == cfg.global_batch and s.run_dir != run_dir]
-    ckpt_root, log_path = run_dir / "checkpoints", run_dir / "train.log"
+    ckpt_root = run_dir / "checkpoints"
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / ".lock", "w") as lock:
         try:  # one supervisor per run directory; the OS drops the lock if this process dies
@@ -205,14 +196,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             raise RuntimeError(f"another run_train is supervising {run_dir}") from None
         tier = memory_tier(cfg, run_dir)  # this run's in-memory checkpoint tier (a rerun of it restores from there)
         memtier.release_dead(keep=tier)  # tiers of dead runs
-        # Sizes only: the ranks verify the hashes of what they load (the disk copy's sha256, or the memory tier's
-        # checksums), and a relaunch should not first read a large checkpoint here for nothing.
-        latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps, hashes=False)
-        if latest is not None and ckpt.step_of(latest) == cfg.max_steps:  # reused without a launch: hashes here
-            latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
-        if (newer := [s for s in found if latest is None or s.step > ckpt.step_of(latest)]) and \
-                (converted := _resume_other_layout(newer, ckpt_root, cfg, run_dir)) is not None:
-            latest = converted
+        latest = _start_checkpoint(ckpt_root, cfg, found, run_dir)
         if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
             if tier is not None:
                 memtier.remove(tier)
@@ -226,42 +210,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                                            "run_dir": str(run_dir), "tokens": meta.model_dump(),
                                            "token_dataset": tokens.path, "init_weights": init_weights,
                                            "memory_tier": str(tier) if tier is not None else None, **init})
-        port = cfg.launch.master_port or free_port()
-        threads = rank_threads(cfg.launch.threads_per_rank, cfg.batch.num_ranks)
-        module = [sys.executable, "-u", "-m", "lifecycle.tasks.train.trainer", "--config", str(config_path)]
-        # the ranks watch this process (pid + start time) and die with it: see lifecycle.core.procs.watch_parent_run
-        env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-               "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()), "LIFECYCLE_SUPERVISOR_START": str(start_time(os.getpid()))}
-        if cfg.launch.hostfile is None:  # local ranks, started here: what DeepSpeed's per-node launcher would do
-            cmd, envs = module, local_rank_envs(env, cfg.batch.num_ranks, port)
-            what = f"{cfg.batch.num_ranks} local ranks, MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: {' '.join(cmd)}"
-        else:
-            cmd = [*launcher_cmd(cfg, port, run_dir, threads), "--module", "--no_local_rank", *module[3:]]
-            what = " ".join(cmd)
-        tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
-        timing["supervisor_setup"] = time.time()
-        prebuild_shm_op(cfg.engine.accelerator, env)  # no rank waits on a stale build lock, nor races a build
-        timing["op_build_check"] = time.time()
-        owner = Ownership(port)
-        owner.claim()  # and release the buffers of supervisors that died before they could
-        beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
-        with open(log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {what}\n".encode())
-            log.flush()
-            # one process group of ours: a ^C or a SIGTERM reaches only us, and we stop the group (below);
-            # SIGKILL when we die, however we die
-            timing["launcher_popen"] = time.time()
-            try:
-                launch = (Launch.start_local(cmd, envs, run_dir, log) if cfg.launch.hostfile is None
-                          else Launch.start_launcher(cmd, env, run_dir, log))
-            except BaseException:
-                owner.release()
-                raise
-            if cfg.launch.hostfile is None:
-                timing["ranks_started"] = time.time()  # Popen returns once each rank's exec has succeeded
-            fs.atomic_write_json(run_dir / "launch-timing.json", timing)
-            promotions = Supervision(World("", launch, owner, beats), cfg, cmd, env, run_dir, log, tail).run()
-        tail.poll()
+        promotions = _launch(cfg, run_dir, config_path, resumed_from, on_metrics, timing)
         resumed_from = _restored_step(run_dir / "metrics.jsonl", resumed_from)
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if final is None or ckpt.step_of(final) != cfg.max_steps:
@@ -269,6 +218,82 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         if tier is not None:
             memtier.remove(tier)  # the run is done: its memory goes back
         return _result(final, run_dir, resumed_from, launched=True, sizing=sizing, promotions=promotions)
+
+
+def _check_windows(cfg: TrainConfig, meta, tokens: ds.DatasetRef) -> None:
+    """Each split the run reads holds at least one window of seq_len + 1 tokens."""
+    need = cfg.model.seq_len + 1
+    for split in ("train", "val") if cfg.logging.eval_every else ("train",):
+        if meta.num_tokens[split] < need:
+            raise ValueError(f"{split} shard of {tokens.path} has {meta.num_tokens[split]} tokens, a window needs "
+                             f"{need}" + (" (set train.logging.eval_every=0 or raise tokenize.val_fraction)" if split == "val" else ""))
+
+
+def _start_weights(cfg: TrainConfig, init_weights: str | None) -> dict:
+    """What the run starts from, for its fingerprint: a warm start's sha256, or a Hugging Face base model's files."""
+    init: dict = {"init_weights_sha256": fs.sha256_file(init_weights)} if init_weights else {}
+    if (base := hf_import.base_dir(cfg.init_from)) is not None:  # continue a Hugging Face checkpoint
+        if init_weights:
+            raise ValueError(f"train.init_from {cfg.init_from} and init_weights {init_weights} both give the start")
+        files = hf_import.base_files(base)
+        init = {"base_model": str(base), "base_model_files": {Path(f.path).name: f.sha256 for f in files}}
+    return init
+
+
+def _start_checkpoint(ckpt_root: Path, cfg: TrainConfig, found: list, run_dir: Path) -> Path | None:
+    """The commit the ranks resume from: this run's newest, or a newer one of a sibling layout converted."""
+    # Sizes only: the ranks verify the hashes of what they load (the disk copy's sha256, or the memory tier's
+    # checksums), and a relaunch should not first read a large checkpoint here for nothing.
+    latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps, hashes=False)
+    if latest is not None and ckpt.step_of(latest) == cfg.max_steps:  # reused without a launch: hashes here
+        latest = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
+    if (newer := [s for s in found if latest is None or s.step > ckpt.step_of(latest)]) and \
+            (converted := _resume_other_layout(newer, ckpt_root, cfg, run_dir)) is not None:
+        latest = converted
+    return latest
+
+
+def _launch(cfg: TrainConfig, run_dir: Path, config_path: Path, resumed_from: int | None,
+            on_metrics: Callable[[dict], None] | None, timing: dict) -> int:
+    """Start the ranks (locally, or through DeepSpeed's launcher with a hostfile) and supervise them to the end;
+    returns the hot-spare promotions."""
+    port = cfg.launch.master_port or free_port()
+    threads = rank_threads(cfg.launch.threads_per_rank, cfg.batch.num_ranks)
+    module = [sys.executable, "-u", "-m", "lifecycle.tasks.train.trainer", "--config", str(config_path)]
+    # the ranks watch this process (pid + start time) and die with it: see lifecycle.core.procs.watch_parent_run
+    env = {**os.environ, "DS_ACCELERATOR": cfg.engine.accelerator, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "LIFECYCLE_SUPERVISOR_PID": str(os.getpid()), "LIFECYCLE_SUPERVISOR_START": str(start_time(os.getpid()))}
+    if cfg.launch.hostfile is None:  # local ranks, started here: what DeepSpeed's per-node launcher would do
+        cmd, envs = module, local_rank_envs(env, cfg.batch.num_ranks, port)
+        what = f"{cfg.batch.num_ranks} local ranks, MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: {' '.join(cmd)}"
+    else:
+        cmd = [*launcher_cmd(cfg, port, run_dir, threads), "--module", "--no_local_rank", *module[3:]]
+        what = " ".join(cmd)
+    tail = _MetricsTail(run_dir / "metrics.jsonl", resumed_from or 0, on_metrics)
+    timing["supervisor_setup"] = time.time()
+    prebuild_shm_op(cfg.engine.accelerator, env)  # no rank waits on a stale build lock, nor races a build
+    timing["op_build_check"] = time.time()
+    owner = Ownership(port)
+    owner.claim()  # and release the buffers of supervisors that died before they could
+    beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
+    with open(run_dir / "train.log", "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {what}\n".encode())
+        log.flush()
+        # one process group of ours: a ^C or a SIGTERM reaches only us, and we stop the group (below);
+        # SIGKILL when we die, however we die
+        timing["launcher_popen"] = time.time()
+        try:
+            launch = (Launch.start_local(cmd, envs, run_dir, log) if cfg.launch.hostfile is None
+                      else Launch.start_launcher(cmd, env, run_dir, log))
+        except BaseException:
+            owner.release()
+            raise
+        if cfg.launch.hostfile is None:
+            timing["ranks_started"] = time.time()  # Popen returns once each rank's exec has succeeded
+        fs.atomic_write_json(run_dir / "launch-timing.json", timing)
+        promotions = Supervision(World("", launch, owner, beats), cfg, cmd, env, run_dir, log, tail).run()
+    tail.poll()
+    return promotions
 
 
 LAYOUT_CHANGE = "layout_change.json"

@@ -138,26 +138,31 @@ def register(subparsers) -> None:
 
     plan_parser = register_plan(subparsers)
     sub = plan_parser.add_subparsers(dest="plan_command", metavar="{memory,layout}")
+    _memory_parser(sub)
+    _layout_parser(sub)
 
-    def model_args(p: argparse.ArgumentParser, params: bool) -> None:
-        g = p.add_mutually_exclusive_group(required=True)
-        g.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + "), hf:DIR (a Hugging Face checkpoint's "
-                                       "config.json: Llama, Mistral, Qwen2; seq_len 4096) or n_layer=32,n_embd=4096,"
-                                       "n_head=32,vocab=32000[,seq_len=4096,n_kv_head=8,mlp=gelu,...]; presets and "
-                                       "hf:DIR take overrides: 7b,seq_len=2048")
-        if params:
-            g.add_argument("--params", help="a parameter count (7e9, 7B, 350M): a Llama-style shape of that size")
-        else:
-            p.set_defaults(params=None)
-        p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-        p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
-                       help="bf16/fp16: mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper); fp32: 4+4+8 "
-                            "(+4 for DeepSpeed's ZeRO-1/2 master copy) as this project trains on CPU (default bf16)")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
 
+def _model_args(p: argparse.ArgumentParser, params: bool) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + "), hf:DIR (a Hugging Face checkpoint's "
+                                   "config.json: Llama, Mistral, Qwen2; seq_len 4096) or n_layer=32,n_embd=4096,"
+                                   "n_head=32,vocab=32000[,seq_len=4096,n_kv_head=8,mlp=gelu,...]; presets and "
+                                   "hf:DIR take overrides: 7b,seq_len=2048")
+    if params:
+        g.add_argument("--params", help="a parameter count (7e9, 7B, 350M): a Llama-style shape of that size")
+    else:
+        p.set_defaults(params=None)
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
+                   help="bf16/fp16: mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper); fp32: 4+4+8 "
+                        "(+4 for DeepSpeed's ZeRO-1/2 master copy) as this project trains on CPU (default bf16)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _memory_parser(sub) -> None:
     mem = sub.add_parser("memory", help="Per-rank bytes of one layout: model states (ZeRO paper), activations "
                                         "(Korthikanti et al. 2022) and temporary buffers.")
-    model_args(mem, params=True)
+    _model_args(mem, params=True)
     mem.add_argument("--ranks", type=int, default=1, help="total ranks (dp = ranks / (tp x pp x sp)); default 1")
     mem.add_argument("--zero", type=int, choices=range(4), default=0, help="ZeRO stage 0-3 (default 0)")
     for axis in ("tp", "pp", "sp"):
@@ -165,7 +170,8 @@ def register(subparsers) -> None:
     mem.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per forward (default 1)")
     mem.add_argument("--micro-batches", type=int, help="micro-batches per step under pp (default pp: 1F1B full)")
     mem.add_argument("--activation-checkpointing", choices=RECOMPUTE, default="none",
-                     help="none, selective (recompute attention scores) or full (keep each layer's input)")
+                     help="none, selective (fused attention: the trainer's per-op policy; materialized: "
+                          "recompute the scores) or full (keep each layer's input)")
     mem.add_argument("--attention", choices=("fused", "materialized"), default="fused",
                      help="fused (SDPA/flash: no a·s·s scores kept; this project's model) or materialized "
                           "(Korthikanti's 5·a·s/h term)")
@@ -181,9 +187,11 @@ def register(subparsers) -> None:
                      help="DeepSpeed's zero_optimization.stage3_prefetch_bucket_size, elements (default 5e7)")
     mem.set_defaults(func=cmd_memory)
 
-    lay = sub.add_parser("layout", help="Search dp/tp/pp/sp, ZeRO stage, micro-batch, recomputation and offload; "
-                                        "print the fastest layout that fits and the runners-up.")
-    model_args(lay, params=False)
+
+def _layout_parser(sub) -> None:
+    lay = sub.add_parser("layout", help="Search the layouts the trainer runs (dp/tp/pp/sp, ZeRO stage, micro-batch, "
+                                        "recomputation); print the fastest that fits, how to run it, the runners-up.")
+    _model_args(lay, params=False)
     lay.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     lay.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
     lay.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
@@ -200,4 +208,3 @@ def register(subparsers) -> None:
     lay.add_argument("--gpus-per-node", type=int, help=f"default {Hardware().gpus_per_node}")
     lay.add_argument("--reserve", help="memory per GPU kept out of the plan (default 2GiB)")
     lay.set_defaults(func=cmd_layout)
-

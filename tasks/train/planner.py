@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.parallel.mesh import RECOMPUTE, Layout
-from lifecycle.tasks.train.sizing import largest_tensor, param_count
+from lifecycle.tasks.train.sizing import largest_tensor, outer_tensors, param_count
 from lifecycle.tasks.train.zero_memory import (  # noqa: F401  (Precision, PRECISIONS, GRAD_BUCKET: the planner's API)
     GRAD_BUCKET, PRECISIONS, Precision, engine_buffers, model_states,
 )
@@ -233,6 +233,21 @@ def paper_activation_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     return s * b * h * (10 + 24 / t + score / t)
 
 
+def params_per_rank(m: ModelConfig, lay: Layout, psi: float | None = None) -> float:
+    """Parameters the heaviest rank holds: ceil(L/pp) blocks, each split over tp (its norms counted split too,
+    a few h), and whole on every tp rank the token table (with learned positions) on the first stage and the head
+    with the final norm on the last (a tied head: a copy of the table there, DeepSpeed's TiedLayerSpec). `psi`: a
+    total given instead of a shape, split uniformly over tp × pp."""
+    if psi is not None:
+        return psi / (lay.tp * lay.pp)
+    outer = outer_tensors(m)
+    per_block = (total_params(m) - sum(outer.values())) / m.n_layer
+    blocks = -(-m.n_layer // lay.pp) * per_block / lay.tp
+    first = outer["wte.weight"] + outer.get("wpe.weight", 0)
+    head = outer.get("lm_head.weight", 0 if lay.pp == 1 else outer["wte.weight"]) + outer["norm_f.weight"]
+    return blocks + (first + head if lay.pp == 1 else max(first, head))
+
+
 @dataclass(frozen=True)
 class Estimate:
     layout: Layout
@@ -265,8 +280,7 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
         raise ValueError(f"device must be cuda or cpu, not {device!r}")
     prec = PRECISIONS[precision]
     s, b, h, a, L, v = seq_len or m.seq_len, lay.micro_batch, m.n_embd, m.n_head, m.n_layer, m.vocab_size
-    psi = params if params is not None else total_params(m)
-    psi_rank = psi / (lay.tp * lay.pp)  # tensor and pipeline parallelism split the weights (uniformly here)
+    psi_rank = params_per_rank(m, lay, params)
     nd = lay.dp * lay.sp  # Ulysses ranks hold replicas: ZeRO shards over dp x sp
     ms = model_states(psi_rank, lay.zero, nd, prec, lay.offload)
     am = am or ActivationModel.for_model(m, prec.act, fused_attention)

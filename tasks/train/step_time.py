@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.parallel.mesh import Layout
-from lifecycle.tasks.train.planner import GiB, total_params
+from lifecycle.tasks.train.planner import GiB, params_per_rank
 from lifecycle.tasks.train.sizing import flops_per_token
 from lifecycle.tasks.train.zero_memory import PRECISIONS
 
@@ -135,7 +135,7 @@ def step_time(m: ModelConfig, lay: Layout, global_batch: int, hw: Hardware, prec
     per_micro = -(-L // lay.pp) * (blk["forward"] + blk["backward"] + blk["recompute"]) + (head_f + head_b) / lay.pp
     compute = per_micro * m_micro
     bubble = per_micro * (lay.pp - 1)
-    psi_rank = total_params(m) / (lay.tp * lay.pp)
+    psi_rank = params_per_rank(m, lay)
     nd = lay.dp * lay.sp
     dp_bw = dp_bandwidth(lay, hw)
     ring = (nd - 1) / nd if nd > 1 else 0.0
