@@ -159,7 +159,8 @@ start_prefect() {
 
 client_env() {  # CLIENT_ENV: what the worker, `deploy` and users' clients get: URLs and paths, no secret
     CLIENT_ENV=(PREFECT_API_URL="$PREFECT_URL" MLFLOW_TRACKING_URI="$MLFLOW_URL" LIFECYCLE_HOME="$REPO"
-                LIFECYCLE_WORK="$WORK" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" PREFECT_SERVER_ANALYTICS_ENABLED=false)
+                LIFECYCLE_WORK="$WORK" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" PREFECT_SERVER_ANALYTICS_ENABLED=false
+                ${PYTHONPATH:+PYTHONPATH="$PYTHONPATH"})
 }
 
 start_worker() {

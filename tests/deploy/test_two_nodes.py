@@ -5,6 +5,7 @@ pulled mid-training the watchdog names node2 and its last step, and the rerun re
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -97,12 +98,13 @@ def test_node2_cable_pulled_mid_training_is_named_and_the_rerun_resumes_exactly(
     run = t.popen(0, args, log=log, env=node1_env(t))
     try:
         deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:  # until a commit past step 5 exists, then pull the cable
+        while time.monotonic() < deadline:  # until step 5 is committed and node2 has stepped past it: pull the cable
             assert run.poll() is None, log.read_text()[-3000:]  # it must not end before the cut
             beats = list(wd.glob("train/*/heartbeat/rank3"))
-            if beats and json.loads(beats[0].read_text() or "{}").get("step", 0) >= 7:
+            if list(wd.glob("train/*/checkpoints/step_00000005/COMMITTED.json")) and beats and \
+                    json.loads(beats[0].read_text() or "{}").get("step", 0) >= 6:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         cut_at = time.monotonic()
         t.link(1, up=False)
         assert run.wait(timeout=600) != 0
@@ -116,7 +118,8 @@ def test_node2_cable_pulled_mid_training_is_named_and_the_rerun_resumes_exactly(
               timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
     (train_log,) = wd.glob("train/*/train.log")  # one run dir: the rerun resumed the cut one
-    assert "resume_from=None" in train_log.read_text() and "resume_from=/" in train_log.read_text()
+    launches = re.findall(r"^=== \S+ resume_from=(\w+):", train_log.read_text(), re.M)
+    assert launches[0] == "None" and launches[-1].isdigit() and int(launches[-1]) >= 5, launches
     assert losses(wd) == losses(two_node_run[0]), "the resumed run left the undisturbed one's trajectory"
     print(f"cable pulled: detected and failed in {detected_s:.0f} s")
 
