@@ -33,9 +33,6 @@ PLACEHOLDER = re.compile(r"[<>{}$]|\.\.\.")
 ALLOWED = {
     "lifecycle.tasks.data.langfix",  # the worked example of docs/architecture.md, "How to add a stage"
     "docs/code-docs/source/memory.rst",  # tasks/train/zero_memory.py cites a file of DeepSpeed's repository
-    # stale, in files others own (issue 42): the lead fixes them, then removes them here
-    "lifecycle/paths.py",  # tasks/eval/export.py's docstring: now lifecycle/core/paths.py
-    "tasks/model.py",  # tasks/eval/export.py's docstring: now tasks/train/model.py
 }
 
 

@@ -1,11 +1,11 @@
 """Export a committed checkpoint to the Hugging Face format: `lifecycle export hf CHECKPOINT OUT_DIR`.
 
 The command reads CHECKPOINT and --tokenizer only inside the run's work dir (named as for every command: CONFIG,
---workdir or $LIFECYCLE_WORKDIR) or an --input-root; paths are resolved, symlinks followed (lifecycle/paths.py).
+--workdir or $LIFECYCLE_WORKDIR) or an --input-root; paths are resolved, symlinks followed (lifecycle/core/paths.py).
 It writes OUT_DIR wherever the user says, but not into a folder that holds anything unless --force. The files are
 written with the mode the umask gives (0644 under the usual 022), not safetensors' private 0600.
 
-Our default decoder (tasks/model.py: pre-norm RMSNorm, SwiGLU, rotary embeddings, no biases, optionally tied
+Our default decoder (tasks/train/model.py: pre-norm RMSNorm, SwiGLU, rotary embeddings, no biases, optionally tied
 embeddings) is exactly `transformers.LlamaForCausalLM`, so the export is a renaming of tensors plus a
 `LlamaConfig`; no weight is changed except by slicing:
 

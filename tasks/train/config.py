@@ -94,7 +94,7 @@ class EngineConfig(Section):
     """Compile the model with `torch.compile` (inductor) under DeepSpeed (`engine.compile()`: the module's
     forward and backward become fused kernels; parameter names and checkpoints are unchanged). `auto`: on for
     `accelerator: cuda` without pipeline parallelism, off on the CPU, where the demo's model is too small for the
-    compile time (about 40 s a rank on 2 cores) to pay back within a run (docs/benchmarks.md, "Compile").
+    compile time to pay back within a run (docs/benchmarks.md, "Compile", has the figures).
     `true` compiles on the CPU too. Refused with pipeline parallelism (DeepSpeed's pipeline engine runs its
     stages itself). In the fingerprint: compiled kernels round differently from eager ones."""
 

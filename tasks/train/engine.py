@@ -36,8 +36,8 @@ def ds_config(cfg: TrainConfig) -> dict:
 
 def stub_muon() -> None:
     """DeepSpeed 0.19's ZeRO and bf16 optimizers import its Muon modules (only to run isinstance checks
-    when Muon is not in use), and those modules' @torch.compile decorators import inductor: about 7 s of
-    CPU per rank, on every launch. We never use Muon, so register stand-ins first: a class nothing is an
+    when Muon is not in use), and those modules' @torch.compile decorators import inductor: seconds of CPU
+    per rank on every launch (bench.launch_overhead measures the start-up). We never use Muon, so register stand-ins first: a class nothing is an
     instance of, and an update function that refuses to run."""
     import types
 

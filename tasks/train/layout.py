@@ -261,15 +261,15 @@ def normalize_universal(tag_dir: str, step: int) -> None:
 def _pipeline_reason(src: dict, dst: dict) -> str | None:
     if src.get("pp", 1) == 1:  # checked before the import: parallel.pp loads torch and DeepSpeed
         return "the source is not a pipeline checkpoint (pp=1)"
-    from lifecycle.tasks.train.parallel import pp
+    from lifecycle.tasks.train.parallel import pp_convert
 
-    return pp.dense_reason(src, dst)
+    return pp_convert.dense_reason(src, dst)
 
 
 def _pipeline_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
-    from lifecycle.tasks.train.parallel import pp
+    from lifecycle.tasks.train.parallel import pp_convert
 
-    return pp.to_dense(src_tag, dst_tag, src, dst)
+    return pp_convert.to_dense(src_tag, dst_tag, src, dst)
 
 
 def _replicas_reason(src: dict, dst: dict) -> str | None:
@@ -296,7 +296,7 @@ CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reaso
                                Converter("pipeline-to-dense", _pipeline_reason, _pipeline_convert),
                                Converter("pipeline-replicas", _replicas_reason, _replicas_convert)]
 """Tried in order: DeepSpeed's universal checkpoint between ZeRO layouts, a pipeline checkpoint (tp inside its
-stages or not) to a dense ZeRO-0 one (lifecycle.tasks.train.parallel.pp.to_dense), and a ZeRO-0 pipeline to more
+stages or not) to a dense ZeRO-0 one (lifecycle.tasks.train.parallel.pp_convert.to_dense), and a ZeRO-0 pipeline to more
 or fewer data-parallel replicas of it."""
 
 

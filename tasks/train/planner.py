@@ -266,6 +266,24 @@ class Estimate:
                 "total_bytes": round(self.total_bytes), "breakdown": {k: round(v) for k, v in self.breakdown.items()}}
 
 
+def _activations(m: ModelConfig, lay: Layout, s_rank: float, micro_batches: int, am: ActivationModel,
+                 act_bytes: int) -> tuple[float, float, float]:
+    """(one layer's, the output layer's, the heaviest stage's) activation bytes on one rank. Ulysses: s/sp tokens
+    per rank outside attention; inside it, the full s for a/sp heads, which is what a·sp heads over s/sp tokens
+    give in the a·s·s·b score term. 1F1B keeps min(micro-batches, pp) in flight on the first stage."""
+    b, h, a, L, v, t = lay.micro_batch, m.n_embd, m.n_head, m.n_layer, m.vocab_size, lay.tp
+    layer = activation_per_layer(s_rank, b, h, a * lay.sp, t, lay.tp_sequence_parallel, lay.recompute, am)
+    per_stage = -(-L // lay.pp)  # the heaviest stage: ceil(L/pp) blocks
+    layers_first = per_stage * min(micro_batches, lay.pp)
+    out_layer = act_bytes * s_rank * b * h / t * 2 + 4 * s_rank * b * v / t  # final norm and head inputs, log-probs
+    extra = 0.0
+    if lay.recompute == "full":  # inputs of every layer, plus one layer recomputed in backward
+        extra = activation_per_layer(s_rank, b, h, a * lay.sp, t, lay.tp_sequence_parallel, "none", am)
+    first = layers_first * layer + extra
+    last = per_stage * layer + extra + out_layer
+    return layer, out_layer, (max(first, last) if lay.pp > 1 else first + out_layer)
+
+
 def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | None = None,
            micro_batches: int | None = None, fused_attention: bool = True, am: ActivationModel | None = None,
            params: float | None = None, device: str = "cuda", reduce_bucket: float = GRAD_BUCKET,
@@ -279,29 +297,14 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, not {device!r}")
     prec = PRECISIONS[precision]
-    s, b, h, a, L, v = seq_len or m.seq_len, lay.micro_batch, m.n_embd, m.n_head, m.n_layer, m.vocab_size
+    s, b, v = seq_len or m.seq_len, lay.micro_batch, m.vocab_size
     psi_rank = params_per_rank(m, lay, params)
     nd = lay.dp * lay.sp  # Ulysses ranks hold replicas: ZeRO shards over dp x sp
     ms = model_states(psi_rank, lay.zero, nd, prec, lay.offload)
     am = am or ActivationModel.for_model(m, prec.act, fused_attention)
     s_rank = s / lay.sp
-    # Ulysses: s/sp tokens per rank outside attention; inside it, the full s for a/sp heads, which is what
-    # a·sp heads over s/sp tokens give in the a·s·s·b score term
-    layer = activation_per_layer(s_rank, b, h, a * lay.sp, lay.tp, lay.tp_sequence_parallel, lay.recompute, am)
-    mb = micro_batches or lay.pp
-    inflight = min(mb, lay.pp)
-    layers_first = -(-L // lay.pp) * inflight  # the heaviest stage: ceil(L/pp) blocks
     t = lay.tp
-    sbh = s_rank * b * h
-    out_layer = prec.act * sbh / t * 2 + 4 * s_rank * b * v / t  # final norm input, head input, fp32 log-probs
-    if lay.recompute == "full":  # inputs of every layer, plus one layer recomputed in backward
-        full_layer = activation_per_layer(s_rank, b, h, a * lay.sp, t, lay.tp_sequence_parallel, "none", am)
-        first = layers_first * layer + full_layer
-        last = -(-L // lay.pp) * layer + full_layer + out_layer
-    else:
-        first = layers_first * layer
-        last = -(-L // lay.pp) * layer + out_layer
-    acts = max(first, last) if lay.pp > 1 else first + out_layer
+    layer, out_layer, acts = _activations(m, lay, s_rank, micro_batches or lay.pp, am, prec.act)
     # DeepSpeed's buffers beside the model states (lifecycle.tasks.train.zero_memory)
     big = largest_tensor(m) / t
     buf = engine_buffers(psi_rank, lay.zero, nd, prec, big, lay.offload, device, reduce_bucket, overlap_comm)
@@ -368,10 +371,3 @@ def parse_count(text: str) -> float:
 
 def gib(x: float) -> str:
     return f"{x / GiB:.2f} GiB"
-
-
-def register(subparsers) -> None:
-    """`lifecycle plan memory` and `lifecycle plan layout` (lifecycle.tasks.train.plan_cli)."""
-    from lifecycle.tasks.train import plan_cli
-
-    plan_cli.register(subparsers)

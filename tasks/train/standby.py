@@ -12,8 +12,8 @@ from lifecycle.core.fs import atomic_write_json
 from lifecycle.tasks.train.heartbeats import STANDBY_ENV, WORLD_ENV, ready_path
 
 # The first save's arena is made before training only when it takes at most this share of the host's available
-# memory (else the first save makes it, as it would without a prewarm): a 300M-parameter relaunch on a 23 GB host
-# was OOM-killed with its restored tier, its engine and a prewarmed 6.1 GB arena. A standby world asks for less:
+# memory (else the first save makes it, as it would without a prewarm): a large relaunch was OOM-killed with its
+# restored tier, its engine and a prewarmed arena (docs/benchmarks.md, hot spares). A standby world asks for less:
 # the training world's engine, arenas and tier are beside it.
 ARENA_SHARE, STANDBY_ARENA_SHARE = 0.5, 0.25
 

@@ -252,7 +252,7 @@ def test_dp2_zero1_resumes_as_dp2_zero3(tokens, tmp_path):
 
 @pytest.mark.slow
 def test_pp2_resumes_as_one_dense_rank(tokens, tmp_path):
-    """pp=2 (ZeRO-1) to pp=1 (ZeRO-0, one rank) through the pipeline converter (parallel.pp.to_dense)."""
+    """pp=2 (ZeRO-1) to pp=1 (ZeRO-0, one rank) through the pipeline converter (parallel.pp_convert.to_dense)."""
     _, rest, _ = _change(tokens, tmp_path,
                          {"parallel.pp": 2, "engine.zero_stage": 1, "batch.grad_accum": 2, "batch.micro_batch_size": 4},
                          {"batch.num_ranks": 1, "engine.zero_stage": 0, "batch.grad_accum": 2,

@@ -317,7 +317,7 @@ def test_pp2_checkpoint_converts_to_a_dense_run_that_continues_the_loss(runs, to
 
     from lifecycle.tasks.train import commit as ckpt
     from lifecycle.tasks.train.launch import run_train
-    from lifecycle.tasks.train.parallel import pp
+    from lifecycle.tasks.train.parallel import pp_convert as pp
 
     src_tag = Path(runs["pp"].checkpoint_dir).parent / ckpt.tag_name(10)
     src = {"dp": 1, "zero": 1, "micro": 4, "accum": 2, "pp": 2}

@@ -5,15 +5,10 @@ search asks `refusal` so that it never proposes a layout the trainer refuses."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lifecycle.tasks.train.parallel.rules import moe, pp, sp, tp
 
-if TYPE_CHECKING:
-    from lifecycle.tasks.train.config import TrainConfig
 
-
-def check(cfg: "TrainConfig") -> None:
+def check(cfg) -> None:
     """Every rule of the strategies the config turns on (a degree above 1, or experts)."""
     par = cfg.parallel
     if cfg.batch.num_ranks % par.model_parallel:
@@ -32,7 +27,7 @@ def check(cfg: "TrainConfig") -> None:
         moe.check(cfg)
 
 
-def refusal(cfg: "TrainConfig") -> str | None:
+def refusal(cfg) -> str | None:
     """Why the trainer refuses `cfg`'s layout (None: it runs it)."""
     try:
         check(cfg)

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lifecycle.tasks.train.config import TrainConfig
-
-
-def check(cfg: "TrainConfig") -> None:
+def check(cfg) -> None:
     """What mixture of experts composes with (lifecycle.tasks.train.parallel.moe); refused with the reason."""
     moe, pre = cfg.moe, "train.moe"
     if cfg.model.moe is not None:

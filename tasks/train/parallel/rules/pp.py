@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lifecycle.tasks.train.config import TrainConfig
-
-
-def check(cfg: "TrainConfig") -> None:
+def check(cfg) -> None:
     par = cfg.parallel
     if cfg.engine.zero_stage >= 2:
         raise ValueError(f"train.parallel.pp={par.pp} with train.engine.zero_stage={cfg.engine.zero_stage}: "

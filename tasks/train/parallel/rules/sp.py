@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lifecycle.tasks.train.config import TrainConfig
-
-
-def check(cfg: "TrainConfig") -> None:
+def check(cfg) -> None:
     """What Ulysses sequence parallelism (lifecycle.tasks.train.parallel.sp) needs, refused with the reason.
     ZeRO 0-2 compose with it: DeepSpeed 0.19 reduces gradients and partitions optimizer state over dp × sp."""
     par, m = cfg.parallel, cfg.model

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lifecycle.tasks.train.config import TrainConfig
-
-
-def check(cfg: "TrainConfig") -> None:
+def check(cfg) -> None:
     """What tensor parallelism (lifecycle.tasks.train.parallel.tp) does not compose with, refused here."""
     tp, m = cfg.parallel.tp, cfg.model
     for what, n in (("n_head", m.n_head), ("key/value heads (n_kv_head)", m.kv_heads),
