@@ -29,7 +29,8 @@ import sys
 
 MODEL = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, seq_len=64)
 BUCKET = 200_000  # reduce_bucket_size and allgather_bucket_size (elements) of the measured runs
-LAYOUTS = [(zero, prec) for prec in ("fp32", "bf16") for zero in (0, 1, 2, 3)]
+LAYOUTS = [(zero, prec) for prec in ("fp32", "bf16") for zero in (0, 1, 2, 3)] + [(zero, "bf16-states") for zero in (1, 2, 3)]
+# bf16-states: bf16 weights with bf16 master weights, gradients and Adam moments (train.engine.optimizer_states)
 MOMENTS = ("in_backward", "end_of_backward", "in_reduce", "after_backward", "in_step", "after_step")
 MiB = 2**20
 
@@ -126,7 +127,8 @@ def worker(index: int, steps: int = 2) -> None:
     stub_muon()
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = TrainConfig(model=ModelConfig(**MODEL), batch={"micro_batch_size": 2, "grad_accum": 1, "num_ranks": 2},
-                      engine={"zero_stage": zero, "precision": prec})
+                      engine={"zero_stage": zero, "precision": prec.removesuffix("-states"),
+                              "optimizer_states": "bf16" if prec == "bf16-states" else "fp32"})
     ds = ds_config(cfg)
     ds["zero_optimization"].update(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET)
     torch.manual_seed(cfg.seed)

@@ -77,6 +77,10 @@ class EngineConfig(Section):
     """DeepSpeed ZeRO stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 weights/activations with fp32 master weights. fp16 does not run on CPU."""
+    optimizer_states: Literal["fp32", "bf16"] = "fp32"
+    """Master weights, the gradients the step reads and AdamW's two moments in fp32, or in bf16 (DeepSpeed's
+    `bf16_master_weights_and_grads` and `bf16_optimizer_states`): 6 bytes of optimizer state per parameter
+    instead of 12. Needs `precision: bf16` and ZeRO 1-3; not with pipeline stages. In the fingerprint."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the ranks run: `cpu` (DeepSpeed's CPU accelerator, gloo) or `cuda` (one GPU per rank, NCCL; the
     launcher's `--num_gpus` picks the local GPUs). Every rank fails at start-up, naming this field, when `cuda`
@@ -423,6 +427,12 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
         rules.check(self)  # each parallelism's own (lifecycle.tasks.train.parallel.rules)
+        eng = self.engine
+        if eng.optimizer_states == "bf16" and (eng.precision != "bf16" or eng.zero_stage == 0 or self.parallel.pp > 1):
+            raise ValueError(f"train.engine.optimizer_states=bf16 needs train.engine.precision=bf16 (got {eng.precision})"
+                             f" and train.engine.zero_stage 1-3 (got {eng.zero_stage}; DeepSpeed keeps bf16 master "
+                             "weights and moments in its ZeRO optimizers only, runtime/config.py) without pipeline "
+                             f"stages (pp={self.parallel.pp})")
         if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.dp:
             raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks / (tp·pp·sp) "
                              f"({self.batch.num_ranks} / {self.parallel.model_parallel} = {self.dp}), the "

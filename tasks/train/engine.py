@@ -27,7 +27,9 @@ def ds_config(cfg: TrainConfig) -> dict:
         "gradient_accumulation_steps": cfg.batch.grad_accum,
         "gradient_clipping": cfg.optimizer.grad_clip,
         "zero_optimization": {"stage": cfg.engine.zero_stage},
-        "bf16": {"enabled": cfg.engine.precision == "bf16"},
+        "bf16": {"enabled": cfg.engine.precision == "bf16",
+                 **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                    if cfg.engine.optimizer_states == "bf16" else {})},
         "zero_allow_untested_optimizer": True,  # our torch.optim.AdamW: no DeepSpeed optimizer op to JIT-build
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,

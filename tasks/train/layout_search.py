@@ -162,7 +162,8 @@ def resolve_layout(cfg, memory_bytes: float | None = None):
     if memory_bytes is None:
         memory_bytes, source = rank_memory(cfg)
     n, gb = cfg.batch.num_ranks, cfg.global_batch
-    opts = search(cfg.model, n, memory_bytes, gb, _auto_hardware(cfg), cfg.engine.precision,
+    precision = "bf16-states" if cfg.engine.optimizer_states == "bf16" else cfg.engine.precision
+    opts = search(cfg.model, n, memory_bytes, gb, _auto_hardware(cfg), precision,
                   device="cuda" if cfg.engine.accelerator == "cuda" else "cpu")
     fitting = [o for o in opts if o.fits]
     if not fitting:

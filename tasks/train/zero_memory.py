@@ -58,13 +58,21 @@ class Precision:
     grad: int
     act: int
     """Bytes per activation element."""
+    master: int = FP32
+    """Bytes per master weight and per element of the gradient the step reads (bf16 with
+    `train.engine.optimizer_states: bf16`: DeepSpeed's bf16_master_weights_and_grads)."""
+    moment: int = FP32
+    """Bytes per element of each Adam moment (bf16: bf16_optimizer_states)."""
 
     def optimizer(self, zero: int) -> int:
-        """K: optimizer bytes per parameter: 8 of moments and 4 of master weights, none at stage 0 in fp32."""
-        return 2 * FP32 + (FP32 if zero >= 1 or self.param < FP32 else 0)
+        """K: optimizer bytes per parameter: two moments and the master weights, none at stage 0 in fp32; 12 in
+        fp32 states, 6 with bf16 states."""
+        return 2 * self.moment + (self.master if zero >= 1 or self.param < FP32 else 0)
 
 
-PRECISIONS = {"bf16": Precision("bf16", 2, 2, 2), "fp16": Precision("fp16", 2, 2, 2), "fp32": Precision("fp32", 4, 4, 4)}
+PRECISIONS = {"bf16": Precision("bf16", 2, 2, 2), "fp16": Precision("fp16", 2, 2, 2), "fp32": Precision("fp32", 4, 4, 4),
+              "bf16-states": Precision("bf16-states", 2, 2, 2, master=2, moment=2)}
+"""`bf16-states`: bf16 weights with bf16 master weights, gradients and Adam moments (ZeRO 1-3)."""
 
 
 def model_states(psi: float, zero: int, nd: int, prec: Precision, offload: bool = False) -> dict:
@@ -101,7 +109,7 @@ def engine_buffers(psi: float, zero: int, nd: int, prec: Precision, largest: flo
     elif zero == 0:
         fp32_grads = FP32 * psi if prec.param < FP32 else 0.0
     else:
-        fp32_grads = FP32 * psi / nd
+        fp32_grads = prec.master * psi / nd
     return {"grad_bucket": bucket, "pending_grad": largest * g if zero >= 2 else 0.0,
             "step_fp32_grads": fp32_grads, "step_grads_released": g * (psi - psi / nd) if zero == 1 else 0.0}
 
