@@ -14,6 +14,7 @@ compgen -G '/usr/lib/postgresql/*/bin/pg_ctl' > /dev/null || PACKAGES+=(postgres
 [ -x /usr/bin/pdsh ] || PACKAGES+=(pdsh)
 [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || [ -x /bin/ip ] || PACKAGES+=(iproute2)
 [ -f "$WORDNET" ] || PACKAGES+=(wordnet-base)
+[ -f /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf ] || PACKAGES+=(fonts-noto-color-emoji)  # corpus/build_images.py (the image corpus is committed: runs need no font)
 [ ${#PACKAGES[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -eq 0 ]; then

@@ -42,7 +42,8 @@ from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
 from lifecycle.tasks.eval.evaluate.metrics_text import HEADLINE, scale_of, with_scale
 from lifecycle.tasks.eval.evaluate.stage import examples_of
 from lifecycle.tasks.eval.perplexity.stage import COLUMN as PERPLEXITY_COLUMN, ScoringModel
-from lifecycle.tasks.stages import (CHECKPOINT, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, PERPLEXITY, QUALITY,
+from lifecycle.tasks.stages import (CHECKPOINT, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, IMAGE_COLLECT,
+                                    IMAGE_DEDUP, IMAGE_FILTER, IMAGE_PREPROCESS, IMAGE_SCRUB, PERPLEXITY, QUALITY,
                                     SCRUB, SELECT, TOKENIZE, TRAIN, enabled, input_of)
 
 
@@ -138,6 +139,11 @@ def _open_run(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
 def _run_stages(run: StageRunner, inputs, cfg: PipelineConfig, tracker: Tracker, summary: RunSummary,
                 reporter: Reporter):
     """The diagram, one stage per line; (collect's, tokenize's and train's outputs) for the end of the run."""
+    if cfg.image_collect.enabled:  # the image-text path instead (its train and evaluate stages do not exist yet)
+        pairs = run(IMAGE_COLLECT)
+        clean = run(IMAGE_SCRUB, run(IMAGE_DEDUP, run(IMAGE_FILTER, pairs)))
+        run(IMAGE_PREPROCESS, clean)
+        return pairs, None, None
     init_weights, tokenize_cfg = None, None
     warm = cfg.train.init_from == "champion" and run.wants(TOKENIZE)
     scoring = enabled(PERPLEXITY, cfg) and run.wants(PERPLEXITY)

@@ -34,6 +34,11 @@ from lifecycle.tasks.eval.perplexity.stage import COLUMN as PERPLEXITY_COLUMN, P
 from lifecycle.tasks.data.filter.stage import FilterConfig
 from lifecycle.tasks.data.scrub.stage import ScrubConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig
+from lifecycle.tasks.data.images.collect.stage import ImageCollectConfig
+from lifecycle.tasks.data.images.dedup.stage import ImageDedupConfig
+from lifecycle.tasks.data.images.filter.stage import ImageFilterConfig
+from lifecycle.tasks.data.images.preprocess.stage import ImagePreprocessConfig
+from lifecycle.tasks.data.images.scrub.stage import ImageScrubConfig
 from lifecycle.tasks.train.config import TrainConfig
 
 
@@ -101,6 +106,15 @@ class PipelineConfig(BaseModel):
                                "(tasks/train/config.py).")
     evaluate: EvaluateConfig = Field(EvaluateConfig(), description="Held-out scores and the contamination gate "
                                      "(tasks/eval/evaluate/stage.py).")
+    image_collect: ImageCollectConfig = Field(ImageCollectConfig(), description="The image-text path's inputs and "
+                                              "decode-verify; `enabled` runs that path instead of the text one "
+                                              "(tasks/data/images/).")
+    image_filter: ImageFilterConfig = Field(ImageFilterConfig(), description="Image size, aspect and caption rules.")
+    image_dedup: ImageDedupConfig = Field(ImageDedupConfig(), description="Exact (pixels) and near (pHash) image "
+                                          "duplicates.")
+    image_scrub: ImageScrubConfig = Field(ImageScrubConfig(), description="Image metadata, faces, caption PII.")
+    image_preprocess: ImagePreprocessConfig = Field(ImagePreprocessConfig(), description="Training-size image "
+                                                    "shards and caption tokens.")
     tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow tracking and registry "
                                      "(lineage/tracking.py).")
     orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How Prefect and Dask run the "

@@ -83,8 +83,17 @@ EVALUATE = Stage("evaluate", "lifecycle.tasks.eval.evaluate", "eval", ("train", 
 CHECKPOINT = Stage("checkpoint", "lifecycle.tasks.eval.checkpoint", "eval", ("train", "tokenize"), run=True,
                    configured=False)
 
+# the image-text path (image_collect.enabled): the flow runs these instead of the text stages
+_I = f"{_D}.images"
+IMAGE_COLLECT = Stage("image_collect", f"{_I}.collect", "data", plan=True)
+IMAGE_FILTER = Stage("image_filter", f"{_I}.filter", "data", ("image_collect",), plan=True)
+IMAGE_DEDUP = Stage("image_dedup", f"{_I}.dedup", "data", ("image_filter",), run=True)
+IMAGE_SCRUB = Stage("image_scrub", f"{_I}.scrub", "data", ("image_dedup",), plan=True)
+IMAGE_PREPROCESS = Stage("image_preprocess", f"{_I}.preprocess", "data", ("image_scrub",), run=True)
+
 STAGES: tuple[Stage, ...] = (COLLECT, FILTER, DEDUP, SCRUB, DECONTAMINATE, QUALITY, PERPLEXITY, SELECT, TOKENIZE, TRAIN,
-                              EVALUATE, CHECKPOINT)
+                              EVALUATE, CHECKPOINT, IMAGE_COLLECT, IMAGE_FILTER, IMAGE_DEDUP, IMAGE_SCRUB,
+                              IMAGE_PREPROCESS)
 NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 DOCUMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.documents)
