@@ -61,7 +61,8 @@ class Checkpointer:
         return self._from_disk(max_step, time.perf_counter(), "memory tier off")
 
     def _from_disk(self, max_step: int | None, t0: float, reason: str) -> tuple[Path, dict] | None:
-        found = [ckpt.latest_valid(self.root, max_step=max_step) if dist.get_rank() == 0 else None]
+        damaged: list[str] = []  # newer commits passed over (rank 0 checks): the restore record names them
+        found = [ckpt.latest_valid(self.root, max_step=max_step, damaged=damaged) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(found, src=0)
         if found[0] is None:
             return None
@@ -70,7 +71,8 @@ class Checkpointer:
             client_state = load_universal(self.engine, self.root, tag_dir.name)
         else:
             _, client_state = self.engine.load_checkpoint(str(self.root), tag=tag_dir.name)
-        self.last_restore = {"tier": "disk", "seconds": time.perf_counter() - t0, "reason": reason}
+        self.last_restore = {"tier": "disk", "seconds": time.perf_counter() - t0, "reason": reason,
+                             **({"damaged": damaged} if damaged else {})}
         return tag_dir, client_state
 
     def prewarm(self, scratch: Path | None = None, memory_share: float | None = None) -> str | None:

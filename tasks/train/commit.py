@@ -148,9 +148,10 @@ def list_committed(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in _tag_dirs(Path(ckpt_root)) if (p / MARKER).is_file()]
 
 
-def latest_valid(ckpt_root: str | Path, max_step: int | None = None, hashes: bool = True) -> Path | None:
+def latest_valid(ckpt_root: str | Path, max_step: int | None = None, hashes: bool = True,
+                 damaged: list[str] | None = None) -> Path | None:
     """Newest committed checkpoint (at most `max_step`) whose files all match their marker hashes (`hashes=False`:
-    their sizes)."""
+    their sizes). `damaged`: each newer commit passed over is appended as `<tag dir> (<what is wrong>)`."""
     for step, path in reversed(list_committed(ckpt_root)):
         if max_step is not None and step > max_step:
             continue
@@ -158,6 +159,8 @@ def latest_valid(ckpt_root: str | Path, max_step: int | None = None, hashes: boo
         if reason is None:
             return path
         log.warning("checkpoint %s is committed but damaged (%s); falling back to the previous one", path, reason)
+        if damaged is not None:
+            damaged.append(f"{path} ({reason})")
     return None
 
 

@@ -36,6 +36,7 @@ from lifecycle.core.procs import free_port, start_time
 from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import hf_import
 from lifecycle.tasks.train import memtier
+from lifecycle.tasks.train.resume import fallback_note
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.heartbeats import Heartbeats
@@ -211,7 +212,10 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
                                            "token_dataset": tokens.path, "init_weights": init_weights,
                                            "memory_tier": str(tier) if tier is not None else None, **init})
         promotions = _launch(cfg, run_dir, config_path, resumed_from, on_metrics, timing)
-        resumed_from = _restored_step(run_dir / "metrics.jsonl", resumed_from)
+        restored, damaged = _restored(run_dir / "metrics.jsonl", resumed_from)
+        if note := fallback_note(damaged, resumed_from, restored):  # damaged newer commits: say so on the console
+            log.warning(note)
+        resumed_from = restored
         final = ckpt.latest_valid(ckpt_root, max_step=cfg.max_steps)
         if final is None or ckpt.step_of(final) != cfg.max_steps:
             raise RuntimeError(f"ranks exited cleanly but {ckpt_root} has no valid commit at step {cfg.max_steps}")
@@ -299,14 +303,14 @@ def _launch(cfg: TrainConfig, run_dir: Path, config_path: Path, resumed_from: in
 LAYOUT_CHANGE = "layout_change.json"
 
 
-def _restored_step(metrics: Path, expected: int | None) -> int | None:
-    """The step the ranks restored (the last `restore` record: rank 0 writes one per launch, after truncating the
-    file to that step), else `expected`. It is older than the supervisor's guess when that commit's hashes
-    failed in the ranks and they fell back to the one before."""
+def _restored(metrics: Path, expected: int | None) -> tuple[int | None, list[str]]:
+    """(the step the ranks restored, the damaged commits they passed over) from the last `restore` record: rank 0
+    writes one per launch, after truncating the file to that step; else (`expected`, []). The step is older than
+    the supervisor's guess when that commit's hashes failed in the ranks and they fell back to the one before."""
     try:
         lines = metrics.read_bytes().splitlines()
     except OSError:
-        return expected
+        return expected, []
     for line in reversed(lines):
         if b'"restore"' in line:
             try:
@@ -314,8 +318,8 @@ def _restored_step(metrics: Path, expected: int | None) -> int | None:
             except ValueError:
                 continue
             if rec.get("kind") == "restore":
-                return int(rec["step"])
-    return expected
+                return int(rec["step"]), list(rec.get("damaged", []))
+    return expected, []
 
 
 def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig, run_dir: Path) -> Path | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lifecycle.tasks.train.commit import list_committed, verify
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.layout import describe, layout_of
 from lifecycle.tasks.train.sampler import LAYOUT_SAMPLER_FIELDS, sampler_state
@@ -38,14 +37,11 @@ def check_resume(state: dict, marker: dict, tag_dir: Path, cfg: TrainConfig, wor
             "checkpoint": str(tag_dir), "converter": marker.get("converter", "native")}
 
 
-def fallback_note(ckpt_root: Path, newest_step: int | None, restored_step: int | None) -> str | None:
-    """One line when the ranks restored `restored_step` (None: nothing, from step 0) although commits up to
-    `newest_step` exist: each newer commit and what is damaged in it, and how many steps are trained again."""
-    if newest_step is None or (restored_step or 0) >= newest_step:
-        return None
-    damaged = [f"{path} ({why})" for step, path in reversed(list_committed(ckpt_root))
-               if (restored_step or 0) < step <= newest_step and (why := verify(path)) is not None]
-    if not damaged:
+def fallback_note(damaged: list[str], newest_step: int | None, restored_step: int | None) -> str | None:
+    """One line when the ranks passed over damaged commits (`damaged`, as the restore record lists them) and
+    restored `restored_step` (None: nothing, from step 0) instead of `newest_step`: what is damaged and how many
+    steps are trained again."""
+    if not damaged or newest_step is None or (restored_step or 0) >= newest_step:
         return None
     start = f"step {restored_step}" if restored_step else "step 0 (no valid commit left)"
     return (f"damaged checkpoint {'; '.join(damaged)}: training resumed from {start} instead of step {newest_step} "

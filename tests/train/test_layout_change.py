@@ -96,15 +96,15 @@ def test_a_sibling_commit_is_hashed_when_it_is_converted_not_when_it_is_listed(t
 
 
 def test_the_resumed_step_is_the_one_the_ranks_restored(tmp_path):
-    from lifecycle.tasks.train.launch import _restored_step
+    from lifecycle.tasks.train.launch import _restored
 
     metrics = tmp_path / "metrics.jsonl"
-    assert _restored_step(metrics, 10) == 10  # no file: the supervisor's pick
+    assert _restored(metrics, 10) == (10, [])  # no file: the supervisor's pick
     metrics.write_text('{"kind": "restore", "step": 5, "tier": "disk"}\n{"kind": "train", "step": 6}\n'
                        '{"kind": "restore", "step": 6, "tier": "disk"}\n{"kind": "train", "step": 7}\n')
-    assert _restored_step(metrics, 10) == 6  # this launch's: the last one
+    assert _restored(metrics, 10)[0] == 6  # this launch's: the last one
     metrics.write_text('{"kind": "train", "step": 1}\n')
-    assert _restored_step(metrics, None) is None
+    assert _restored(metrics, None) == (None, [])
 
 
 def test_convert_refuses_with_every_converters_reason_and_takes_a_registered_one(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from lifecycle.tasks.data.dedup.restore import restore_parts
 from lifecycle.core.dataset import DatasetRef, sha256_json
 from lifecycle.core.fs import atomic_write_bytes, atomic_write_json, sha256_file
 from lifecycle.tasks.data.dedup.config import INDEX_FILE, INDEX_MANIFEST, NAME, DedupConfig
@@ -27,6 +28,7 @@ class Index:
     def __init__(self, directory: Path, parts: list[dict], match_own_doc_ids: bool = True):
         self.dir, self.parts, self.match_own_doc_ids = directory, parts, match_own_doc_ids
         self.state = sha256_json([(p["path"], p["sha256"]) for p in parts])
+        restore_parts(directory, parts)  # a damaged or missing part, from the committed dataset's good copy
         for p in parts:  # the state names these bytes: refuse a part that changed or vanished
             if not (directory / p["path"]).exists() or sha256_file(directory / p["path"]) != p["sha256"]:
                 raise RuntimeError(f"dedup index {directory / p['path']}: missing or not the sha256 in "
