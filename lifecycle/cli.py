@@ -80,9 +80,12 @@ def checked_config(args: argparse.Namespace):
     from lifecycle.core.locking import check_workdir
 
     check_workdir(cfg.workdir)
-    from lifecycle.preflight import check_patterns, preflight
+    from lifecycle.preflight import check_image_patterns, check_patterns, preflight
 
-    check_patterns("collect.inputs", cfg.collect.inputs)  # an empty glob, an unreadable file, a bad URL: one line
+    if cfg.image_collect.enabled:  # the image path reads image_collect.inputs, not collect.inputs
+        check_image_patterns(cfg.image_collect.inputs)
+    else:
+        check_patterns("collect.inputs", cfg.collect.inputs)  # an empty glob, an unreadable file, a bad URL: one line
 
     checked = preflight(cfg, args.until)  # files, packages and servers the stages need: one line, before Prefect
     return checked.config, checked

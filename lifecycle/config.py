@@ -170,6 +170,14 @@ class PipelineConfig(BaseModel):
 
 
     @model_validator(mode="after")
+    def _inputs(self) -> "PipelineConfig":
+        """The text path needs input patterns; the image path reads image_collect.inputs instead."""
+        if not self.collect.inputs and not self.image_collect.enabled:
+            raise ValueError("field `collect.inputs`: at least one input pattern is required (or "
+                             "image_collect.enabled with image_collect.inputs, for the image path)")
+        return self
+
+    @model_validator(mode="after")
     def _confined(self) -> "PipelineConfig":
         """Declared input roots: the inputs and the tokenizer file must lie inside them or the work dir."""
         if self.input_roots is None:

@@ -87,6 +87,18 @@ def check_patterns(name: str, patterns: list[str]) -> None:
                              f"{one_line(str(e))}") from e
 
 
+def check_image_patterns(patterns: list[str]) -> None:
+    """The image path's inputs: each pattern matches tar or Parquet files (image_collect.inputs[i] named)."""
+    from lifecycle.tasks.data.images.collect.stage import resolve_image_inputs
+
+    if not patterns:
+        raise UsageError("image_collect.inputs: no patterns, and image_collect.enabled is true")
+    try:
+        resolve_image_inputs(patterns)
+    except (ValueError, OSError) as e:
+        raise UsageError(one_line(str(e))) from e
+
+
 def _eval_sets(specs: list[str]) -> None:
     from lifecycle.tasks.data.decontaminate.sets import resolve_set
 

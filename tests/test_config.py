@@ -13,7 +13,7 @@ CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path, tmp_path):
     cfg = load_shipped(path, tmp_path)
-    assert cfg.collect.inputs
+    assert cfg.collect.inputs or cfg.image_collect.inputs  # each path reads its own inputs
 
 
 def test_overrides_by_dotted_path_parse_yaml(tmp_path):

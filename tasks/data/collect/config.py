@@ -3,7 +3,7 @@ and `part_bytes`, the bytes of strings a shard buffers before it writes a part."
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lifecycle.tasks.data.collect.tombstones import ForgetFilter
 
@@ -79,12 +79,6 @@ class CollectConfig(BaseModel):
                              "read and parsed, and a part must hold at least one")
         return self
 
-    @field_validator("inputs")
-    @classmethod
-    def _non_empty(cls, v: list[str]) -> list[str]:
-        if not v:
-            raise ValueError("at least one input pattern is required")
-        return v
 
 
 class CollectRun(CollectConfig):
