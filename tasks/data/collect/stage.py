@@ -73,6 +73,25 @@ def resolve_inputs(patterns: list[str]) -> list[RawFile]:
             for p in match_inputs(patterns)]
 
 
+def _warn_special(pattern: str) -> None:
+    """Say which matches of a local pattern are neither regular files nor directories (a FIFO would block a
+    reader, a socket or a device is no input): they are skipped, with one warning each."""
+    import glob
+    import logging
+    import stat
+
+    for p in sorted(glob.glob(pattern, recursive=True)):
+        try:
+            mode = os.stat(p).st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            logging.getLogger("lifecycle").warning("collect.inputs: pattern %r matches %s, %s: skipped",
+                                                   shown(pattern), p, kind)
+
+
 def match_inputs(patterns: list[str]) -> list[str]:
     """The files the globs match (sorted), each of a known type. A local file is taken once, under the first
     spelling found, however many paths (symlinks, loops, overlapping patterns) lead to it."""
@@ -86,6 +105,8 @@ def match_inputs(patterns: list[str]) -> list[str]:
             if not is_remote(pattern):
                 raise
             raise InputError(remote_problem(pattern, e)) from e
+        if local:
+            _warn_special(pattern)
         if not matched:
             raise InputError(f"collect.inputs: pattern {shown(pattern)!r} matches no file")
         if not is_remote(pattern):  # local (file:// too): no symlink or `..` leads out of the pattern's dir
