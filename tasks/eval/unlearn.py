@@ -231,6 +231,9 @@ def ascend(model, forget: np.ndarray, target: dict[str, float], cfg: UnlearnConf
     history = []
     el = f"el{cfg.el_n}"
     pace = _Pace(-(-len(forget) // cfg.chunk_size), log)
+    log(f"[unlearn] {len(forget)} sequence(s) of {forget.shape[1] - 1} tokens in {pace.chunks} chunk(s) of "
+        f"unlearn.chunk_size={cfg.chunk_size}, each until it is at the never-seen level or "
+        f"unlearn.max_epochs={cfg.max_epochs} ascent steps; the worst case follows the first steps' pace")
     for c in range(0, len(forget), cfg.chunk_size):
         chunk = forget[c : c + cfg.chunk_size]
         x = torch.from_numpy(chunk.astype(np.int64))
@@ -278,10 +281,15 @@ class _Pace:
     def __init__(self, chunks: int, log, every: float = 15.0):
         self.chunks, self.log, self.every = chunks, log, every
         self.t0 = self.last = time.time()
-        self.done = 0
+        self.done, self.worst_said = 0, False
 
     def step(self, chunk: int, steps: int, max_steps: int) -> None:
         now = time.time()
+        if not self.worst_said and steps and not self.done:  # up front: how long it can take at most
+            self.worst_said = True
+            worst = (now - self.t0) / steps * max_steps * self.chunks
+            self.log(f"[unlearn] at {(now - self.t0) / steps:.2f} s a step, the worst case (every chunk to "
+                     f"max_epochs) is {worst / 60:.0f} min; lower unlearn.max_epochs or raise chunk_size to bound it")
         if now - self.last < self.every:
             return
         self.last = now
