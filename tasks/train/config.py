@@ -31,7 +31,8 @@ class Section(BaseModel):
 
 
 class OptimizerConfig(Section):
-    """AdamW and its learning-rate schedule (linear warmup, cosine decay, then flat)."""
+    """AdamW and its learning-rate schedule: linear warmup, then a cosine decay (`schedule: cosine`) or a stable
+    phase and a short decay (`schedule: wsd`), reaching min_lr at the horizon, then flat."""
 
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate, reached at the end of warmup."""
@@ -42,6 +43,17 @@ class OptimizerConfig(Section):
     decay_steps: int | None = Field(None, ge=1)
     """Step at which the cosine reaches min_lr. Null = `train.max_steps`, so raising max_steps then changes the
     lr curve and starts a new run; set it to be able to extend a run later (see lifecycle.tasks.train.launch)."""
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """`cosine`: from lr after warmup down to min_lr at the horizon. `wsd`: warmup-stable-decay (Hu et al. 2024,
+    MiniCPM; Hägele et al. 2024): lr held after warmup, then decayed to min_lr over the last `decay_fraction` of
+    the horizon. The stable phase does not depend on the horizon, so a WSD run can be continued further and its
+    anneal branched off any step of it (docs/training.md, "Recipe")."""
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """`wsd`: share of the horizon spent decaying (the decay starts at horizon - round(fraction·horizon), never
+    before the end of warmup). Ignored by `cosine`."""
+    decay_shape: Literal["linear", "sqrt", "cosine"] = "sqrt"
+    """`wsd`: the decay's shape over its steps, progress p in [0, 1]: `linear` lr·(1-p), `sqrt` lr·(1-sqrt(p))
+    (Hägele et al. 2024's best), `cosine` lr·(1+cos(πp))/2; all from lr to min_lr. Ignored by `cosine`."""
     weight_decay: float = Field(0.1, ge=0)
     """AdamW decoupled weight decay on matrices (2-D weights); norms and biases get none."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -344,7 +356,7 @@ class TrainConfig(BaseModel):
     """`champion`: start from the weights of the registry's champion version (and tokenize with its tokenizer)
     when its architecture equals `model`; otherwise from scratch, and the run says why. `hf:<dir>`: continue
     pretraining a Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2, SmolLM; safetensors, sharded
-    or not): the architecture comes from its config.json (`model` may set only seq_len and dropout), the
+    or not): the architecture comes from its config.json (`model` may set only seq_len, dropout and attention), the
     tokenize stage uses its tokenizer (lifecycle.tasks.train.hf_import). Only the weights carry over:
     optimizer state and LR schedule start fresh. Operational: the weights' sha256 is what enters the
     run fingerprint."""
@@ -396,13 +408,34 @@ class TrainConfig(BaseModel):
             raise ValueError("train.model_size must be 'fixed' with train.init_from hf:<dir> (the checkpoint fixes "
                              "the architecture)")
         seq_len = given.get("seq_len", ModelConfig.model_fields["seq_len"].default)
-        base = ModelConfig(**{**check_base(base_dir(data["init_from"]), seq_len), "dropout": given.get("dropout", 0.0)})
+        own = {k: given[k] for k in ("attention",) if k in given}  # how windows are attended: not the checkpoint's
+        base = ModelConfig(**{**check_base(base_dir(data["init_from"]), seq_len), "dropout": given.get("dropout", 0.0),
+                              **own})
         theirs = base.model_dump()
         if clash := [f"train.model.{k}={v!r} (config.json gives {theirs[k]!r})" for k, v in given.items()
                      if theirs.get(k) != v and not (k == "init")]:
             raise ValueError(f"with train.init_from {data['init_from']} the architecture comes from its "
                              f"config.json; remove or match: " + "; ".join(clash))
         return {**data, "model": base}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _attention(cls, data: Any) -> Any:
+        """`model.attention` left unset is `document`, or `packed` where pipeline or sequence parallelism cannot
+        compute document masks (ModelConfig.attention); set explicitly, it is checked in `_check`."""
+        if not isinstance(data, dict):
+            return data
+        model = data.get("model") or {}
+        given = model.model_fields_set if isinstance(model, BaseModel) else set(model)
+        par = data.get("parallel") or {}
+        par = par.model_dump() if isinstance(par, BaseModel) else par
+        layout = data.get("layout") if isinstance(data.get("layout"), str) else ""
+        split = max(par.get("pp", 1), par.get("sp", 1)) > 1 or any(f"{d}=" in layout and f"{d}=1" not in layout
+                                                                   for d in ("pp", "sp"))
+        if "attention" in given or not split:
+            return data
+        model = model.model_dump(exclude_unset=True) if isinstance(model, BaseModel) else dict(model)
+        return {**data, "model": {**model, "attention": "packed"}}
 
     @model_validator(mode="before")
     @classmethod
@@ -433,6 +466,11 @@ class TrainConfig(BaseModel):
                              f" and train.engine.zero_stage 1-3 (got {eng.zero_stage}; DeepSpeed keeps bf16 master "
                              "weights and moments in its ZeRO optimizers only, runtime/config.py) without pipeline "
                              f"stages (pp={self.parallel.pp})")
+        if self.model.attention == "document" and max(self.parallel.pp, self.parallel.sp) > 1:
+            raise ValueError(f"train.model.attention=document with train.parallel pp={self.parallel.pp} sp="
+                             f"{self.parallel.sp}: a pipeline stage gets only the activations and a sequence slice "
+                             "only its tokens, not the token ids that mark the documents; set "
+                             "train.model.attention=packed")
         if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.dp:
             raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks / (tp·pp·sp) "
                              f"({self.batch.num_ranks} / {self.parallel.model_parallel} = {self.dp}), the "
@@ -466,15 +504,30 @@ class TrainConfig(BaseModel):
         """Data-parallel degree: the ranks left after tensor, pipeline and sequence parallelism."""
         return self.batch.num_ranks // self.parallel.model_parallel
 
+    @property
+    def decay_start(self) -> int:
+        """First step of the decay: the end of warmup for `cosine`; for `wsd` the end of the stable phase,
+        horizon - round(decay_fraction·horizon), at least warmup_steps."""
+        opt = self.optimizer
+        if opt.schedule == "cosine":
+            return opt.warmup_steps
+        return max(opt.warmup_steps, self.horizon - round(opt.decay_fraction * self.horizon))
+
     def lr_at(self, step: int) -> float:
-        """Learning rate of update `step` (0-based): linear warmup, cosine to min_lr at `horizon`, then flat."""
+        """Learning rate of update `step` (0-based): linear warmup, lr until `decay_start` (wsd), the decay to
+        min_lr at `horizon` (cosine, or wsd's `decay_shape`), then flat."""
         opt = self.optimizer
         if step < opt.warmup_steps:
             return opt.lr * (step + 1) / (opt.warmup_steps + 1)
         if step >= self.horizon:
             return opt.min_lr
-        ratio = (step - opt.warmup_steps) / (self.horizon - opt.warmup_steps)
-        return opt.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (opt.lr - opt.min_lr)
+        start = self.decay_start
+        if step < start:
+            return opt.lr
+        p = (step - start) / (self.horizon - start)
+        shape = "cosine" if opt.schedule == "cosine" else opt.decay_shape
+        keep = {"linear": 1.0 - p, "sqrt": 1.0 - math.sqrt(p), "cosine": 0.5 * (1.0 + math.cos(math.pi * p))}[shape]
+        return opt.min_lr + keep * (opt.lr - opt.min_lr)
 
     def run_key(self) -> dict:
         """The config part of the run fingerprint: every field that is not operational (`is_operational`), with

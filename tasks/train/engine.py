@@ -110,7 +110,15 @@ def initial_model(cfg: TrainConfig, launch: dict, rank: int, say) -> GPT:
         from safetensors.torch import load_file
 
         model.load_export(load_file(launch["init_weights"]))
+    if attention(launch) == "document":  # block-causal attention and positions per document (model.documents)
+        model.doc_sep = int(launch["tokens"]["eot_id"])
     return model
+
+
+def attention(launch: dict) -> str:
+    """The run's `model.attention`: the launch file's, or `packed` when its config.json predates the field (a run
+    started before document-aware attention existed resumes as it was trained)."""
+    return launch["train"].get("model", {}).get("attention", "packed")
 
 
 def build_engine(cfg: TrainConfig, launch: dict, par, rank: int, run_dir, say, t_start: float) -> Built:
@@ -143,4 +151,5 @@ def build_engine(cfg: TrainConfig, launch: dict, par, rank: int, run_dir, say, t
         engine.compile(backend=backend)
         say(f"model compiled with torch.compile (backend {backend}; kernels built at the first step)")
     say(f"{n_params:,} parameters, ranks ready after {time.time() - t_start:.1f}s")
-    return Built(engine, scheduler, cfg.model_arch, n_params, n_matmul, flops_per_token)
+    arch = cfg.model_arch.model_copy(update={"attention": attention(launch)})
+    return Built(engine, scheduler, arch, n_params, n_matmul, flops_per_token)

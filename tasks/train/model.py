@@ -8,6 +8,13 @@ Grouped-query attention (`n_kv_head`), a q/k/v bias, a given SwiGLU width and Ll
 config fields too, so a Llama 2/3, Mistral, Qwen2 or SmolLM checkpoint loads exactly
 (lifecycle.tasks.train.hf_import); their defaults give the model and the state dict keys of before.
 
+Document-aware attention (`ModelConfig.attention: document`, set up by the trainer with the end-of-text id the
+tokenizer puts after every document, `GPT.doc_sep`): inside a packed window each token attends only to the
+earlier tokens of its own document (a block-causal boolean mask for SDPA) and its rotary or learned position
+restarts at 0 where its document starts (`documents`). A window without an end-of-text token takes the plain
+causal kernel. Left unset (`doc_sep` None, as when the model is rebuilt for generation) attention is causal over
+the whole input, the same for a single document.
+
 Input and output embeddings are tied by default (`tie_embeddings=True`): at demo scale (vocab 4096,
 width 128) the token table is a large share of all parameters, and sharing it with the output head
 (Press & Wolf 2017; GPT-2 does the same) saves that much again. Set `tie_embeddings=False` to untie.
@@ -64,6 +71,30 @@ def rope_tables(cfg: ModelConfig, T: int, device: torch.device, start: int = 0) 
     return angles.cos(), angles.sin()
 
 
+def rope_tables_at(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (B, 1, T, head_dim/2) for per-token `positions` (B, T) (document-aware packing:
+    positions restart at each document); they broadcast over the heads in `apply_rope`."""
+    cos, sin = rope_tables(cfg, positions.size(1), positions.device)  # positions < T
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def documents(idx: torch.Tensor, sep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where the documents of each window of `idx` (B, T) lie, given the end-of-text id `sep` that ends each one
+    (the token after it starts the next): (positions (B, T) counted from each document's first token, the
+    block-causal mask (B, 1, T, T), True where a query may attend a key: same document, not later). None when no
+    window holds a boundary (then positions are 0..T-1 and the mask is the causal one)."""
+    starts = torch.zeros_like(idx, dtype=torch.bool)
+    starts[:, 1:] = idx[:, :-1] == sep
+    if not bool(starts.any()):
+        return None
+    T = idx.size(1)
+    ar = torch.arange(T, device=idx.device)
+    first = torch.where(starts, ar, torch.zeros_like(ar)).cummax(dim=1).values  # start of each token's document
+    doc = starts.cumsum(dim=1)
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+    return ar - first, mask.unsqueeze(1)
+
+
 def llama3_scaled(inv_freq: torch.Tensor, sc) -> torch.Tensor:
     """Llama 3's frequency scaling, as transformers' `_compute_llama3_parameters` computes it: long wavelengths
     divided by `factor`, short ones kept, the band between interpolated."""
@@ -85,9 +116,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal scaled-dot-product attention of q (B, H, T, D) over k, v (B, H_kv, T, D); H_kv may divide H (GQA)."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal scaled-dot-product attention of q (B, H, T, D) over k, v (B, H_kv, T, D); H_kv may divide H (GQA).
+    `mask` (B, 1, T, T) bool: the block-causal mask of `documents` instead of the causal one (SDPA's fused
+    memory-efficient kernel on a GPU takes it; the flash kernel takes only the causal flag)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              enable_gqa=k.size(1) != q.size(1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           enable_gqa=k.size(1) != q.size(1))
 
 
@@ -106,7 +143,8 @@ class CausalSelfAttention(nn.Module):
         # wrapper (lifecycle.tasks.train.parallel.sp)
         self.attention = causal_attention
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=2)
         hd, kvh = self.cfg.head_dim, self.cfg.kv_heads
@@ -115,7 +153,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         drop = self.cfg.dropout if self.training else 0.0
-        y = self.attention(q, k, v, drop)
+        y = self.attention(q, k, v, drop) if mask is None else self.attention(q, k, v, drop, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -163,8 +201,8 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -228,6 +266,9 @@ class GPT(nn.Module):
         # Under sequence parallelism this rank holds slice `seq_shard` of each sequence: its T tokens sit at
         # positions seq_shard·T .. seq_shard·T + T - 1 (lifecycle.tasks.train.parallel.sp); 0 otherwise.
         self.seq_shard = 0
+        # End-of-text id for document-aware attention (`cfg.attention: document`): set by the trainer from the
+        # token shards; None = causal attention over the whole input (module docstring).
+        self.doc_sep: int | None = None
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
@@ -283,19 +324,21 @@ class GPT(nn.Module):
         if start + T > self.cfg.seq_len:
             raise ValueError(f"sequence length {start + T} exceeds the model's seq_len {self.cfg.seq_len}")
         x = self.wte(idx)
+        docs = documents(idx, self.doc_sep) if self.doc_sep is not None else None
+        mask = None if docs is None else docs[1]
         rope = None
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device) if docs is None else docs[0])
         else:
-            rope = rope_tables(self.cfg, T, idx.device, start)
+            rope = rope_tables(self.cfg, T, idx.device, start) if docs is None else rope_tables_at(self.cfg, docs[0])
         x = self.enter_blocks(self.drop(x))
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Non-reentrant: works with ZeRO-3's parameter hooks and with inputs that need no grad; the
                 # RNG state is stashed and restored, so a recomputed dropout mask equals the first one.
-                x = recompute_fn(self.activation_checkpointing)(block, x, rope)
+                x = recompute_fn(self.activation_checkpointing)(block, x, rope, mask)
             else:
-                x = block(x, rope)
+                x = block(x, rope, mask)
         logits = self.lm_head(self.norm_f(self.leave_blocks(x)))
         loss = None
         if targets is not None:

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lifecycle.tasks.train.config import ModelConfig
-from lifecycle.tasks.train.model import GPT, MLP, CausalSelfAttention, RMSNorm, apply_rope
+from lifecycle.tasks.train.model import GPT, MLP, CausalSelfAttention, RMSNorm, apply_rope, causal_attention
 
 __all__ = ["TPGroup", "split_spec", "shard_tensor", "merge_tensors", "shard_model", "TensorParallelGPT",
            "dense_from_checkpoint"]
@@ -283,7 +283,7 @@ class TPAttention(nn.Module):
         _shard_linear_(dense.proj, cfg, f"{prefix}.proj", tp)
         self.qkv, self.proj, self.resid_drop = dense.qkv, dense.proj, dense.resid_drop
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = gather_seq(x, self.tp.group) if self.seq_parallel else copy_to_tp(x, self.tp.group)
         B, T, _ = x.shape
         hd = self.cfg.head_dim
@@ -293,7 +293,7 @@ class TPAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # dropout is refused with tp > 1 (config): masks would need a tp-aware RNG stream (Megatron's tracker)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_head)
+        y = causal_attention(q, k, v, 0.0, mask)  # mask: document-aware attention's (model.documents)
         y = y.transpose(1, 2).contiguous().view(B, T, self.q_dim)
         return self.resid_drop(_leave_tp(self.proj(y), self.tp, self.seq_parallel))
 

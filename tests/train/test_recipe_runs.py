@@ -1,0 +1,69 @@
+"""Issue 47's recipe options in real 2-rank DeepSpeed runs on the CPU (slow: about a minute each on 2 cores):
+a warmup-stable-decay run extended from its last commit trains the steps an uninterrupted run trains, with the
+same lr curve; an anneal branched off a long WSD run follows that run exactly up to its branch step and then
+decays; document-aware attention trains (the default) and differs from packed attention on the same batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lifecycle.tasks.train.launch import run_train
+from tests.train.test_train import CFG, make_tokens, with_
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return make_tokens(tmp_path_factory.mktemp("tokens"))
+
+
+def _train(path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, open(path)) if r["kind"] == "train"}
+
+
+WSD = with_(CFG, max_steps=20, **{"optimizer.schedule": "wsd", "optimizer.decay_steps": 30,
+                                  "optimizer.decay_fraction": 0.2, "checkpoint.every": 10, "logging.every": 1,
+                                  "logging.eval_every": 0})
+
+
+@pytest.mark.slow
+def test_wsd_run_extended_from_its_commit_trains_what_an_uninterrupted_run_trains(tokens, tmp_path):
+    short = run_train(tokens, WSD, str(tmp_path / "a"))
+    longer = run_train(tokens, with_(WSD, max_steps=30), str(tmp_path / "a"))
+    assert longer.launched and longer.resumed_from == 20 and longer.run_dir == short.run_dir
+    straight = run_train(tokens, with_(WSD, max_steps=30), str(tmp_path / "b"))
+    got, want = _train(longer.metrics_path), _train(straight.metrics_path)
+    assert sorted(got) == sorted(want) == list(range(1, 31))
+    for step in range(1, 31):
+        assert got[step]["loss"] == want[step]["loss"], step  # exact: same batches, same lr, restored state
+        assert got[step]["lr"] == pytest.approx(WSD.lr_at(step - 1)), step
+    assert got[24]["lr"] == WSD.optimizer.lr and got[30]["lr"] < got[26]["lr"] < got[25]["lr"]
+
+
+@pytest.mark.slow
+def test_an_anneal_follows_the_long_wsd_run_to_its_branch_step_then_decays(tokens, tmp_path):
+    long = with_(WSD, max_steps=24, **{"optimizer.decay_steps": 1000})
+    anneal = with_(WSD, max_steps=24, **{"optimizer.decay_steps": 24, "optimizer.decay_fraction": 0.25})
+    assert anneal.decay_start == 18
+    trunk = _train(run_train(tokens, long, str(tmp_path)).metrics_path)
+    branch = _train(run_train(tokens, anneal, str(tmp_path)).metrics_path)
+    for step in range(1, 19):  # the anneal's steps before its decay are the long run's
+        assert branch[step]["loss"] == trunk[step]["loss"] and branch[step]["lr"] == trunk[step]["lr"], step
+    assert branch[20]["lr"] < trunk[20]["lr"] == long.optimizer.lr
+    for step in range(20, 25):  # record `step` holds the lr of update step-1
+        assert branch[step]["lr"] == pytest.approx(anneal.lr_at(step - 1)) and branch[step]["lr"] < trunk[step]["lr"]
+
+
+@pytest.mark.slow
+def test_document_attention_trains_and_differs_from_packed_attention(tokens, tmp_path):
+    cfg = with_(CFG, max_steps=12, **{"checkpoint.every": 12, "logging.every": 1, "logging.eval_every": 0})
+    assert cfg.model.attention == "document"
+    doc = run_train(tokens, cfg, str(tmp_path))
+    packed = run_train(tokens, with_(cfg, **{"model.attention": "packed"}), str(tmp_path))
+    assert doc.run_dir != packed.run_dir  # another trajectory, another run
+    d, p = _train(doc.metrics_path), _train(packed.metrics_path)
+    assert sum(d[s]["loss"] for s in (10, 11, 12)) < 0.9 * sum(d[s]["loss"] for s in (1, 2, 3))  # it learns
+    assert d[1]["loss"] != p[1]["loss"]  # the same batches, attended differently
+    assert json.loads((Path(doc.checkpoint_dir) / "model_config.json").read_text())["attention"] == "document"
