@@ -12,30 +12,34 @@ field by its dotted path: `train.optimizer.lr`, `--set train.checkpoint.every=50
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from lifecycle.tasks.train.model_config import ModelConfig, MoEArch, RopeScaling  # noqa: F401  (re-exported)
 from lifecycle.tasks.train.parallel import rules
-
-
-class Section(BaseModel):
-    """A group of `TrainConfig` fields. A section whose class sets `operational = True` holds only settings that do
-    not change the trajectory (how the run is launched, logged, checkpointed), so the whole section stays out of
-    the run fingerprint; every field of any other section is in it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-    operational: ClassVar[bool] = False
+from lifecycle.tasks.train.run_sections import (  # noqa: F401  (the operational sections, re-exported)
+    CheckpointConfig, LaunchConfig, LoggingConfig, Section,
+)
 
 
 class OptimizerConfig(Section):
-    """AdamW and its learning-rate schedule: linear warmup, then a cosine decay (`schedule: cosine`) or a stable
+    """The optimizer (AdamW, or Muon with AdamW beside it) and its learning-rate schedule: linear warmup, then a cosine decay (`schedule: cosine`) or a stable
     phase and a short decay (`schedule: wsd`), reaching min_lr at the horizon, then flat."""
 
+    name: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: torch AdamW on every parameter. `muon`: DeepSpeed's `MuonWithAuxAdam`
+    (deepspeed/runtime/zero/muon; Jordan et al. 2024): Muon (momentum, then a Newton-Schulz orthogonalised
+    update) on the blocks' 2-D weights at `muon_lr`, AdamW at `lr` (betas, weight_decay) on the embeddings, the
+    head, norms and biases, as modded-nanogpt and nanochat split it; the schedule scales both. ZeRO 0-3 with data
+    parallelism only: refused with tp, pp, sp, experts, and ZeRO-3 with a base model (zero.Init)."""
+    muon_lr: float = Field(0.02, gt=0)
+    """`muon`: peak learning rate of the Muon half (its update has unit spectral scale, hence the larger value)."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """`muon`: Nesterov momentum of the Muon half."""
     lr: float = Field(1e-3, gt=0)
-    """Peak learning rate, reached at the end of warmup."""
+    """Peak learning rate, reached at the end of warmup (of the AdamW half under `name: muon`)."""
     min_lr: float = Field(1e-4, ge=0)
     """Learning rate at the end of the cosine decay and after it; at most `lr`."""
     warmup_steps: int = Field(20, ge=0)
@@ -184,122 +188,6 @@ class GuardConfig(Section):
         return not math.isfinite(loss) or (
             self.spike_factor is not None and len(recent) >= self.spike_window
             and loss > self.spike_factor * sum(recent[-self.spike_window:]) / self.spike_window)
-
-
-class CheckpointConfig(Section):
-    """When and how committed checkpoints are written (lifecycle.tasks.train.checkpointer). Operational."""
-
-    operational: ClassVar[bool] = True
-
-    every: int | Literal["auto"] = 100
-    """Commit a checkpoint every this many steps; one is always committed at max_steps. `auto`: pick the
-    interval so that saving costs at most `auto_overhead` of training time (CheckFreq): a first save a few
-    steps into each launch measures its stall, then interval = ceil(stall / (auto_overhead x median step
-    time)), re-estimated at every save from the numbers of all ranks (the slowest), and logged."""
-    auto_overhead: float = Field(0.035, gt=0, lt=1)
-    """With `every: auto`, the share of training time checkpointing may cost (CheckFreq's 3.5 %)."""
-
-    @field_validator("every", mode="before")
-    @classmethod
-    def _every(cls, v: Any) -> Any:  # one error under `checkpoint.every`, not one per member of the union
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            return v
-        raise ValueError(f"must be a whole number of steps >= 1 or 'auto', got {v!r}")
-    keep_last: int = Field(3, ge=1)
-    """Committed checkpoints kept (K newest); older ones are deleted after each commit."""
-    async_save: bool = True
-    """Checkpoints are snapshotted to host memory and persisted in the background (lifecycle.tasks.train.async_saver);
-    false = the synchronous save of lifecycle.tasks.train.commit. Either way the commit marker comes last and
-    the files are the same."""
-    memory_tier: bool = True
-    """Keep the latest committed checkpoint in host memory (tmpfs, /dev/shm), outside the ranks, so that a
-    relaunch after a rank failure restores from memory instead of disk (Gemini, CheckFreq); the disk commit
-    stays the source of truth, and a tier that is older than the newest commit or fails its checksums is
-    skipped (the restore reads the disk, and says why). Needs `async_save` (the async saver's staging
-    buffers are the tier). Memory: up to two model+optimizer states per host (the committed one and the one
-    being saved), in place of the one staging buffer the async saver keeps anyway. Removed when the run
-    succeeds."""
-
-
-class LoggingConfig(Section):
-    """What rank 0 appends to metrics.jsonl, and how often. Operational."""
-
-    operational: ClassVar[bool] = True
-
-    every: int = Field(10, ge=1)
-    """Append a metrics record (rank-averaged loss) every this many steps, and at the first and last."""
-    eval_every: int = Field(0, ge=0)
-    """Validation loss every this many steps during training (0 = never; the evaluate task does it after)."""
-    eval_batches: int = Field(4, ge=1)
-    """Micro-batches per rank for each in-training validation."""
-    peak_flops_per_rank: float | None = Field(None, gt=0)
-    """Peak FLOP/s of one rank's device, the MFU denominator (e.g. 989e12 for an H100's dense bf16).
-    Null = measured at start-up with a matmul on the rank's device and threads, so MFU is relative to what
-    this hardware can do."""
-
-
-class LaunchConfig(Section):
-    """How the ranks are started and supervised (hostfile and the deepspeed runner, threads, time limit). Operational."""
-
-    operational: ClassVar[bool] = True
-
-    hostfile: str | None = None
-    """DeepSpeed hostfile (`<host> slots=<ranks>` per line, `#` comments) to run the ranks across the listed
-    hosts; null = `train.batch.num_ranks` ranks on this machine. Every host needs the same run directory (a
-    shared file system) and the same Python environment at the same path, reachable by passwordless ssh (pdsh
-    by default)."""
-    master_addr: str | None = None
-    """Address of the rank-0 host for the rendezvous. Null: 127.0.0.1 when every rank is on one host, else
-    the DeepSpeed launcher asks the first host over ssh (`hostname -I`)."""
-    master_port: int | None = Field(None, ge=1024, le=65535)
-    """torch.distributed rendezvous port; null = pick a free one at launch."""
-    num_nodes: int | None = Field(None, ge=1)
-    """Use only the first this many hosts of the hostfile (launcher `--num_nodes`)."""
-    include: str | None = None
-    """Hosts/slots to use, DeepSpeed syntax `node1@node2:0,1` (launcher `--include`)."""
-    exclude: str | None = None
-    """Hosts/slots to leave out, same syntax (launcher `--exclude`)."""
-    launcher: Literal["pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm"] = "pdsh"
-    """How the DeepSpeed launcher starts the ranks on other hosts (launcher `--launcher`)."""
-    threads_per_rank: int | None = Field(None, ge=1)
-    """OMP/torch threads per rank. Null = CPU cores // num_ranks (at least 1)."""
-    prefetch: int = Field(4, ge=0)
-    """Micro-batches a background thread of each rank prepares ahead of the training step (0 = load in the step)."""
-    timeout_s: float | None = Field(None, gt=0)
-    """Kill the ranks and fail after this many seconds (null = no limit)."""
-    stall_s: float = Field(60, gt=0)
-    """Heartbeat watchdog: a rank that makes no step for max(stall_s, 10 x the median step time) gets the ranks
-    killed and the attempt failed, naming it and its last step (the train stage's retry resumes from the last
-    commit). Covers a step with its eval and its checkpoint save."""
-    startup_s: float = Field(900, gt=0)
-    """The same watchdog before a rank's first heartbeat: imports, DeepSpeed's engine set-up, a JIT build of its
-    CPU comm op by a rank, the restore of a checkpoint. Much longer than a step, so it has its own bound. Within
-    it, a rank whose liveness beat (every 2 s, from its first lines) goes quiet for `stall_s` (a stopped, dead or
-    wedged rank) stalls the launch at once."""
-    spares: int = Field(0, ge=0)
-    """Hot spares: how many rank failures (an exit, or a stall the watchdog above names) one launch recovers from
-    without a relaunch. Once the ranks train, a standby world of `num_ranks` ranks starts beside them on this
-    host: imports done, process group and DeepSpeed engine built, first checkpoint arena made, waiting. A failure
-    promotes it: the failed world is stopped, and the standby restores the newest commit (from host memory with
-    `checkpoint.memory_tier`) and trains on. A new standby is started once the promoted world steps, while
-    failures remain. 0 = off: a failure fails the attempt and the stage's retry relaunches. Costs a second copy of
-    every rank's model, optimizer and first checkpoint arena in this host's memory (device memory on a GPU), and
-    CPU while a standby starts. Local ranks only (no `hostfile`)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "LaunchConfig":
-        if self.spares and self.hostfile is not None:
-            raise ValueError("train.launch.spares keeps standby ranks on this host; it cannot be combined with "
-                             "train.launch.hostfile")
-        if self.hostfile is None and (self.num_nodes or self.include or self.exclude):
-            raise ValueError("train.launch.num_nodes/include/exclude select hosts of a hostfile: "
-                             "set train.launch.hostfile too")
-        if self.include and self.exclude:
-            raise ValueError("train.launch.include and train.launch.exclude are mutually exclusive")
-        if self.num_nodes and (self.include or self.exclude):
-            raise ValueError("train.launch.num_nodes cannot be combined with include/exclude "
-                             "(the DeepSpeed launcher refuses it)")
-        return self
 
 
 class Operational:
@@ -471,6 +359,7 @@ class TrainConfig(BaseModel):
                              f"{self.parallel.sp}: a pipeline stage gets only the activations and a sequence slice "
                              "only its tokens, not the token ids that mark the documents; set "
                              "train.model.attention=packed")
+        self._check_muon()
         if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.dp:
             raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks / (tp·pp·sp) "
                              f"({self.batch.num_ranks} / {self.parallel.model_parallel} = {self.dp}), the "
@@ -479,6 +368,24 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train.optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below the cosine "
                              f"horizon, train.optimizer.decay_steps or else train.max_steps ({self.horizon})")
         return self
+
+    def _check_muon(self) -> None:
+        """Where DeepSpeed's Muon would not compute what `optimizer.name: muon` says, refused with the reason."""
+        if self.optimizer.name != "muon":
+            return
+        par, why = self.parallel, None
+        if par.tp > 1:
+            why = f"tp={par.tp}: a tp rank holds a slice of each matrix, and Newton-Schulz of a slice is not of the matrix"
+        elif par.pp > 1 or par.sp > 1 or self.moe.num_experts:
+            why = (f"pp={par.pp} sp={par.sp} experts={self.moe.num_experts}: DeepSpeed's pipeline, Ulysses and MoE "
+                   "paths are not verified with Muon here")
+        elif self.engine.zero_stage == 3 and self.init_from.startswith("hf:"):
+            why = ("ZeRO-3 with a base model (built under zero.Init, where DeepSpeed's own Muon tagging reads the "
+                   "partitioned 1-D shapes and silently trains every parameter with AdamW; not verified here)")
+        elif self.engine.optimizer_states == "bf16":
+            why = "train.engine.optimizer_states=bf16: DeepSpeed's bf16 optimizer states are not verified with Muon here"
+        if why:
+            raise ValueError(f"train.optimizer.name=muon with {why}; use train.optimizer.name=adamw")
 
     @property
     def model_arch(self) -> ModelConfig:
