@@ -3,6 +3,7 @@
 #   bash bench/gpu_figures.sh [--python PY] [--out DIR] [--budget SECONDS] [--only STEP[,STEP...]] [--cpu-check]
 # Steps, in this order (each bounded by what is left of the budget, default 540 s; a step that would start with
 # under its minimum left is skipped and says so):
+#   gemm     python -m bench.gpu_gemm --json   (a block's matmuls against the planner's shape model, ~20 s)
 #   mfu124   python -m bench.gpu_mfu --model 124m --steps 60 ... --json  (ours, sync saves, peer, a profiled step)
 #   resume   python -m bench.kill_resume 3 --accelerator cuda --ranks 1 --precision bf16   (compile on)
 #   mfu350   python -m bench.gpu_mfu --model 350m (the same, saves every 20 of 50 steps)
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
 PY=python3
 OUT_DIR=gpu-figures
 BUDGET=540
-ONLY=mfu124,resume,mfu350
+ONLY=gemm,mfu124,resume,mfu350
 CPU_CHECK=0
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -66,6 +67,7 @@ if [ "$CPU_CHECK" = 1 ]; then
     RECOVERY=(1 --spare --json)
     LARGE_ARGS=()
     LEVER_ARGS=(--device cpu --peer-steps 4 --warmup 1 --json)
+    GEMM_ARGS=(--cpu-check)
     echo "cpu check: tiny shapes on the CPU" | tee "$OUT_DIR/gpu.txt"
 else
     # saves every 15 steps at 124M (~2-4 s apart: the persist of ~2 GB fits), every 20 at 350M
@@ -74,12 +76,14 @@ else
     RECOVERY=(1 --model 350m --accelerator cuda --ranks 1 --precision bf16 --spare --json)
     LARGE_ARGS=(--steps 50 --every 20)
     LEVER_ARGS=(--peer-steps 20 --warmup 6 --json)
+    GEMM_ARGS=(--json)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 fi
 "$PY" -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
     | tee -a "$OUT_DIR/gpu.txt"
 echo "commit ${LIFECYCLE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT_DIR/gpu.txt"
 
+step gemm 20 60 "$PY" -m bench.gpu_gemm "${GEMM_ARGS[@]}"
 step mfu124 150 300 "$PY" -m bench.gpu_mfu --model "$MODEL_SMALL" "${MFU_ARGS[@]}"
 step resume 90 200 "$PY" -m bench.kill_resume "${RESUME[@]}"
 step mfu350 150 300 "$PY" -m bench.gpu_mfu --model "$MODEL_LARGE" "${MFU_ARGS[@]}" ${LARGE_ARGS[@]+"${LARGE_ARGS[@]}"}
