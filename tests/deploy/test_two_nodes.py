@@ -160,3 +160,61 @@ def test_data_stages_on_a_dask_scheduler_with_workers_on_both_nodes(nodes, two_n
         for proc in procs:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
+
+
+KILL_MID_SHARD = """
+import os, signal, sys, time
+from distributed import Client
+c = Client(sys.argv[1], timeout=60)
+worker = next(a for a, w in c.scheduler_info()["workers"].items() if w["name"] == "node2")
+deadline = time.monotonic() + 600
+while time.monotonic() < deadline:
+    keys = [k for k in c.processing().get(worker, ()) if "-shard-" in str(k)]
+    if keys:
+        os.killpg(int(sys.argv[2]), signal.SIGKILL)  # node2's `dask worker`, its nanny and all
+        print("killed node2 while it ran", keys[0], flush=True)
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_a_dask_worker_killed_mid_shard_leaves_the_datasets_unchanged(nodes):
+    """node2's Dask worker is SIGKILLed while it runs a shard of the whole bundled corpus: the shard runs again on
+    node1's worker and the datasets are those of the local pool."""
+    t, root, _ = nodes
+    dask = str(ROOT / ".venv" / "bin" / "dask")
+    address = f"tcp://{t.addrs[0]}:8786"  # 8787 failed to bind here (Address already in use)
+    procs = [t.popen(0, [dask, "scheduler", "--host", t.addrs[0], "--port", "8786", "--no-dashboard"],
+                     log=root / "dask-scheduler-kill.log")]
+    try:
+        for i in range(2):
+            procs.append(t.popen(i, [dask, "worker", address, "--nthreads", "1", "--nworkers", "1", "--name",
+                                     t.names[i], "--preload", "lifecycle.flows.worker_preload", "--no-dashboard"],
+                                 log=root / f"dask-worker-kill{i}.log"))
+        wait = [sys.executable, "-c", f"from distributed import Client; Client('{address}', timeout=60)"
+                                      ".wait_for_workers(2, timeout=120)"]
+        assert t.run(0, wait, capture_output=True, timeout=180).returncode == 0
+        corpus = str(ROOT / "corpus/python-docs/*.jsonl.gz")
+        base = [sys.executable, "-m", "lifecycle.launch", "run", str(ROOT / "deploy/configs/demo.yaml"), "--json",
+                "--until", "filter", "--set", f"collect.inputs={json.dumps([corpus])}"]
+        killer = t.popen(0, [sys.executable, "-c", KILL_MID_SHARD, address, str(procs[2].pid)],
+                         log=root / "kill.log")
+        p = t.run(0, [*base, "--set", f"workdir={root / 'wd-dask-kill'}", "--set",
+                      f"orchestration.dask_address={address}"], env=node1_env(t), cwd=ROOT, capture_output=True,
+                  text=True, timeout=900)
+        killer.wait(timeout=60)
+        assert "killed node2 while it ran" in (root / "kill.log").read_text(), (root / "kill.log").read_text()
+        assert p.returncode == 0, p.stderr[-4000:]
+        local = t.run(0, [*base, "--set", f"workdir={root / 'wd-local-kill'}"], env=node1_env(t), cwd=ROOT,
+                      capture_output=True, text=True, timeout=900)
+        assert local.returncode == 0, local.stderr[-4000:]
+        got, want = last_json(p.stdout)["datasets"], last_json(local.stdout)["datasets"]
+        for stage in ("collect", "filter"):
+            assert Path(got[stage]).parent.name == Path(want[stage]).parent.name, stage
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
