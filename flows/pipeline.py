@@ -42,7 +42,7 @@ from lifecycle.tasks.eval.evaluate.gate import eval_set_of, rescore_package
 from lifecycle.tasks.eval.evaluate.metrics_text import HEADLINE, scale_of, with_scale
 from lifecycle.tasks.eval.evaluate.stage import examples_of
 from lifecycle.tasks.eval.perplexity.stage import COLUMN as PERPLEXITY_COLUMN, ScoringModel
-from lifecycle.tasks.stages import (CHECKPOINT, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, IMAGE_COLLECT,
+from lifecycle.tasks.stages import (CHECKPOINT, CLIP_EVALUATE, CLIP_TRAIN, COLLECT, DECONTAMINATE, DEDUP, EVALUATE, FILTER, IMAGE_COLLECT,
                                     IMAGE_DEDUP, IMAGE_FILTER, IMAGE_PREPROCESS, IMAGE_SCRUB, PERPLEXITY, QUALITY,
                                     SCRUB, SELECT, TOKENIZE, TRAIN, enabled, input_of)
 
@@ -139,10 +139,12 @@ def _open_run(cfg: PipelineConfig, until: str | None, flow_run, tags: dict[str, 
 def _run_stages(run: StageRunner, inputs, cfg: PipelineConfig, tracker: Tracker, summary: RunSummary,
                 reporter: Reporter):
     """The diagram, one stage per line; (collect's, tokenize's and train's outputs) for the end of the run."""
-    if cfg.image_collect.enabled:  # the image-text path instead (its train and evaluate stages do not exist yet)
+    if cfg.image_collect.enabled:  # the image-text path instead
         pairs = run(IMAGE_COLLECT)
         clean = run(IMAGE_SCRUB, run(IMAGE_DEDUP, run(IMAGE_FILTER, pairs)))
-        run(IMAGE_PREPROCESS, clean)
+        shards = run(IMAGE_PREPROCESS, clean)
+        model = run(CLIP_TRAIN, shards)
+        run(CLIP_EVALUATE, model, shards)
         return pairs, None, None
     init_weights, tokenize_cfg = None, None
     warm = cfg.train.init_from == "champion" and run.wants(TOKENIZE)
@@ -220,7 +222,7 @@ class _Logger:
     def __init__(self, tracker: Tracker, summary: RunSummary, reporter: Reporter):
         self.tracker, self.summary, self.reporter = tracker, summary, reporter
         self.parents: dict[str, DatasetRef] = {}
-        self.by_group = {"data": self._data, "train": self._train, "eval": self._eval}  # a stage's group -> its log
+        self.by_group = {"data": self._data, "train": self._train, "eval": self._eval, "image_model": self._data}  # a stage's group -> its log
 
     def stage_done(self, stage, value, outcome: str, extra: dict, section) -> None:
         self.tracker.stage_run(stage.name, self.summary.timing.get(f"stage_start:{stage.name}"))

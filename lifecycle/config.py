@@ -34,6 +34,7 @@ from lifecycle.tasks.eval.perplexity.stage import COLUMN as PERPLEXITY_COLUMN, P
 from lifecycle.tasks.data.filter.stage import FilterConfig
 from lifecycle.tasks.data.scrub.stage import ScrubConfig
 from lifecycle.tasks.data.tokenize.stage import TokenizeConfig
+from lifecycle.tasks.clip.config import ClipEvalConfig, ClipTrainConfig
 from lifecycle.tasks.data.images.collect.stage import ImageCollectConfig
 from lifecycle.tasks.data.images.dedup.stage import ImageDedupConfig
 from lifecycle.tasks.data.images.filter.stage import ImageFilterConfig
@@ -115,6 +116,9 @@ class PipelineConfig(BaseModel):
     image_scrub: ImageScrubConfig = Field(ImageScrubConfig(), description="Image metadata, faces, caption PII.")
     image_preprocess: ImagePreprocessConfig = Field(ImagePreprocessConfig(), description="Training-size image "
                                                     "shards and caption tokens.")
+    clip_train: ClipTrainConfig = Field(ClipTrainConfig(), description="The image path's dual encoder, trained "
+                                        "under DeepSpeed ZeRO (tasks/clip/).")
+    clip_evaluate: ClipEvalConfig = Field(ClipEvalConfig(), description="Zero-shot retrieval on held-out pairs.")
     tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow tracking and registry "
                                      "(lineage/tracking.py).")
     orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How Prefect and Dask run the "

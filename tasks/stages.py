@@ -27,7 +27,9 @@ from typing import Any, Callable, Literal
 class Stage:
     name: str
     package: str
-    group: Literal["data", "train", "eval"]
+    group: Literal["data", "train", "eval", "image_model"]
+    """`image_model`: the image path's train and evaluate, whose outputs are datasets (a model package, retrieval
+    scores), logged as the data stages' are."""
     parents: tuple[str, ...] = ()
     plan: bool = False
     """Whether it has a sharded part, which the flow plans (`STAGE.plan(*parents, config, workdir, **kw)` ->
@@ -90,10 +92,13 @@ IMAGE_FILTER = Stage("image_filter", f"{_I}.filter", "data", ("image_collect",),
 IMAGE_DEDUP = Stage("image_dedup", f"{_I}.dedup", "data", ("image_filter",), run=True)
 IMAGE_SCRUB = Stage("image_scrub", f"{_I}.scrub", "data", ("image_dedup",), plan=True)
 IMAGE_PREPROCESS = Stage("image_preprocess", f"{_I}.preprocess", "data", ("image_scrub",), run=True)
+CLIP_TRAIN = Stage("clip_train", "lifecycle.tasks.clip.train", "image_model", ("image_preprocess",), run=True)
+CLIP_EVALUATE = Stage("clip_evaluate", "lifecycle.tasks.clip.evaluate", "image_model", ("clip_train", "image_preprocess"),
+                      run=True)
 
 STAGES: tuple[Stage, ...] = (COLLECT, FILTER, DEDUP, SCRUB, DECONTAMINATE, QUALITY, PERPLEXITY, SELECT, TOKENIZE, TRAIN,
                               EVALUATE, CHECKPOINT, IMAGE_COLLECT, IMAGE_FILTER, IMAGE_DEDUP, IMAGE_SCRUB,
-                              IMAGE_PREPROCESS)
+                              IMAGE_PREPROCESS, CLIP_TRAIN, CLIP_EVALUATE)
 NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 DOCUMENT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.documents)

@@ -26,7 +26,7 @@ PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]
 
 # top first; a module belongs to the layer of the longest prefix of its name listed here
 LAYERS = ["lifecycle.launch", "lifecycle.cli", "lifecycle.console", "lifecycle.flows", "lifecycle.preflight", "lifecycle.config", "lifecycle.lineage", "lifecycle.tasks.stages",
-          "lifecycle.tasks.eval", "lifecycle.tasks.train", "lifecycle.tasks.data", "lifecycle.core"]
+          "lifecycle.tasks.clip", "lifecycle.tasks.eval", "lifecycle.tasks.train", "lifecycle.tasks.data", "lifecycle.core"]
 # package __init__ modules above the layers (they must stay empty of project imports)
 ROOTS = {"lifecycle", "lifecycle.tasks"}
 # third-party top-level packages -> the layers (module prefixes) allowed to import them
@@ -38,7 +38,7 @@ FORBIDDEN_OUTSIDE = {
 # what a DeepSpeed rank imports (`deepspeed ... -m lifecycle.tasks.train.trainer`): never Prefect or MLflow
 # (and the persist process each rank starts: `persist`; the memory tier's loader: `memtier`)
 RANK_MODULES = [f"lifecycle.tasks.train.{m}" for m in ("trainer", "model", "loader", "commit", "arena", "persist",
-                                                       "async_saver", "memtier")]
+                                                       "async_saver", "memtier")] + ["lifecycle.tasks.clip.trainer"]
 
 
 def project_modules() -> dict[str, Path]:

@@ -1,0 +1,107 @@
+"""A CLIP-style dual encoder small enough for the CPU (Radford et al. 2021, "Learning Transferable Visual Models
+From Natural Language Supervision"): a ViT image tower (patches, a class token, pre-norm blocks), a causal text
+transformer pooled at the caption's last token, both projected into one space and L2-normalised; the symmetric
+contrastive loss (cross-entropy over image->text and text->image similarities) with a learned temperature,
+clamped at 100 as CLIP clamps it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lifecycle.tasks.clip.config import ClipModelConfig
+
+MAX_SCALE = math.log(100.0)
+
+
+def _blocks(width: int, heads: int, layers: int) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+class ImageTower(nn.Module):
+    def __init__(self, c: ClipModelConfig):
+        super().__init__()
+        self.patch = nn.Conv2d(3, c.width, c.patch, c.patch)
+        n = (c.image_size // c.patch) ** 2
+        self.cls = nn.Parameter(torch.zeros(1, 1, c.width))
+        self.pos = nn.Parameter(torch.randn(1, n + 1, c.width) * 0.02)
+        self.blocks = _blocks(c.width, c.heads, c.layers)
+        self.norm = nn.LayerNorm(c.width)
+        self.proj = nn.Linear(c.width, c.embed_dim, bias=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(len(x), -1, -1), x], dim=1) + self.pos
+        return self.proj(self.norm(self.blocks(x))[:, 0])
+
+
+class TextTower(nn.Module):
+    """Token `vocab_size` is the padding, after the caption; causal attention keeps it out of the pooled token."""
+
+    def __init__(self, c: ClipModelConfig):
+        super().__init__()
+        self.pad = c.vocab_size
+        self.tok = nn.Embedding(c.vocab_size + 1, c.text_width)
+        self.pos = nn.Parameter(torch.randn(1, c.context, c.text_width) * 0.01)
+        self.blocks = _blocks(c.text_width, c.heads, c.text_layers)
+        self.norm = nn.LayerNorm(c.text_width)
+        self.proj = nn.Linear(c.text_width, c.embed_dim, bias=False)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(c.context), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos[:, : tokens.shape[1]]
+        n = tokens.shape[1]
+        x = self.norm(self.blocks(x, mask=self.causal[:n, :n], is_causal=True))
+        last = ((tokens != self.pad).sum(1) - 1).clamp(min=0)
+        return self.proj(x[torch.arange(len(x)), last])
+
+
+class CLIP(nn.Module):
+    def __init__(self, cfg: ClipModelConfig):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("ClipModelConfig.vocab_size is not set (take it from the image_preprocess dataset)")
+        self.cfg = cfg
+        self.image = ImageTower(cfg)
+        self.text = TextTower(cfg)
+        # shape (1,), not a 0-dim tensor: DeepSpeed 0.19's initial broadcast views every parameter as bytes, which a
+        # 0-dim tensor refuses
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.07)))
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.image(images), dim=-1)
+
+    def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.text(tokens), dim=-1)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The symmetric contrastive loss of a batch whose i-th image and i-th caption are a pair."""
+        return contrastive_loss(self.encode_image(images), self.encode_text(tokens), self.logit_scale)
+
+    def export_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """fp32 CPU weights by name (what lifecycle.tasks.train.commit writes as model.safetensors)."""
+        return {k: (v.detach().float().cpu().clone() if copy else v.detach().float().cpu())
+                for k, v in self.state_dict().items()}
+
+    def load_export(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(state)
+
+
+def contrastive_loss(img: torch.Tensor, txt: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    logits = logit_scale.clamp(max=MAX_SCALE).exp() * img @ txt.T
+    labels = torch.arange(len(img), device=img.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def pad_tokens(captions: list[list[int]], context: int, pad: int) -> torch.Tensor:
+    """Caption token ids cut to `context` and padded with `pad` after the caption, as one (n, context) tensor."""
+    out = torch.full((len(captions), context), pad, dtype=torch.long)
+    for i, ids in enumerate(captions):
+        ids = ids[:context]
+        out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
