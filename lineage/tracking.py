@@ -28,6 +28,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from lifecycle.core.dataset import DatasetRef, RawFile, sha256_json
+from lifecycle.core.errors import one_line
 from lifecycle.lineage.tracking_store import (  # the store's health and backups; re-exported for the callers
     BACKUPS as BACKUPS,
     HEALTH_TIMEOUT_S as HEALTH_TIMEOUT_S,
@@ -140,6 +141,14 @@ class GuardedClient:
                 cause = unreachable(e)
                 if cause is None:
                     raise
+                import requests
+
+                if isinstance(cause, requests.exceptions.RetryError):  # it answered, with server errors each time
+                    self.down = (f"MLflow tracking server {self._uri} answered {name} with server errors until "
+                                 f"its retries ran out ({one_line(str(cause))[:200]}): the server is up, a store "
+                                 "behind it is not (its database, or the artifact store it proxies); see the "
+                                 "server's log, then rerun: the run resumes from what was committed")
+                    raise TrackingStoreError(self.down) from None
                 self.down = (f"MLflow tracking server {self._uri} stopped answering during the run ({name}: "
                              f"{type(cause).__name__}; MLFLOW_HTTP_REQUEST_TIMEOUT="
                              f"{os.environ.get('MLFLOW_HTTP_REQUEST_TIMEOUT')} s, MAX_RETRIES="

@@ -129,3 +129,24 @@ def test_lifecycle_run_fails_within_seconds_when_its_tracking_server_dies(server
     [line] = [ln for ln in err.splitlines() if "run failed" in ln]  # one line says why, naming the server
     assert f"TrackingStoreError: MLflow tracking server {url} stopped answering" in line
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_server_that_answers_with_errors_is_told_apart_from_one_that_is_gone():
+    """The object store behind MLflow's artifact proxy down: the server answers every retry with a 5xx, and
+    requests ends in a RetryError. The message says a store behind the server failed, not that it stopped
+    answering (issue 46: it blamed the server and `lifecycle up`)."""
+    import requests
+
+    from lifecycle.lineage.tracking import GuardedClient
+
+    class Client:
+        def log_artifact(self, *a):
+            raise requests.exceptions.RetryError("Max retries exceeded (too many 500 error responses)")
+
+        def log_metric(self, *a):
+            raise requests.exceptions.ConnectionError("Connection refused")
+
+    with pytest.raises(TrackingStoreError, match="answered log_artifact with server errors .* a store behind it"):
+        GuardedClient(Client(), "http://x").log_artifact("f")
+    with pytest.raises(TrackingStoreError, match="stopped answering during the run .log_metric"):
+        GuardedClient(Client(), "http://x").log_metric("m", 1)
