@@ -51,6 +51,28 @@ def test_the_cache_keeps_what_it_has_and_never_evicts_for_a_new_read():
     assert reads == ["a", "b", "c", "d", "c", "d", "c", "d"] and cache.hits == 4 and cache.bytes_read == 80
 
 
+def test_under_random_epochs_the_cache_reads_less_from_disk_than_lru():
+    """The point of CoorDL's policy: at a data set of twice the capacity, LRU (the page cache's policy, roughly)
+    evicts what the rest of the epoch needs; the no-evict cache reads exactly the uncached half each epoch."""
+    from collections import OrderedDict
+
+    items, capacity, epochs = [f"k{i}" for i in range(200)], 100, 5
+    cache, lru, lru_read = NoEvictCache(capacity), OrderedDict(), 0
+    for e in range(epochs):
+        for i in np.random.default_rng(e).permutation(len(items)):
+            key = items[i]
+            cache.get(key, lambda: b"x")
+            if key in lru:
+                lru.move_to_end(key)
+                continue
+            lru_read += 1
+            lru[key] = True
+            if len(lru) > capacity:
+                lru.popitem(last=False)
+    assert cache.bytes_read == 200 + 100 * (epochs - 1)  # the first epoch reads all, every later one the other half
+    assert lru_read > cache.bytes_read * 1.2
+
+
 def test_ranks_cache_disjoint_samples_and_workers_decode_the_same_batches(shards):
     pairs = Pairs(shards.dir)
     train, _ = split(pairs.ids, 0.1)
@@ -105,3 +127,14 @@ def test_bad_shapes_are_refused_naming_the_field():
         ClipModelConfig(image_size=20, patch=8)
     with pytest.raises(ValidationError, match="crop_scale"):
         ClipTrainConfig(crop_scale=(0.9, 0.5))
+
+
+def test_a_failed_launch_names_the_ranks_last_error(tmp_path):
+    from lifecycle.tasks.clip.train.stage import last_error
+
+    log = tmp_path / "train.log"
+    log.write_text("=== start\n[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: rank 1 of 2 owns no "
+                   "training pair (1 in all)\n[supervisor] rank 1 (pid 9) exited with code 1\n")
+    assert last_error(log) == ": [rank1]: ValueError: rank 1 of 2 owns no training pair (1 in all)"
+    log.write_text("nothing wrong\n")
+    assert last_error(log) == ""

@@ -61,6 +61,12 @@ def summary(metrics_path: Path) -> dict:
             "cache_hits_rank0": recs[-1]["cache_hits"], "cache_misses_rank0": recs[-1]["cache_misses"]}
 
 
+def last_error(log: Path) -> str:
+    """`: <the last line of the log that names an error>`, or nothing."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if "Error" in ln]
+    return f": {lines[-1]}" if lines else ""
+
+
 def launch(spec_path: Path, cfg: ClipTrainConfig, run_dir: Path) -> None:
     """Start the ranks on this host and wait for them; a failed rank fails the stage naming its log."""
     env = {**os.environ, "DS_ACCELERATOR": cfg.accelerator, "PYTHONUNBUFFERED": "1",
@@ -77,7 +83,7 @@ def launch(spec_path: Path, cfg: ClipTrainConfig, run_dir: Path) -> None:
                 heartbeat()
                 time.sleep(0.2)
         except RankFailed as e:
-            raise RuntimeError(f"clip_train: {e}; see {run_dir / 'train.log'}") from None
+            raise RuntimeError(f"clip_train: {e}{last_error(run_dir / 'train.log')}; see {run_dir / 'train.log'}") from None
         except BaseException:
             ranks.stop()
             raise
