@@ -101,8 +101,12 @@ class Heartbeats:
     """The supervisor's view of the ranks' heartbeats. A rank that made no step for `stall_bound()` seconds (or that
     sent none `startup_s` after the launch) stalls the launch; `check()` then returns a message naming it."""
 
-    def __init__(self, run_dir: Path, ranks: int, stall_s: float, startup_s: float, world: str = ""):
+    def __init__(self, run_dir: Path, ranks: int, stall_s: float, startup_s: float, world: str = "",
+                 last_step: int | None = None):
         self.dir, self.ranks, self.stall_s, self.startup_s = heartbeat_dir(run_dir, world), ranks, stall_s, startup_s
+        self.last_step = last_step
+        """The run's last step (max_steps): once every rank has made it the ranks commit and tear down, which
+        under load can outlast a short stall bound (a false stall after step 20 at stall_s=10): start-up's bound."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for old in self.dir.iterdir():  # a previous launch's
             old.unlink(missing_ok=True)
@@ -159,6 +163,8 @@ class Heartbeats:
                         f"the launch (train.launch.startup_s={self.startup_s:g})")
             return self._silent_in_start_up(missing, now)
         bound = self.stall_bound()
+        if self.last_step is not None and all(b["step"] >= self.last_step for b in beats.values()):
+            bound = max(bound, self.startup_s)  # the final commit and the teardown, not a step
         if max(now - b["time"] for b in beats.values()) <= bound:
             return None
         # every rank waits in a collective for the one that stopped; name the one whose process is not running

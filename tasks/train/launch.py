@@ -279,7 +279,8 @@ def _launch(cfg: TrainConfig, run_dir: Path, config_path: Path, resumed_from: in
     timing["op_build_check"] = time.time()
     owner = Ownership(port)
     owner.claim()  # and release the buffers of supervisors that died before they could
-    beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s)  # clears old ones
+    beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s,  # clears old ones
+                       last_step=cfg.max_steps)
     with open(run_dir / "train.log", "ab") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {what}\n".encode())
         log.flush()

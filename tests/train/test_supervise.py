@@ -473,3 +473,18 @@ def test_the_metrics_tail_follows_rank_0_rewriting_the_file(tmp_path):
         f.write(line(2, 0.5))
     tail.poll()
     assert [(r["kind"], r["step"]) for r in got] == [("train", 1), ("train", 2), ("train", 3), ("restore", 1)]
+
+
+def test_after_the_last_step_the_commit_and_teardown_get_start_ups_bound(tmp_path):
+    """Every rank at max_steps: the final commit and the teardown are no step, and under load they outlast a short
+    stall bound (issue 46 saw a false stall after step 20 at stall_s=10); start-up's bound applies there."""
+    beats = heartbeats.Heartbeats(tmp_path, ranks=2, stall_s=5, startup_s=100, last_step=20)
+    for rank in range(2):
+        heartbeats.write_heartbeat(tmp_path, rank, 19, step_time=0.1, pid=os.getpid())
+    now = time.time()
+    assert beats.check(now + 6) is not None  # a step in the middle of the run: the stall bound
+    for rank in range(2):
+        heartbeats.write_heartbeat(tmp_path, rank, 20, step_time=0.1, pid=os.getpid())
+    now = time.time()
+    assert beats.check(now + 50) is None
+    assert beats.check(now + 101).startswith("training stalled: no step for more than 100 s")
