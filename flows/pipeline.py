@@ -144,7 +144,9 @@ def _run_stages(run: StageRunner, inputs, cfg: PipelineConfig, tracker: Tracker,
         clean = run(IMAGE_SCRUB, run(IMAGE_DEDUP, run(IMAGE_FILTER, pairs)))
         shards = run(IMAGE_PREPROCESS, clean)
         model = run(CLIP_TRAIN, shards)
-        run(CLIP_EVALUATE, model, shards)
+        if (scores := run(CLIP_EVALUATE, model, shards)) is not None:  # the package as a model version
+            name, version = Registry(tracker).register_package(model, scores.manifest()["metrics"], "clip")
+            summary.model = {"name": name, "version": version}
         return pairs, None, None
     init_weights, tokenize_cfg = None, None
     warm = cfg.train.init_from == "champion" and run.wants(TOKENIZE)

@@ -111,6 +111,27 @@ class Registry:
         self.promote(name, version, metrics.get(PROMOTION_METRIC), eval_set_sha256, rescore)
         return name, version
 
+    def register_package(self, model_ref: DatasetRef, metrics: dict[str, Any], kind: str) -> tuple[str, str]:
+        """Register a model package without the text path's lineage.json (the image path's dual encoder, `kind`
+        clip) once; a rerun with the same package, or the same weights, config and tokenizer, reuses its version.
+        Tags: the package's and the weights' digests, `lifecycle.dataset.<stage>.sha256` of every dataset it came
+        from (the manifests' parents, followed up), `metric.<name>`. No champion alias: `promote` compares text
+        models' val_bpb."""
+        identity = model_identity(model_ref)
+        for mv in self.client.search_model_versions(f"name = '{self.model_name}'"):
+            if mv.tags.get("lifecycle.model_package_sha256") == model_ref.sha256 or mv.tags.get(WEIGHTS_TAG) == identity:
+                self.client.set_tag(self.parent_id, "lifecycle.model_version", f"{self.model_name}/{mv.version}")
+                return self.model_name, str(mv.version)
+        tags = {"lifecycle.model_kind": kind, "lifecycle.model_package_sha256": model_ref.sha256, WEIGHTS_TAG: identity,
+                "lifecycle.model_package_manifest": str(model_ref.manifest_path),
+                **{f"metric.{k}": repr(float(v)) for k, v in metrics.items() if isinstance(v, (int, float))}}
+        todo = list(model_ref.manifest()["parents"])
+        while todo:
+            p = todo.pop()
+            tags[f"lifecycle.dataset.{p['stage']}.sha256"] = p["sha256"]
+            todo += json.loads(Path(p["manifest"]).read_text()).get("parents", [])
+        return self.register_model(model_ref.dir, tags, description=f"{kind}: {model_ref.manifest_path}")
+
     def champion_package(self) -> tuple[str, Path] | None:
         """(version, package directory) of the registered model's champion, or None when there is none."""
         from mlflow.exceptions import MlflowException
