@@ -1,6 +1,7 @@
 """A rank's DeepSpeed engine: the process group, then the model (the same initial weights on every rank), laid out
-by the run's `Parallelism`, with AdamW and the warmup-cosine schedule. Also what keeps a rank's start-up short:
-MLflow kept out of `import deepspeed`, DeepSpeed's unused Muon modules stubbed."""
+by the run's `Parallelism`, with AdamW (or DeepSpeed's Muon with AdamW beside it) and the learning-rate schedule.
+Also what keeps a rank's start-up short: MLflow kept out of `import deepspeed`, DeepSpeed's Muon modules stubbed
+when Muon is off."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def ds_config(cfg: TrainConfig) -> dict:
         "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_size,
         "gradient_accumulation_steps": cfg.batch.grad_accum,
         "gradient_clipping": cfg.optimizer.grad_clip,
-        "zero_optimization": {"stage": cfg.engine.zero_stage},
+        # DeepSpeed's ZeRO-3 runs Muon only with the gradients all-reduced, not reduce-scattered (stage3.py)
+        "zero_optimization": {"stage": cfg.engine.zero_stage,
+                              **({"reduce_scatter": False} if cfg.optimizer.name == "muon" and cfg.engine.zero_stage == 3
+                                 else {})},
         "bf16": {"enabled": cfg.engine.precision == "bf16",
                  **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
                     if cfg.engine.optimizer_states == "bf16" else {})},
@@ -39,12 +43,12 @@ def ds_config(cfg: TrainConfig) -> dict:
 def stub_muon() -> None:
     """DeepSpeed 0.19's ZeRO and bf16 optimizers import its Muon modules (only to run isinstance checks
     when Muon is not in use), and those modules' @torch.compile decorators import inductor: seconds of CPU
-    per rank on every launch (bench.launch_overhead measures the start-up). We never use Muon, so register stand-ins first: a class nothing is an
-    instance of, and an update function that refuses to run."""
+    per rank on every launch (bench.launch_overhead measures the start-up). Unless `train.optimizer.name` is muon,
+    register stand-ins first: a class nothing is an instance of, and an update function that refuses to run."""
     import types
 
     def muon_update(*args, **kwargs):
-        raise RuntimeError("Muon is stubbed out in lifecycle.tasks.train.engine; this loop trains with AdamW")
+        raise RuntimeError("Muon is stubbed out in lifecycle.tasks.train.engine; this run trains with AdamW")
 
     for name, attrs in (("deepspeed.runtime.zero.muon.original_muon", {"muon_update": muon_update}),
                         ("deepspeed.runtime.zero.muon.muon_optimizer",
@@ -71,7 +75,8 @@ def init_distributed(cfg: TrainConfig, timeline: Timeline) -> tuple[torch.device
     timeline.phase("import deepspeed")
     # DeepSpeed loads its CPU comm op while it creates the process group: the benchmark times it apart
     timeline.time_shm_op(importlib.import_module("deepspeed.comm.torch"))  # `import a.b.torch as x` gives torch
-    stub_muon()
+    if cfg.optimizer.name != "muon":  # the real modules with Muon on (their import costs seconds)
+        stub_muon()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device, backend = select_device(cfg)
     deepspeed.init_distributed(dist_backend=backend)
@@ -121,8 +126,40 @@ def attention(launch: dict) -> str:
     return launch["train"].get("model", {}).get("attention", "packed")
 
 
+def adamw_optimizer(cfg: TrainConfig, model, par) -> torch.optim.Optimizer:
+    """torch AdamW: weight decay on matrices, none on norms and biases (MoE experts grouped by `par`)."""
+    opt = cfg.optimizer
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # on a GPU, the fused AdamW kernel (one launch for every tensor) as DeepSpeed's client optimizer
+    fused = {"fused": True} if par.device.type == "cuda" else {}
+    return torch.optim.AdamW(par.param_groups(groups), lr=opt.lr, betas=opt.betas, **fused)
+
+
+def muon_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+    """DeepSpeed's MuonWithAuxAdam as the client optimizer: Muon on the blocks' 2-D weights, AdamW (DeepSpeed's
+    inline update) on the embeddings, head, norms and biases. Each parameter carries `use_muon`, which DeepSpeed's
+    ZeRO optimizers read to orthogonalise the whole matrix before partitioning its update; the tagging is ours
+    (by the layer's shape and our module names), since DeepSpeed's own reads names with "embed"/"lm_head"."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    opt = cfg.optimizer
+    hidden, matrices, flat = [], [], []
+    for name, p in model.named_parameters():
+        shape = tuple(getattr(p, "ds_shape", p.shape))  # a layer's shape also under ZeRO-3's partitioning
+        p.use_muon = name.startswith("blocks.") and len(shape) >= 2
+        (hidden if p.use_muon else matrices if len(shape) >= 2 else flat).append(p)
+    groups = [{"params": hidden, "use_muon": True, "lr": opt.muon_lr, "momentum": opt.muon_momentum,
+               "weight_decay": opt.weight_decay},
+              {"params": matrices, "use_muon": False, "lr": opt.lr, "betas": opt.betas, "eps": 1e-8,
+               "weight_decay": opt.weight_decay},
+              {"params": flat, "use_muon": False, "lr": opt.lr, "betas": opt.betas, "eps": 1e-8, "weight_decay": 0.0}]
+    return MuonWithAuxAdam([g for g in groups if g["params"]], adam_optimizer=None, adam_w_mode=True)
+
+
 def build_engine(cfg: TrainConfig, launch: dict, par, rank: int, run_dir, say, t_start: float) -> Built:
-    """The model laid out by `par` (a `Parallelism`), AdamW with the warmup-cosine schedule, and the DeepSpeed
+    """The model laid out by `par` (a `Parallelism`), AdamW or Muon with the schedule, and the DeepSpeed
     engine over them. Rank 0 writes the DeepSpeed config it used beside the run."""
     import deepspeed
 
@@ -132,13 +169,8 @@ def build_engine(cfg: TrainConfig, launch: dict, par, rank: int, run_dir, say, t
     n_params = model.num_params()  # before ZeRO-3 partitions the parameters
     n_matmul, flops_per_token = model.num_params(exclude_embeddings=True), model.flops_per_token()
     model = par.wrap_model(model)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = cfg.optimizer
-    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # on a GPU, the fused AdamW kernel (one launch for every tensor) as DeepSpeed's client optimizer
-    fused = {"fused": True} if par.device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(par.param_groups(groups), lr=opt.lr, betas=opt.betas, **fused)
+    optimizer = muon_optimizer(cfg, model) if opt.name == "muon" else adamw_optimizer(cfg, model, par)
     schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                    config=ds_config(cfg), mpu=par.mesh)

@@ -151,3 +151,41 @@ def test_attention_defaults_to_document_refuses_it_under_pp_or_sp_and_old_runs_s
     old = {"train": {**new["train"], "model": {k: v for k, v in new["train"]["model"].items() if k != "attention"}}}
     assert attention(new) == "document" and attention(old) == "packed"
     assert TrainConfig().run_key()["model"]["attention"] == "document"
+
+
+# --------------------------------------------------------------------------------------------------
+# Muon
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    from lifecycle.tasks.train.engine import muon_optimizer
+
+    model = GPT(ModelConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, seq_len=16, tie_embeddings=False))
+    cfg = TrainConfig.model_validate({"optimizer": {"name": "muon", "lr": 3e-3, "muon_lr": 0.02}})
+    opt = muon_optimizer(cfg, model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, adam = ([names[id(p)] for g in opt.param_groups if g["use_muon"] is on for p in g["params"]]
+                  for on in (True, False))
+    assert sorted(muon) == sorted(f"blocks.{i}.{m}.weight" for i in range(2)
+                                  for m in ("attn.qkv", "attn.proj", "mlp.up", "mlp.down"))
+    assert {"wte.weight", "lm_head.weight", "norm_f.weight", "blocks.0.norm1.weight"} <= set(adam)
+    lrs = {g["use_muon"]: g["lr"] for g in opt.param_groups}
+    assert lrs == {True: 0.02, False: 3e-3}
+    assert {g["weight_decay"] for g in opt.param_groups if not g["use_muon"]} == {0.1, 0.0}  # none on norms
+    # one step changes every parameter that has a gradient, with Muon's update on the matrices
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x.roll(-1, 1))[1].backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"parallel": {"tp": 2}, "engine": {"zero_stage": 1}}, "tp=2: a tp rank holds a slice"),
+    ({"parallel": {"pp": 2}, "engine": {"zero_stage": 1}}, "pipeline, Ulysses and MoE"),
+    ({"moe": {"num_experts": 2}}, "pipeline, Ulysses and MoE"),
+    ({"engine": {"precision": "bf16", "optimizer_states": "bf16"}}, "bf16 optimizer states"),
+])
+def test_muon_is_refused_where_it_is_not_verified(over, message):
+    with pytest.raises(ValueError, match=f"train.optimizer.name=muon with .*{message}"):
+        TrainConfig.model_validate({**over, "optimizer": {"name": "muon"}})

@@ -67,3 +67,31 @@ def test_document_attention_trains_and_differs_from_packed_attention(tokens, tmp
     assert sum(d[s]["loss"] for s in (10, 11, 12)) < 0.9 * sum(d[s]["loss"] for s in (1, 2, 3))  # it learns
     assert d[1]["loss"] != p[1]["loss"]  # the same batches, attended differently
     assert json.loads((Path(doc.checkpoint_dir) / "model_config.json").read_text())["attention"] == "document"
+
+
+MUON = with_(CFG, max_steps=10, **{"optimizer.name": "muon", "optimizer.muon_lr": 0.02, "checkpoint.every": 5,
+                                   "logging.every": 1, "logging.eval_every": 0})
+
+
+@pytest.mark.slow
+def test_muon_under_zero2_resumes_exactly(tokens, tmp_path):
+    """Muon's momentum and the AdamW half's moments are in the checkpoint: 5 steps, a relaunch to 10, loss for
+    loss the uninterrupted 10 steps."""
+    half = run_train(tokens, with_(MUON, max_steps=5), str(tmp_path / "a"))
+    resumed = run_train(tokens, MUON, str(tmp_path / "a"))
+    assert resumed.resumed_from == 5 and resumed.run_dir == half.run_dir
+    straight = run_train(tokens, MUON, str(tmp_path / "b"))
+    got, want = _train(resumed.metrics_path), _train(straight.metrics_path)
+    assert [got[s]["loss"] for s in range(1, 11)] == [want[s]["loss"] for s in range(1, 11)]
+    assert want[10]["loss"] < 0.9 * want[1]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_muon_trains_under_zero(tokens, tmp_path, zero):
+    r = run_train(tokens, with_(MUON, **{"engine.zero_stage": zero}), str(tmp_path))
+    got = _train(r.metrics_path)
+    assert got[10]["loss"] < 0.9 * got[1]["loss"]
+    adamw = _train(run_train(tokens, with_(MUON, **{"engine.zero_stage": zero, "optimizer.name": "adamw"}),
+                             str(tmp_path)).metrics_path)
+    assert got[2]["loss"] != adamw[2]["loss"]  # the first update differs: Muon is in use, not AdamW
