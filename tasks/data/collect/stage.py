@@ -80,7 +80,7 @@ def _warn_special(pattern: str) -> None:
     import logging
     import stat
 
-    for p in sorted(glob.glob(pattern, recursive=True)):
+    for p in sorted(glob.glob(pattern)):
         try:
             mode = os.stat(p).st_mode
         except OSError:
@@ -105,7 +105,7 @@ def match_inputs(patterns: list[str]) -> list[str]:
             if not is_remote(pattern):
                 raise
             raise InputError(remote_problem(pattern, e)) from e
-        if local:
+        if local and "**" not in pattern:  # a `**` walk (walk_glob) keeps to regular files and bounds symlink loops
             _warn_special(pattern)
         if not matched:
             raise InputError(f"collect.inputs: pattern {shown(pattern)!r} matches no file")
