@@ -2,6 +2,7 @@
 persisted index (signatures and band keys in Parquet), without recomputing the earlier signatures."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -102,13 +103,24 @@ def test_crash_between_commit_and_publish_is_healed_by_a_rerun(tmp_path, monkeyp
     assert second.num_rows == 0 and by_source(second)["b0"]["duplicate_kind"] == "near"
 
 
-def test_a_damaged_index_is_refused(tmp_path):
+def test_a_damaged_index_is_restored_from_its_dataset_and_refused_when_that_copy_is_damaged_too(tmp_path):
+    """Issue 44, 6: a damaged part is restored from the committed dedup dataset it was copied from, and the run
+    goes on; with that copy damaged as well there is nothing good to restore from, and the run is refused naming
+    the part."""
+    from lifecycle.tasks.data.dedup.restore import INDEX_FILE
+
     wd = str(tmp_path / "w")
     run_dedup(collect(tmp_path, "a", [A, B], wd), DedupConfig(), wd)
     part = index_dir(wd, DedupConfig()) / "part-00000.parquet"
-    part.write_bytes(part.read_bytes()[:-10])
+    good = part.read_bytes()
+    part.write_bytes(good[:-10])
+    run_dedup(collect(tmp_path, "b", [C], wd), DedupConfig(), wd)
+    assert part.read_bytes() == good
+    entry = json.loads((part.parent / "_index.json").read_text())["parts"][0]
+    part.write_bytes(good[:-10])
+    (Path(entry["dataset_path"]) / INDEX_FILE).write_bytes(b"not parquet")
     with pytest.raises(RuntimeError, match="part-00000.parquet"):
-        run_dedup(collect(tmp_path, "b", [C], wd), DedupConfig(), wd)
+        run_dedup(collect(tmp_path, "c", [C.upper()], wd), DedupConfig(), wd)
 
 
 @pytest.mark.parametrize("threshold, b0_kept", [(0.5, False), (0.99, True)])

@@ -45,10 +45,10 @@ def test_grid_of_a_config_takes_dp_from_the_ranks_left():
     ({"batch": {"num_ranks": 3}, "parallel": {"tp": 2}}, "must be a multiple of train.parallel"),
     ({"batch": {"num_ranks": 2}, "parallel": {"pp": 2}}, "pipeline engine runs ZeRO-0 and ZeRO-1 only"),
     ({"moe": {"num_experts": 4}, "engine": {"zero_stage": 3}}, "train.moe.num_experts=4"),
-    ({"batch": {"num_ranks": 4}, "parallel": {"tp": 2, "pp": 2}, "engine": {"zero_stage": 1}},
-     "composes with data parallelism only"),
+    ({"batch": {"num_ranks": 4}, "parallel": {"tp": 2, "pp": 2}, "engine": {"zero_stage": 2}},
+     "pipeline engine runs ZeRO-0 and ZeRO-1 only"),  # tp x pp composes (issue 45), with ZeRO-0/1
     ({"batch": {"num_ranks": 4}, "parallel": {"tp": 2, "sp": 2}, "engine": {"zero_stage": 1},
-      "model": {"n_head": 4, "dropout": 0.0}}, "composes with data parallelism only"),
+      "model": {"n_head": 4, "dropout": 0.0}}, "Ulysses sequence parallelism inside a tp group is not built"),
 ])
 def test_parallel_layouts_the_trainer_cannot_run_are_refused_when_the_config_is_built(over, message):
     with pytest.raises(ValueError, match=message):
