@@ -309,8 +309,9 @@ class TrainConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _attention(cls, data: Any) -> Any:
-        """`model.attention` left unset is `document`, or `packed` where pipeline or sequence parallelism cannot
-        compute document masks (ModelConfig.attention); set explicitly, it is checked in `_check`."""
+        """`model.attention` left unset is `packed` (ModelConfig.attention), and stays so under pipeline or
+        sequence parallelism, which cannot compute document masks; `document` set explicitly is checked in
+        `_check`."""
         if not isinstance(data, dict):
             return data
         model = data.get("model") or {}

@@ -139,18 +139,18 @@ def test_document_attention_under_tp2_matches_the_dense_model(tmp_path):
         torch.testing.assert_close(got[0][:, -5:], got[1][:, -5:], rtol=0, atol=1e-5)  # the last document
 
 
-def test_attention_defaults_to_document_refuses_it_under_pp_or_sp_and_old_runs_stay_packed():
-    assert TrainConfig().model.attention == "document"
+def test_attention_defaults_to_packed_refuses_document_under_pp_or_sp_and_old_runs_stay_packed():
+    assert TrainConfig().model.attention == "packed"
     pp = {"parallel": {"pp": 2}, "engine": {"zero_stage": 1}}
     assert TrainConfig.model_validate(pp).model.attention == "packed"  # unset: what the layout can compute
     with pytest.raises(ValueError, match="attention=document with train.parallel pp=2"):
         TrainConfig.model_validate({**pp, "model": {"attention": "document"}})
     with pytest.raises(ValueError, match="attention=document with train.parallel pp=1 sp=2"):
         TrainConfig.model_validate({"parallel": {"sp": 2}, "model": {"attention": "document"}})
-    new = {"train": TrainConfig().model_dump(mode="json")}
+    new = {"train": TrainConfig.model_validate({"model": {"attention": "document"}}).model_dump(mode="json")}
     old = {"train": {**new["train"], "model": {k: v for k, v in new["train"]["model"].items() if k != "attention"}}}
     assert attention(new) == "document" and attention(old) == "packed"
-    assert TrainConfig().run_key()["model"]["attention"] == "document"
+    assert TrainConfig().run_key()["model"]["attention"] == "packed"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Issue 47's recipe options in real 2-rank DeepSpeed runs on the CPU (slow: about a minute each on 2 cores):
 a warmup-stable-decay run extended from its last commit trains the steps an uninterrupted run trains, with the
 same lr curve; an anneal branched off a long WSD run follows that run exactly up to its branch step and then
-decays; document-aware attention trains (the default) and differs from packed attention on the same batches."""
+decays; document-aware attention trains and differs from packed attention on the same batches."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def test_an_anneal_follows_the_long_wsd_run_to_its_branch_step_then_decays(token
 
 @pytest.mark.slow
 def test_document_attention_trains_and_differs_from_packed_attention(tokens, tmp_path):
-    cfg = with_(CFG, max_steps=12, **{"checkpoint.every": 12, "logging.every": 1, "logging.eval_every": 0})
-    assert cfg.model.attention == "document"
+    cfg = with_(CFG, max_steps=12, **{"checkpoint.every": 12, "logging.every": 1, "logging.eval_every": 0,
+                                      "model.attention": "document"})
     doc = run_train(tokens, cfg, str(tmp_path))
     packed = run_train(tokens, with_(cfg, **{"model.attention": "packed"}), str(tmp_path))
     assert doc.run_dir != packed.run_dir  # another trajectory, another run
