@@ -169,7 +169,7 @@ def left_running(workdir: str) -> str:
 
 
 # Modules that add subcommands (imported lazily, so `lifecycle run` stays fast).
-COMMAND_MODULES: list[str] = ["lifecycle.flows.startup.commands", "lifecycle.flows.serve", "lifecycle.tasks.train.plan_cli", "lifecycle.tasks.eval.export", "lifecycle.tasks.eval.code.cli", "lifecycle.lineage.cli"]
+COMMAND_MODULES: list[str] = ["lifecycle.flows.startup.commands", "lifecycle.flows.serve", "lifecycle.tasks.train.plan_cli", "lifecycle.tasks.clip.export", "lifecycle.tasks.eval.code.cli", "lifecycle.lineage.cli"]
 
 
 def register_run(sub) -> None:

@@ -4,6 +4,9 @@ zero-shot retrieval evaluation (`ClipEvalConfig`, `clip_evaluate`). Torch-free: 
 
 from __future__ import annotations
 
+import hashlib
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -32,6 +35,23 @@ class ClipModelConfig(BaseModel):
     """Dimension of the joint embedding."""
     vocab_size: int = Field(0, ge=0)
     """The caption tokenizer's vocabulary; 0 = taken from the image_preprocess dataset."""
+    image_pre_norm: bool = True
+    """A LayerNorm on the image tower's patch and class embeddings before the blocks, as CLIP and transformers'
+    `CLIPVisionModel` (`pre_layrnorm`) have; False is the layout of models trained before it existed, which
+    `lifecycle export hf` refuses (CLIPModel cannot leave the norm out)."""
+    text_pool: Literal["eot", "last"] = "eot"
+    """Where the text tower is pooled: `eot`, the end-of-text token after the caption (the first padding token;
+    a caption keeps at most context - 1 tokens so that it is always there), as CLIP and transformers'
+    `CLIPTextModel` pool; `last`, the caption's own last token, the layout of models trained before (refused by
+    the export: CLIPTextModel pools at an end-of-text token)."""
+
+    @classmethod
+    def from_saved(cls, text: str) -> "ClipModelConfig":
+        """A model_config.json as written by clip_train; one written before `image_pre_norm` and `text_pool`
+        existed describes a model without them (no pre-norm, pooled at the caption's last token)."""
+        import json
+
+        return cls.model_validate({"image_pre_norm": False, "text_pool": "last", **json.loads(text)})
 
     @model_validator(mode="after")
     def _shapes(self) -> "ClipModelConfig":
@@ -106,3 +126,9 @@ class ClipEvalConfig(BaseModel):
     """Recall@k reported, image->text and text->image."""
     batch: int = Field(128, ge=1)
     """Pairs encoded at once."""
+
+
+def held_out(image_id: str, fraction: float) -> bool:
+    """Whether a pair is held out for evaluation (`ClipTrainConfig.holdout`): a hash of its image_id, so the split
+    needs no state and lineage can tell which registered models trained on an image."""
+    return int(hashlib.sha256(image_id.encode()).hexdigest()[:8], 16) < fraction * 2**32

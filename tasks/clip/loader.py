@@ -13,7 +13,6 @@ the workers' decoded batch); the trainer divides by the step's wall time (DS-Ana
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import time
@@ -26,8 +25,8 @@ import torch
 
 from lifecycle.tasks.clip.augment import decode_batch
 from lifecycle.tasks.clip.cache import NoEvictCache, owner
-from lifecycle.tasks.clip.config import ClipTrainConfig
-from lifecycle.tasks.clip.model import pad_tokens
+from lifecycle.tasks.clip.config import ClipTrainConfig, held_out
+from lifecycle.tasks.clip.model import caption_tokens
 
 INDEX = "index.parquet"  # lifecycle.tasks.data.images.preprocess.stage.INDEX
 
@@ -64,11 +63,6 @@ class Pairs:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def held_out(image_id: str, fraction: float) -> bool:
-    """Whether a pair is held out for evaluation: a hash of its image_id, so the split needs no state."""
-    return int(hashlib.sha256(image_id.encode()).hexdigest()[:8], 16) < fraction * 2**32
 
 
 def split(ids: list[str], fraction: float) -> tuple[list[int], list[int]]:
@@ -120,7 +114,7 @@ class Loader:
                 self.pending[s] = self._job(s)
         rows, job = self.pending.pop(step)
         images = job.get() if self.pool is not None else decode_batch(job)
-        tokens = pad_tokens([self.pairs.tokens[r] for r in rows], self.cfg.model.context, self.cfg.model.vocab_size)
+        tokens = caption_tokens([self.pairs.tokens[r] for r in rows], self.cfg.model)
         return torch.from_numpy(images), tokens, time.perf_counter() - t0
 
     def close(self) -> None:

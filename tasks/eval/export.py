@@ -271,27 +271,32 @@ def confined_args(args) -> tuple[Path, Path, Path | None]:
 
 
 def cmd_export_hf(args) -> int:
+    return reported(args, lambda: export_hf(*confined_args(args)), lambda r: (
+        f"exported {r['checkpoint']} -> {r['out_dir']} ({r['architecture']})\n"
+        f"  max |logit difference| vs our model, fp32: {r['max_abs_logit_diff_fp32']:.3g} (tolerance {r['tolerance']})\n"
+        f"  load: transformers.AutoModelForCausalLM.from_pretrained({r['out_dir']!r})"))
+
+
+def reported(args, export, describe) -> int:
+    """Run `export()`, print its report (one JSON object under --json, else `describe(report)`); a refused export
+    is one line and exit 2 (lifecycle/cli.py), as a missing file or a refused path."""
     try:
-        report = export_hf(*confined_args(args))
-    except ExportError as e:  # one line and exit 2 (lifecycle/cli.py), as a missing file or a refused path
+        report = export()
+    except ExportError as e:
         raise UsageError(str(e)) from e
-    if args.json:
-        print(json.dumps({"status": "ok", **report}))
-    else:
-        print(f"exported {report['checkpoint']} -> {report['out_dir']} ({report['architecture']})\n"
-              f"  max |logit difference| vs our model, fp32: {report['max_abs_logit_diff_fp32']:.3g} "
-              f"(tolerance {report['tolerance']})\n"
-              f"  load: transformers.AutoModelForCausalLM.from_pretrained({report['out_dir']!r})")
+    print(json.dumps({"status": "ok", **report}) if args.json else describe(report))
     return 0
 
 
-def register(sub) -> None:
+def register(sub, run=cmd_export_hf) -> None:
+    """The `export` command; `run` handles `export hf` (lifecycle.tasks.clip.export's, which hands everything but a
+    clip_train package back to `cmd_export_hf`)."""
     export = sub.add_parser("export", help="Export a checkpoint to another ecosystem's format.")
     fmt = export.add_subparsers(dest="format", required=True)
     hf = fmt.add_parser("hf", help="Hugging Face format (safetensors, config, tokenizer), loadable with "
-                                   "transformers.AutoModelForCausalLM.")
-    hf.add_argument("checkpoint", help="a committed checkpoint (train/.../checkpoints/step_N) or a packaged model "
-                                       "(datasets/checkpoint/<fp>)")
+                                   "transformers.AutoModelForCausalLM (a CLIP package: transformers.CLIPModel).")
+    hf.add_argument("checkpoint", help="a committed checkpoint (train/.../checkpoints/step_N), a packaged model "
+                                       "(datasets/checkpoint/<fp>) or a dual encoder (datasets/clip_train/<fp>)")
     hf.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (anywhere; refused when not empty, "
                                                          "unless --force)")
     hf.add_argument("--force", action="store_true", help="write into OUT_DIR even if it holds files")
@@ -299,7 +304,7 @@ def register(sub) -> None:
     hf.add_argument("--input-root", action="append", metavar="DIR",
                     help="another directory CHECKPOINT and --tokenizer may be read from. Repeatable.")
     hf.add_argument("--json", action="store_true", help="Print one JSON object.")
-    hf.set_defaults(func=cmd_export_hf, names_run=True, path_arg="checkpoint")  # CONFIG/--workdir: CHECKPOINT and --tokenizer lie in it
+    hf.set_defaults(func=run, names_run=True, path_arg="checkpoint")  # CONFIG/--workdir: CHECKPOINT and --tokenizer lie in it
 
 
 def load_model_dir(model_dir: str | Path, tokenizer: str | Path | None = None):

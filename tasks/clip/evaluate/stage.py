@@ -22,14 +22,14 @@ from lifecycle.core.shards import StageCode
 from lifecycle.tasks.clip.augment import decode
 from lifecycle.tasks.clip.config import ClipEvalConfig, ClipModelConfig, ClipTrainConfig
 from lifecycle.tasks.clip.loader import Pairs, split
-from lifecycle.tasks.clip.model import CLIP, pad_tokens
+from lifecycle.tasks.clip.model import CLIP, caption_tokens
 
 NAME = "clip_evaluate"
 
 
 def load_clip(model: DatasetRef) -> CLIP:
     """The trained dual encoder from a clip_train dataset (safetensors, no pickle)."""
-    cfg = ClipModelConfig.model_validate_json((model.dir / "model_config.json").read_text())
+    cfg = ClipModelConfig.from_saved((model.dir / "model_config.json").read_text())
     clip = CLIP(cfg)
     clip.load_export(load_file(str(model.dir / "model.safetensors")))
     return clip.eval()
@@ -44,7 +44,7 @@ def ranks_of(clip: CLIP, pairs: Pairs, rows: list[int], batch: int) -> tuple[np.
         part = rows[i:i + batch]
         images = np.stack([decode(pairs.read(r), c.image_size) for r in part])
         img.append(clip.encode_image(torch.from_numpy(images)))
-        txt.append(clip.encode_text(pad_tokens([pairs.tokens[r] for r in part], c.context, c.vocab_size)))
+        txt.append(clip.encode_text(caption_tokens([pairs.tokens[r] for r in part], c)))
     sim = (torch.cat(img) @ torch.cat(txt).T).numpy()
     own = np.diag(sim)
     # ties count against the pair (a model that scores everything equal is at chance, not perfect)
