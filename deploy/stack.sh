@@ -12,8 +12,9 @@
 # Settings come from the environment, else from the env file (default deploy/.env; deploy/env.example lists them).
 # Secrets (POSTGRES_PASSWORD, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) never reach a command line, a URL or a
 # service's environment: the servers read them from files made here, mode 0600, in $LIFECYCLE_STACK_DIR/secrets
-# (libpq's and asyncpg's PGPASSFILE, boto3's AWS_SHARED_CREDENTIALS_FILE), and the worker, which runs the flows,
-# gets neither. State, logs and pid files live in $LIFECYCLE_STACK_DIR. docs/operations.md, "The team stack".
+# (libpq's PGPASSFILE, a Prefect profile at PREFECT_PROFILES_PATH, boto3's AWS_SHARED_CREDENTIALS_FILE), and the
+# worker, which runs the flows, gets neither. Any character but a control character works in the Postgres password.
+# State, logs and pid files live in $LIFECYCLE_STACK_DIR. docs/operations.md, "The team stack".
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -80,10 +81,14 @@ tool() { "$VENV/bin/python" "$HERE/stack_tool.py" "$@"; }
 
 write_secret_files() {
     [[ -n ${POSTGRES_PASSWORD:-} ]] || die "set POSTGRES_PASSWORD in the environment or $ENV_FILE (deploy/env.example)"
-    # asyncpg (0.32) reads a pgpass file without undoing its escapes, so `\:` would reach Postgres as two characters
-    [[ $POSTGRES_PASSWORD != *[:\\]* ]] || die "POSTGRES_PASSWORD must not contain ':' or '\\' (asyncpg, the Prefect" \
-        "server's driver, misreads them in a pgpass file)"
-    (umask 077; printf '%s:%s:*:%s:%s\n' "$BIND" "$PG_PORT" "$PG_ROLE" "$POSTGRES_PASSWORD" > "$STACK/secrets/pgpass")
+    [[ $POSTGRES_PASSWORD != *[[:cntrl:]]* ]] || die "POSTGRES_PASSWORD must not hold control characters"
+    local pg=${POSTGRES_PASSWORD//\\/\\\\} toml=${POSTGRES_PASSWORD//\\/\\\\}
+    pg=${pg//:/\\:} toml=${toml//\"/\\\"}  # libpq's pgpass escapes `\` and `:`; a TOML string `\` and `"`
+    (umask 077; printf '%s:%s:*:%s:%s\n' "$BIND" "$PG_PORT" "$PG_ROLE" "$pg" > "$STACK/secrets/pgpass")
+    # the Prefect server's asyncpg (0.32) reads a pgpass file without undoing those escapes: it gets the password
+    # as a Prefect setting from a profiles file instead, and Prefect puts it in its URL with SQLAlchemy's quoting
+    (umask 077; printf 'active = "stack"\n[profiles.stack]\nPREFECT_SERVER_DATABASE_PASSWORD = "%s"\n' "$toml" \
+        > "$STACK/secrets/prefect-profiles.toml")
     (umask 077; printf '[default]\naws_access_key_id = %s\naws_secret_access_key = %s\n' \
         "${AWS_ACCESS_KEY_ID:-lifecycle}" "${AWS_SECRET_ACCESS_KEY:-${POSTGRES_PASSWORD}-s3}" \
         > "$STACK/secrets/aws-credentials")
@@ -149,8 +154,10 @@ start_mlflow() {
 }
 
 start_prefect() {
-    spawn prefect PGPASSFILE="$STACK/secrets/pgpass" PREFECT_HOME="$STACK/prefect-server" \
-        PREFECT_API_DATABASE_CONNECTION_URL="postgresql+asyncpg://$PG_ROLE@$BIND:$PG_PORT/prefect" \
+    spawn prefect PREFECT_PROFILES_PATH="$STACK/secrets/prefect-profiles.toml" PREFECT_HOME="$STACK/prefect-server" \
+        PREFECT_SERVER_DATABASE_DRIVER=postgresql+asyncpg PREFECT_SERVER_DATABASE_HOST="$BIND" \
+        PREFECT_SERVER_DATABASE_PORT="$PG_PORT" PREFECT_SERVER_DATABASE_USER="$PG_ROLE" \
+        PREFECT_SERVER_DATABASE_NAME=prefect \
         PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
         ${PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS:+PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=$PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS} \
         -- prefect server start --host "$BIND" --port "$PREFECT_PORT"
@@ -178,7 +185,7 @@ start_deploy() {  # the work pool, the deployments of deploy/prefect.yaml, the z
     (cd "$REPO" && env -i PATH="$VENV/bin:/usr/bin:/bin" HOME="$HOME" LANG=C.UTF-8 "${CLIENT_ENV[@]}" \
         PREFECT_HOME="$STACK/prefect-client" sh -c '
         prefect work-pool inspect lifecycle > /dev/null 2>&1 || prefect work-pool create lifecycle --type process
-        python deploy/stack_tool.py deploy deploy/prefect.yaml
+        prefect --no-prompt deploy --all --prefect-file deploy/prefect.yaml
         python -c "from lifecycle.flows.serve import ensure_zombie_automation as z; z()"') >> "$log" 2>&1 \
         || die "registering the deployments failed: $log"
     echo "stack: deployments registered ($(grep -c '^  - name:' "$HERE/prefect.yaml") from deploy/prefect.yaml)"

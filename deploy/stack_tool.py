@@ -3,7 +3,6 @@ artifact bucket. Standard library and boto3 only (boto3 is in the `team` extra);
 
     python deploy/stack_tool.py wait URL [TIMEOUT_S] [PID]   # exit 1 naming the URL when it does not answer 200
     python deploy/stack_tool.py bucket s3://BUCKET[/prefix]  # create it at $MLFLOW_S3_ENDPOINT_URL if missing
-    python deploy/stack_tool.py deploy deploy/prefect.yaml   # `prefect --no-prompt deploy --all`, see `deploy`
 """
 
 from __future__ import annotations
@@ -50,34 +49,11 @@ def make_bucket(uri: str) -> None:
         s3.create_bucket(Bucket=bucket)
 
 
-def deploy(prefect_file: str) -> None:
-    """`prefect --no-prompt deploy --all --prefect-file <prefect_file>`, in this process, with one call of Prefect's
-    client mended: after creating each deployment the CLI lists the pool's workers with `"limit": null` in the body,
-    which Prefect 3.8.8's server refuses under the FastAPI this project pins (422 "Input should be a valid
-    integer"), so the CLI stopped after the first deployment. The call is sent with the values the server would
-    have taken for null (offset 0, its default limit)."""
-    from prefect.cli import app
-    from prefect.client.orchestration._work_pools.client import WorkPoolAsyncClient
-    from prefect.settings import PREFECT_SERVER_API_DEFAULT_LIMIT
-
-    original = WorkPoolAsyncClient.read_workers_for_work_pool
-
-    async def read_workers(self, work_pool_name, worker_filter=None, offset=None, limit=None):
-        return await original(self, work_pool_name, worker_filter, offset or 0,
-                              PREFECT_SERVER_API_DEFAULT_LIMIT.value() if limit is None else limit)
-
-    WorkPoolAsyncClient.read_workers_for_work_pool = read_workers  # type: ignore[method-assign]
-    sys.argv = ["prefect", "--no-prompt", "deploy", "--all", "--prefect-file", prefect_file]
-    app()
-
-
 def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[0] == "wait":
         wait_http(argv[1], float(argv[2]) if len(argv) > 2 else 60, int(argv[3]) if len(argv) > 3 else None)
     elif len(argv) == 2 and argv[0] == "bucket":
         make_bucket(argv[1])
-    elif len(argv) == 2 and argv[0] == "deploy":
-        deploy(argv[1])
     else:
         raise SystemExit(__doc__)
 

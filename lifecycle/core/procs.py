@@ -171,23 +171,57 @@ def same_process(pid: int, started: int | None) -> bool:
     return fields[0] != "Z" and (started is None or int(fields[19]) == started)
 
 
-def watch_parent_run(interval: float = 1.0) -> None:
+SUPERVISOR_SILENCE_ENV = "LIFECYCLE_SUPERVISOR_SILENCE_S"  # how long the supervisor's beat may stay unchanged
+SUPERVISOR_SILENCE_S = 30.0
+
+
+def watch_parent_run(interval: float = 1.0, beat: Path | None = None) -> None:
     """In a training rank: a daemon thread that kills this rank's whole process group (all local ranks, or the
-    deepspeed launcher and its ranks) once the supervising run (LIFECYCLE_SUPERVISOR_PID, started at
-    LIFECYCLE_SUPERVISOR_START) is gone, e.g. SIGKILLed. Their own group kept the ranks out of reach of signals to
-    the supervisor's group; this keeps them from going on alone. Stdlib only, so a rank starts it before its slow
-    imports."""
+    deepspeed launcher and its ranks) once the supervising run is gone, e.g. SIGKILLed. Their own group kept the
+    ranks out of reach of signals to the supervisor's group; this keeps them from going on alone. A rank on the
+    supervisor's machine watches its pid (LIFECYCLE_SUPERVISOR_PID, started at LIFECYCLE_SUPERVISOR_START, in the
+    environment it inherited). A rank that DeepSpeed started over ssh, maybe on another machine, inherited no such
+    pid: it watches `beat`, the file the supervisor rewrites every second on the shared run dir from before the
+    launch (`tasks/train/heartbeats.py` `SupervisorBeat`; a rank started by hand finds none and watches nothing),
+    and stops once that has not changed for
+    LIFECYCLE_SUPERVISOR_SILENCE_S seconds, judged on this machine's clock. Stdlib only, so a rank starts it before
+    its slow imports."""
     import threading
 
     pid = int(os.environ.get("LIFECYCLE_SUPERVISOR_PID", "0"))
     started = int(os.environ["LIFECYCLE_SUPERVISOR_START"]) if os.environ.get("LIFECYCLE_SUPERVISOR_START") else None
-    if not pid:
-        return
+    silence = float(os.environ.get(SUPERVISOR_SILENCE_ENV) or SUPERVISOR_SILENCE_S)
 
-    def watch() -> None:
+    def watch_pid() -> None:
         while same_process(pid, started):
             time.sleep(interval)
-        print(f"supervisor {pid} is gone; stopping the ranks (the last commit stands)", flush=True)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        kill_own_group(f"supervisor {pid} is gone")
 
-    threading.Thread(target=watch, name="lifecycle-supervisor-watch", daemon=True).start()
+    def watch_beat() -> None:
+        wait_for_silence(beat, silence, interval)
+        kill_own_group(f"the supervisor's beat {beat} has not changed for {silence:g} s")
+
+    if pid or (beat is not None and beat.exists()):
+        threading.Thread(target=watch_pid if pid else watch_beat, name="lifecycle-supervisor-watch",
+                         daemon=True).start()
+
+
+def wait_for_silence(path: Path, silence_s: float, interval: float = 1.0) -> None:
+    """Return once `path`'s content (or its absence) has stayed the same for `silence_s` seconds of this host's
+    monotonic clock: the writer's clock, on another machine, is never compared with ours."""
+    def read() -> bytes | None:
+        try:
+            return path.read_bytes()
+        except OSError:
+            return None
+
+    last, since = read(), time.monotonic()
+    while time.monotonic() - since <= silence_s:
+        time.sleep(interval)
+        if (now := read()) != last:
+            last, since = now, time.monotonic()
+
+
+def kill_own_group(why: str) -> None:
+    print(f"{why}; stopping the ranks (the last commit stands)", flush=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)

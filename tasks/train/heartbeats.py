@@ -45,6 +45,42 @@ def _write_beat(path: Path, beat: dict) -> None:
     os.replace(tmp, path)
 
 
+SUPERVISOR_BEAT = "supervisor.beat"
+
+
+class SupervisorBeat:
+    """The supervisor's own beat, for the ranks DeepSpeed starts over ssh on other machines, which cannot watch its
+    pid: while the launch runs, a daemon thread rewrites `<run_dir>/supervisor.beat` (`SUPERVISOR_BEAT`) every
+    `every` seconds; a killed supervisor's beat stops, and those ranks stop themselves
+    (`lifecycle.core.procs.watch_parent_run`, given the path by the trainer's first lines)."""
+
+    def __init__(self, run_dir: Path, every: float = 1.0):
+        import threading
+
+        self.path, self.every, self.stopped = Path(run_dir) / SUPERVISOR_BEAT, every, threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="lifecycle-supervisor-beat", daemon=True)
+
+    def _beat(self) -> None:
+        n = 0
+        while True:
+            try:
+                _write_beat(self.path, {"pid": os.getpid(), "host": HOST, "n": n, "time": time.time()})
+            except OSError:  # a full or vanished run dir: the ranks judge the silence
+                pass
+            n += 1
+            if self.stopped.wait(self.every):
+                return
+
+    def __enter__(self) -> "SupervisorBeat":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self.path.unlink(missing_ok=True)
+
+
 ALIVE_EVERY_S = 2.0  # a rank's start-up liveness beat (`start_alive_beat`); silence is judged after 3 of them at least
 
 
@@ -77,13 +113,18 @@ def start_alive_beat(run_dir: Path, rank: int, every: float = ALIVE_EVERY_S, wor
     threading.Thread(target=beat, name="lifecycle-alive", daemon=True).start()
 
 
-def rank_alive_beat(argv: list[str]) -> None:
-    """`start_alive_beat` for the rank that `argv` (`... --config <run_dir>/config.json`) and $RANK describe."""
+def run_dir_of(argv: list[str]) -> Path | None:
+    """The run dir of the rank that `argv` (`... --config <run_dir>/config.json`) describes."""
     config = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if config is None and "--config" in argv[:-1]:
         config = argv[argv.index("--config") + 1]
-    if config is not None:
-        start_alive_beat(Path(config).parent, int(os.environ.get("RANK", "0")), world=os.environ.get(WORLD_ENV, ""))
+    return None if config is None else Path(config).parent
+
+
+def rank_alive_beat(argv: list[str]) -> None:
+    """`start_alive_beat` for the rank that `argv` and $RANK describe."""
+    if (run_dir := run_dir_of(argv)) is not None:
+        start_alive_beat(run_dir, int(os.environ.get("RANK", "0")), world=os.environ.get(WORLD_ENV, ""))
 
 
 def _state(pid: int, host: str | None = None) -> str:

@@ -17,6 +17,7 @@ No torch here (the CLI imports this module for its config): the ranks import it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -39,7 +40,7 @@ from lifecycle.tasks.train import memtier
 from lifecycle.tasks.train.resume import fallback_note
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import TrainConfig
-from lifecycle.tasks.train.heartbeats import Heartbeats
+from lifecycle.tasks.train.heartbeats import Heartbeats, SupervisorBeat
 from lifecycle.tasks.train.launcher import Launch, launcher_cmd, local_rank_envs, rank_threads
 from lifecycle.tasks.train.layout import (Sibling, batch_for_siblings, describe, layout_of, siblings,
                                          trajectory_key)
@@ -281,7 +282,9 @@ def _launch(cfg: TrainConfig, run_dir: Path, config_path: Path, resumed_from: in
     owner.claim()  # and release the buffers of supervisors that died before they could
     beats = Heartbeats(run_dir, cfg.batch.num_ranks, cfg.launch.stall_s, cfg.launch.startup_s,  # clears old ones
                        last_step=cfg.max_steps)
-    with open(run_dir / "train.log", "ab") as log:
+    # ranks over ssh cannot watch this process's pid: they watch its beat (lifecycle.core.procs.watch_parent_run)
+    beat = SupervisorBeat(run_dir) if cfg.launch.hostfile is not None else contextlib.nullcontext()
+    with open(run_dir / "train.log", "ab") as log, beat:
         log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} resume_from={resumed_from}: {what}\n".encode())
         log.flush()
         # one process group of ours: a ^C or a SIGTERM reaches only us, and we stop the group (below);

@@ -17,13 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lifecycle.core.procs import SUPERVISOR_SILENCE_ENV
 from lifecycle.tasks.train.config import LaunchConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 # which network interface the collectives use, where a node has several (or a hostname that resolves to none of
-# them): set on the launching node, they reach the ranks of every node through .deepspeed_env
-FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+# them): set on the launching node, they reach the ranks of every node through .deepspeed_env; and how long those
+# ranks wait on a silent supervisor (lifecycle.core.procs.watch_parent_run)
+FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", SUPERVISOR_SILENCE_ENV)
 
 
 def rank_threads(configured: int | None, ranks: int) -> int:

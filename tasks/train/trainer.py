@@ -28,10 +28,10 @@ T_START = time.time()
 
 if __name__ == "__main__":  # a rank: die with the process that started it and with the run, before the slow imports
     from lifecycle.core.procs import die_with_parent, watch_parent_run
-    from lifecycle.tasks.train.heartbeats import rank_alive_beat
+    from lifecycle.tasks.train.heartbeats import SUPERVISOR_BEAT, rank_alive_beat, run_dir_of
 
     die_with_parent()
-    watch_parent_run()
+    watch_parent_run(beat=None if (run_dir := run_dir_of(sys.argv)) is None else run_dir / SUPERVISOR_BEAT)
     rank_alive_beat(sys.argv)  # the supervisor's start-up watchdog sees this rank alive until its first step
 
 import torch

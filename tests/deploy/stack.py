@@ -48,7 +48,8 @@ class Stack:
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="lifecycle-stack-"))
         self.dir.chmod(0o711)  # Postgres runs as another user when we are root
-        self.password = "pw-" + secrets.token_hex(12)
+        # every character a pgpass file or a URL must escape (test_stack.py checks both servers reach Postgres)
+        self.password = "pw:\\@/%'\" " + secrets.token_hex(12)
         self.ports = {k: free_port() for k in ("POSTGRES_PORT", "PREFECT_PORT", "MLFLOW_PORT", "S3_PORT")}
         self.env = {**os.environ, "LIFECYCLE_STACK_DIR": str(self.dir), "LIFECYCLE_ENV_FILE": "/dev/null",
                     "POSTGRES_PASSWORD": self.password, "AWS_ACCESS_KEY_ID": "lifecycle",
@@ -128,6 +129,35 @@ async def wait_runs(client, ids: list, timeout: float = 1200) -> list:
         if all(r.state.is_final() for r in runs) or time.monotonic() > deadline:
             return runs
         await asyncio.sleep(3)
+
+
+def run_outputs(stack: Stack, workdir: Path, model_name: str) -> dict:
+    """bench.chaos.outputs of a completed run through the worker, which returns its summary to no one: the summary
+    rebuilt from what the run left, its work dir's `latest/` links (each stage's dataset, the final checkpoint) and
+    the metrics on the MLflow run of its registered model version."""
+    from mlflow import MlflowClient
+
+    from bench.chaos import outputs
+
+    latest = workdir / "latest"
+    client = MlflowClient(tracking_uri=stack.mlflow_url, registry_uri=stack.mlflow_url)
+    (version,) = client.search_model_versions(f"name='{model_name}'")
+    return outputs({"status": "completed", "checkpoint": str(latest / "train"),
+                    "datasets": {p.name: str(p / "_manifest.json") for p in latest.iterdir() if p.name != "train"},
+                    "metrics": client.get_run(version.run_id).data.metrics})
+
+
+async def left_running(client) -> list[str]:
+    """Flow runs and task runs the server still holds as Running: '<kind> <name> (<id>)'."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                TaskRunFilter, TaskRunFilterState, TaskRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))))
+    tasks = await client.read_task_runs(task_run_filter=TaskRunFilter(
+        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING]))))
+    return [f"flow run {r.name} ({r.id})" for r in flows] + [f"task run {r.name} ({r.id})" for r in tasks]
 
 
 async def pause_yaml_schedules(client) -> None:
