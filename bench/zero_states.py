@@ -29,8 +29,10 @@ import sys
 
 MODEL = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, seq_len=64)
 BUCKET = 200_000  # reduce_bucket_size and allgather_bucket_size (elements) of the measured runs
-LAYOUTS = [(zero, prec) for prec in ("fp32", "bf16") for zero in (0, 1, 2, 3)] + [(zero, "bf16-states") for zero in (1, 2, 3)]
-# bf16-states: bf16 weights with bf16 master weights, gradients and Adam moments (train.engine.optimizer_states)
+LAYOUTS = ([(zero, prec) for prec in ("fp32", "bf16") for zero in (0, 1, 2, 3)] + [(zero, "bf16-states") for zero in (1, 2, 3)]
+           + [(zero, "fp32-muon") for zero in (0, 1, 2, 3)] + [(zero, "bf16-muon") for zero in (1, 2, 3)])
+# bf16-states: bf16 weights with bf16 master weights, gradients and Adam moments (train.engine.optimizer_states);
+# -muon: DeepSpeed's MuonWithAuxAdam as the trainer builds it (train.optimizer.name: muon) instead of torch AdamW
 MOMENTS = ("in_backward", "end_of_backward", "in_reduce", "after_backward", "in_step", "after_step")
 MiB = 2**20
 
@@ -119,16 +121,19 @@ def worker(index: int, steps: int = 2) -> None:
     import torch
 
     from lifecycle.tasks.train.config import ModelConfig, TrainConfig
-    from lifecycle.tasks.train.engine import ds_config, stub_muon
+    from lifecycle.tasks.train.engine import ds_config, muon_optimizer, stub_muon
     from lifecycle.tasks.train.model import GPT
 
     zero, prec = LAYOUTS[index]
+    muon = prec.endswith("-muon")
     torch.set_num_threads(1)
-    stub_muon()
+    if not muon:
+        stub_muon()
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = TrainConfig(model=ModelConfig(**MODEL), batch={"micro_batch_size": 2, "grad_accum": 1, "num_ranks": 2},
-                      engine={"zero_stage": zero, "precision": prec.removesuffix("-states"),
-                              "optimizer_states": "bf16" if prec == "bf16-states" else "fp32"})
+                      engine={"zero_stage": zero, "precision": prec.split("-")[0],
+                              "optimizer_states": "bf16" if prec == "bf16-states" else "fp32"},
+                      optimizer={"name": "muon" if muon else "adamw"})
     ds = ds_config(cfg)
     ds["zero_optimization"].update(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET)
     torch.manual_seed(cfg.seed)
@@ -136,7 +141,8 @@ def worker(index: int, steps: int = 2) -> None:
     n_params = model.num_params()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    opt = (muon_optimizer(cfg, model) if muon else
+           torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     roots = [("optimizer", engine.optimizer), ("torch_optimizer", opt), ("module", list(model.parameters())),
              ("engine", engine)]
@@ -188,12 +194,15 @@ def predict(zero: int, prec: str, psi: int) -> dict:
     """The planner's model states before this bench (the ZeRO paper's, `model_states`) and now (`engine_bytes`:
     those plus DeepSpeed's buffers at backward's and the step's peak), for the measured model and buckets."""
     from lifecycle.tasks.train.config import ModelConfig
-    from lifecycle.tasks.train.sizing import largest_tensor
+    from lifecycle.tasks.train.sizing import largest_tensor, muon_numels, muon_params
     from lifecycle.tasks.train.zero_memory import PRECISIONS, engine_bytes, model_states
 
-    largest = largest_tensor(ModelConfig(**MODEL))
-    return {"old": sum(model_states(psi, zero, 2, PRECISIONS[prec]).values()),
-            "new": engine_bytes(psi, zero, 2, PRECISIONS[prec], largest, reduce_bucket=BUCKET), "largest": largest}
+    m = ModelConfig(**MODEL)
+    largest, muon = largest_tensor(m), muon_params(m) if prec.endswith("-muon") else 0
+    p = PRECISIONS[prec.removesuffix("-muon")]
+    return {"old": sum(model_states(psi, zero, 2, p).values()),
+            "new": engine_bytes(psi, zero, 2, p, largest, reduce_bucket=BUCKET, muon=muon,
+                                muon_numels=muon_numels(m) if muon else []), "largest": largest}
 
 
 def main(table: bool = False, only: list[int] | None = None) -> list[dict]:

@@ -19,7 +19,8 @@ def divisors(n: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def trainer_refusal(m: ModelConfig, tp: int, pp: int, sp: int, zero: int, recompute: str) -> str | None:
+def trainer_refusal(m: ModelConfig, tp: int, pp: int, sp: int, zero: int, recompute: str,
+                    optimizer: str = "adamw") -> str | None:
     """Why the trainer refuses this combination (lifecycle.tasks.train.parallel.rules), None when it runs it;
     the batch does not matter to the rules, so one rank per model-parallel group stands for any dp."""
     from lifecycle.tasks.train.config import TrainConfig
@@ -29,7 +30,7 @@ def trainer_refusal(m: ModelConfig, tp: int, pp: int, sp: int, zero: int, recomp
     try:
         cfg = TrainConfig.model_validate({
             "model": m.model_dump(), "batch": {"num_ranks": tp * pp * sp}, "parallel": {"tp": tp, "pp": pp, "sp": sp},
-            "engine": {"zero_stage": zero, "activation_checkpointing": ac}})
+            "engine": {"zero_stage": zero, "activation_checkpointing": ac}, "optimizer": {"name": optimizer}})
     except ValueError as e:
         return str(e)
     return rules.refusal(cfg)
@@ -42,7 +43,7 @@ def tp_seq_runs(m: ModelConfig, tp: int, pp: int) -> bool:
 
 def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tps=None, pps=None, sps=None,
                zeros=(0, 1, 2, 3), recomputes=RECOMPUTE, offloads=(False,), micro_batches=None,
-               trainer_only: bool = True):
+               trainer_only: bool = True, optimizer: str = "adamw"):
     """Every layout the search considers: tp within a node and dividing the heads, sp dividing the heads
     left, pp dividing the layers, dp the rest; ZeRO-2/3 not under pp (DeepSpeed's pipeline engine runs
     ZeRO-0/1 only); offload only with ZeRO >= 1; micro-batches dividing the per-replica batch. `trainer_only`:
@@ -57,7 +58,7 @@ def candidates(m: ModelConfig, gpus: int, global_batch: int, hw: Hardware, *, tp
                 for zero, rc, off in itertools.product(zeros, recomputes, offloads):
                     if (pp > 1 and zero >= 2) or (off and zero == 0):
                         continue
-                    if trainer_only and (off or trainer_refusal(m, tp, pp, sp, zero, rc) is not None):
+                    if trainer_only and (off or trainer_refusal(m, tp, pp, sp, zero, rc, optimizer) is not None):
                         continue
                     for b in micro_batches or [d for d in divisors(global_batch // dp) if d <= 64]:
                         yield Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b, accum=global_batch // (dp * b),
@@ -77,13 +78,14 @@ class Option:
 
 
 def search(m: ModelConfig, gpus: int, gpu_memory: float, global_batch: int, hw: Hardware = Hardware(),
-           precision: str = "bf16", seq_len: int | None = None, device: str = "cuda", **space) -> list[Option]:
+           precision: str = "bf16", seq_len: int | None = None, device: str = "cuda", optimizer: str = "adamw",
+           **space) -> list[Option]:
     """All candidate layouts, the fitting ones first, fastest first (ties: bigger micro-batch, lower ZeRO stage,
-    no offload, less recomputation)."""
+    no offload, less recomputation). `optimizer`: adamw or muon (its states, and the layouts it runs under)."""
     out = []
-    for lay in candidates(m, gpus, global_batch, hw, **space):
+    for lay in candidates(m, gpus, global_batch, hw, optimizer=optimizer, **space):
         mb = global_batch // (lay.dp * lay.micro_batch)
-        est = memory(m, lay, precision, seq_len, micro_batches=mb, device=device)
+        est = memory(m, lay, precision, seq_len, micro_batches=mb, device=device, optimizer=optimizer)
         t = step_time(m, lay, global_batch, hw, precision, seq_len)
         out.append(Option(lay, est, t, est.total_bytes <= gpu_memory - hw.reserve_bytes))
     out.sort(key=lambda o: (not o.fits, round(o.time["step_s"], 9), -o.layout.micro_batch, o.layout.zero,
@@ -164,7 +166,7 @@ def resolve_layout(cfg, memory_bytes: float | None = None):
     n, gb = cfg.batch.num_ranks, cfg.global_batch
     precision = "bf16-states" if cfg.engine.optimizer_states == "bf16" else cfg.engine.precision
     opts = search(cfg.model, n, memory_bytes, gb, _auto_hardware(cfg), precision,
-                  device="cuda" if cfg.engine.accelerator == "cuda" else "cpu")
+                  device="cuda" if cfg.engine.accelerator == "cuda" else "cpu", optimizer=cfg.optimizer.name)
     fitting = [o for o in opts if o.fits]
     if not fitting:
         if not opts:

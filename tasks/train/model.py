@@ -54,6 +54,8 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.n_embd, cfg.norm_eps)
+    if cfg.norm == "none":  # T-Fixup's model (ModelConfig.init: tfixup)
+        return nn.Identity()
     return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=False)
 
 
@@ -277,6 +279,10 @@ class GPT(nn.Module):
                 for m in block.modules():
                     if isinstance(m, nn.Linear):
                         ds_init_(m.weight, depth, getattr(m, "fused", 1))
+        elif cfg.init == "tfixup":
+            from lifecycle.tasks.train.initialise import tfixup_
+
+            tfixup_(self)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -74,20 +74,25 @@ class ModelConfig(BaseModel):
     """Residual stream width."""
     seq_len: int = Field(128, ge=2)
     """Context length in tokens (the longest sequence `forward` accepts)."""
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    """Normalisation before each sublayer and before the output head."""
+    norm: Literal["rmsnorm", "layernorm", "none"] = "rmsnorm"
+    """Normalisation before each sublayer and before the output head; `none` (no norm at all) only with
+    `init: tfixup`, which makes it trainable."""
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     """Feed-forward type. SwiGLU uses a hidden width of 8/3·n_embd (rounded up to 32) to match GELU's 4·n_embd in parameters."""
     pos: Literal["rope", "learned"] = "rope"
     """Position encoding: rotary (applied to q and k in attention) or a learned absolute table."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on attention weights and residual branches (0 for short pretraining runs)."""
-    init: Literal["normal", "gpt2_scaled", "ds_init"] = "gpt2_scaled"
+    init: Literal["normal", "gpt2_scaled", "ds_init", "tfixup"] = "gpt2_scaled"
     """normal: N(0, 0.02) everywhere; gpt2_scaled: residual output projections get 0.02/sqrt(2·n_layer) (GPT-2);
     ds_init: depth-scaled init for deep stacks (Zhang, Titov & Sennrich 2019, "Improving Deep Transformer with
     Depth-Scaled Initialization and Merged Attention", eq. 7): every matrix of block l (1-based) is drawn from
     U(-γ, γ) with γ = α·sqrt(6 / (d_in + d_out)) / sqrt(l), α = 1, so deeper blocks start with smaller
-    residual updates; embeddings stay N(0, 0.02)."""
+    residual updates; embeddings stay N(0, 0.02). tfixup: T-Fixup (Huang et al. 2020, "Improving Transformer
+    Optimization Through Better Initialization", sec. 3.3, decoder rule) for a model without norms (`norm: none`)
+    and trained without warmup: Xavier-uniform matrices (q, k, v and SwiGLU's gate and up each apart), embeddings
+    N(0, n_embd^-1/2), then the values, the attention output, every MLP matrix and the embeddings scaled by
+    (9·n_layer)^-1/4 (lifecycle.tasks.train.initialise)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output head (see module docstring)."""
     rope_theta: float = Field(10000.0, gt=0)
@@ -135,6 +140,10 @@ class ModelConfig(BaseModel):
             raise ValueError(f"rope_scaling needs pos='rope', got pos={self.pos!r}")
         if self.mlp != "swiglu" and self.mlp_hidden_dim is not None:
             raise ValueError(f"mlp_hidden_dim applies to mlp='swiglu' only, got mlp={self.mlp!r}")
+        if (self.init == "tfixup") != (self.norm == "none"):
+            raise ValueError(f"init={self.init!r} with norm={self.norm!r}: T-Fixup is the initialisation of a model "
+                             "without norms, and a model without norms needs it; set both init=tfixup and norm=none, "
+                             "or neither")
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"pos='rope' needs an even head dim, got n_embd/n_head = {self.n_embd // self.n_head}")
         return self

@@ -51,7 +51,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                  tp_sequence_parallel=not args.no_sequence_parallel)
     est = memory(m, lay, args.precision, micro_batches=args.micro_batches,
                  fused_attention=args.attention == "fused", params=psi, device=args.device,
-                 reduce_bucket=args.reduce_bucket, prefetch_bucket=args.prefetch_bucket)
+                 reduce_bucket=args.reduce_bucket, prefetch_bucket=args.prefetch_bucket, optimizer=args.optimizer)
     out = {"model": shape_of(m), "params": psi, "precision": args.precision, "attention": args.attention,
            "ranks": args.ranks, **est.as_dict()}
     if args.json:
@@ -103,7 +103,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     mem = parse_bytes(args.gpu_memory)
     if args.gpus < 1 or args.global_batch < 1:
         raise UsageError("--gpus and --global-batch must be >= 1")
-    opts = search(m, args.gpus, mem, args.global_batch, hw, args.precision)
+    opts = search(m, args.gpus, mem, args.global_batch, hw, args.precision, optimizer=args.optimizer)
     fitting = [o for o in opts if o.fits]
     best, rest = (fitting[0], runners_up(fitting[1:], args.top)) if fitting else (None, [])
     if args.json:
@@ -156,6 +156,9 @@ def _model_args(p: argparse.ArgumentParser, params: bool) -> None:
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
                    help="bf16/fp16: mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper); fp32: 4+4+8 "
                         "(+4 for DeepSpeed's ZeRO-1/2 master copy) as this project trains on CPU (default bf16)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: DeepSpeed's Muon on the blocks' matrices (one momentum instead of two Adam moments; "
+                        "train.optimizer.name), AdamW on the rest (default adamw)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

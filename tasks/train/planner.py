@@ -47,9 +47,9 @@ from dataclasses import asdict, dataclass, field
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.parallel.mesh import RECOMPUTE, Layout
-from lifecycle.tasks.train.sizing import largest_tensor, outer_tensors, param_count
+from lifecycle.tasks.train.sizing import largest_tensor, muon_numels, muon_params, outer_tensors, param_count
 from lifecycle.tasks.train.zero_memory import (  # noqa: F401  (Precision, PRECISIONS, GRAD_BUCKET: the planner's API)
-    GRAD_BUCKET, PRECISIONS, Precision, engine_buffers, model_states,
+    GRAD_BUCKET, PRECISIONS, Precision, engine_buffers, model_states, muon_buffers,
 )
 
 GiB = 2**30
@@ -244,7 +244,7 @@ def params_per_rank(m: ModelConfig, lay: Layout, psi: float | None = None) -> fl
     per_block = (total_params(m) - sum(outer.values())) / m.n_layer
     blocks = -(-m.n_layer // lay.pp) * per_block / lay.tp
     first = outer["wte.weight"] + outer.get("wpe.weight", 0)
-    head = outer.get("lm_head.weight", 0 if lay.pp == 1 else outer["wte.weight"]) + outer["norm_f.weight"]
+    head = outer.get("lm_head.weight", 0 if lay.pp == 1 else outer["wte.weight"]) + outer.get("norm_f.weight", 0)
     return blocks + (first + head if lay.pp == 1 else max(first, head))
 
 
@@ -288,19 +288,22 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
            micro_batches: int | None = None, fused_attention: bool = True, am: ActivationModel | None = None,
            params: float | None = None, device: str = "cuda", reduce_bucket: float = GRAD_BUCKET,
            overlap_comm: bool | None = None, prefetch_bucket: float = ZERO3_PREFETCH,
-           max_live: float = ZERO3_MAX_LIVE) -> Estimate:
+           max_live: float = ZERO3_MAX_LIVE, optimizer: str = "adamw") -> Estimate:
     """Per-rank bytes of `lay` for model `m`. `micro_batches` per step per pipeline (default: pp, so that 1F1B's
     first stage is full); `params` overrides Ψ (then `m` only shapes the activations). `device` "cuda": a
     reserved buffer counts whole; "cpu": only the pages written count (the resident set). `reduce_bucket`,
     `overlap_comm` (default: on at stage 3 only), `prefetch_bucket` (stage3_prefetch_bucket_size) and `max_live`
-    (stage3_max_live_parameters) as in DeepSpeed's zero_optimization."""
+    (stage3_max_live_parameters) as in DeepSpeed's zero_optimization. `optimizer` "muon": DeepSpeed's Muon on the
+    blocks' matrices (zero_memory.muon_states), AdamW on the rest."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, not {device!r}")
     prec = PRECISIONS[precision]
     s, b, v = seq_len or m.seq_len, lay.micro_batch, m.vocab_size
     psi_rank = params_per_rank(m, lay, params)
     nd = lay.dp * lay.sp  # Ulysses ranks hold replicas: ZeRO shards over dp x sp
-    ms = model_states(psi_rank, lay.zero, nd, prec, lay.offload)
+    muon = psi_rank * muon_params(m) / param_count(m).total if optimizer == "muon" else 0.0
+    ms = model_states(psi_rank, lay.zero, nd, prec, lay.offload, muon)
+    mu = muon_buffers(muon_numels(m), lay.zero, nd, prec, psi_rank, muon)
     am = am or ActivationModel.for_model(m, prec.act, fused_attention)
     s_rank = s / lay.sp
     t = lay.tp
@@ -331,8 +334,9 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     # the activations are gone, stages 1-2 have released their bucket at the end of backward (stage_1_and_2.py
     # `_release_ipg_buffers` in the ipg epilogue), stage 1 its gradients outside the partition; the step makes the
     # fp32 gradients; stage 3 holds its bucket for good (stage3.py:782).
-    backward = bucket + buf["pending_grad"] + gathered + prefetch + loss_bwd
+    backward = bucket + buf["pending_grad"] + gathered + prefetch + loss_bwd + mu["gather_cache"]
     step = opt_step + buf["step_fp32_grads"] - buf["step_grads_released"] + (bucket if lay.zero == 3 else 0.0)
+    step = max(step - mu["step_grads_not_made"], mu["whole_grads"]) + mu["gather_cache"]  # zero_memory.muon_buffers
     temp = max(backward, step - acts)  # total = states + max(activations + backward, step)
     return Estimate(lay, sum(ms.values()), acts, temp,
                     {**{f"{k}_bytes": x for k, x in ms.items()}, "activation_per_layer_bytes": layer,
@@ -341,6 +345,7 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
                      "pending_grad_bytes": buf["pending_grad"], "optimizer_step_temp_bytes": opt_step,
                      "step_fp32_grad_bytes": buf["step_fp32_grads"],
                      "step_grads_released_bytes": buf["step_grads_released"],
+                     "muon_gather_cache_bytes": mu["gather_cache"], "muon_whole_grads_bytes": mu["whole_grads"],
                      "backward_buffers_bytes": backward, "step_buffers_bytes": step})
 
 

@@ -58,10 +58,11 @@ def block_tensors(m: ModelConfig, i: int) -> dict[str, int]:
     block has a router (d·E, no bias) and E such MLPs."""
     d, kv, ffn = m.n_embd, m.kv_heads * m.head_dim, m.mlp_hidden
     b = f"blocks.{i}."
-    out = {b + "norm1.weight": d, b + "attn.qkv.weight": d * (d + 2 * kv)}
+    norm = 0 if m.norm == "none" else d
+    out = {b + "norm1.weight": norm, b + "attn.qkv.weight": d * (d + 2 * kv)}
     if m.qkv_bias:
         out[b + "attn.qkv.bias"] = d + 2 * kv
-    out |= {b + "attn.proj.weight": d * d, b + "norm2.weight": d}
+    out |= {b + "attn.proj.weight": d * d, b + "norm2.weight": norm}
     mlp = {"up.weight": (2 if m.mlp == "swiglu" else 1) * ffn * d, "down.weight": ffn * d}
     if m.moe is not None and m.moe.is_moe_block(i):
         out[b + "mlp.gate.weight"] = d * m.moe.num_experts
@@ -69,7 +70,7 @@ def block_tensors(m: ModelConfig, i: int) -> dict[str, int]:
             out |= {f"{b}mlp.experts.{e}.{k}": n for k, n in mlp.items()}
     else:
         out |= {b + "mlp." + k: n for k, n in mlp.items()}
-    return out
+    return {k: n for k, n in out.items() if n}  # no norms under norm: none
 
 
 def outer_tensors(m: ModelConfig) -> dict[str, int]:
@@ -79,10 +80,10 @@ def outer_tensors(m: ModelConfig) -> dict[str, int]:
     out = {"wte.weight": m.vocab_size * m.n_embd}
     if m.pos == "learned":
         out["wpe.weight"] = m.seq_len * m.n_embd
-    out["norm_f.weight"] = m.n_embd
+    out["norm_f.weight"] = 0 if m.norm == "none" else m.n_embd
     if not m.tie_embeddings:
         out["lm_head.weight"] = m.vocab_size * m.n_embd
-    return out
+    return {k: n for k, n in out.items() if n}
 
 
 def tensors(m: ModelConfig) -> dict[str, int]:
@@ -240,3 +241,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="on an error, show its traceback")
     p.set_defaults(func=cmd_plan, plan_parser=p)
     return p
+
+
+def muon_numels(m: ModelConfig) -> list[int]:
+    """Elements of each matrix `train.optimizer.name: muon` steps with Muon: the blocks' matrices (every block
+    parameter but the norms and biases; lifecycle.tasks.train.engine.muon_optimizer tags the same)."""
+    return [n for i in range(m.n_layer) for name, n in block_tensors(m, i).items()
+            if "norm" not in name and not name.endswith(".bias")]
+
+
+def muon_params(m: ModelConfig) -> int:
+    """The parameters Muon steps (`muon_numels`, summed)."""
+    return sum(muon_numels(m))

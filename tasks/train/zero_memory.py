@@ -75,19 +75,36 @@ PRECISIONS = {"bf16": Precision("bf16", 2, 2, 2), "fp16": Precision("fp16", 2, 2
 """`bf16-states`: bf16 weights with bf16 master weights, gradients and Adam moments (ZeRO 1-3)."""
 
 
-def model_states(psi: float, zero: int, nd: int, prec: Precision, offload: bool = False) -> dict:
+def model_states(psi: float, zero: int, nd: int, prec: Precision, offload: bool = False, muon: float = 0.0) -> dict:
     """Per-rank bytes of parameters, gradients and optimizer states for Ψ parameters over nd ZeRO ranks, as held
-    at the end of backward (see the module docstring)."""
-    p, g, k = prec.param * psi, prec.grad * psi, prec.optimizer(zero) * psi
+    at the end of backward (see the module docstring). `muon`: how many of the Ψ DeepSpeed's Muon steps
+    (`muon_states`); AdamW steps the rest."""
+    p, g, k = prec.param * psi, prec.grad * psi, prec.optimizer(zero) * (psi - muon)
     if zero >= 1:
         k /= nd
     if zero >= 2:
         g /= nd
     if zero >= 3:
         p /= nd
+    k += muon_states(muon, zero, nd, prec)
     if offload:
         k, g = 0.0, (0.0 if zero >= 2 else g)  # the partition's gradients and the states live on the CPU
     return {"params": p, "grads": g, "optimizer": k}
+
+
+def muon_states(psi: float, zero: int, nd: int, prec: Precision) -> float:
+    """Bytes per rank of DeepSpeed's MuonWithAuxAdam for the Ψ parameters it steps with Muon (the blocks'
+    matrices; `train.optimizer.name: muon`): one momentum buffer where AdamW keeps two moments, and the master
+    weights as for AdamW. Stage 0: the momentum in fp32 beside the master weights (none in fp32). Stages 1-2
+    (stage_1_and_2.py `_muon_momentum_buffer`, `_muon_staging_momentum`): the momentum of the parameters in the
+    rank's partition, in the gradients' dtype, twice (the committed buffer and the step's staging copy, which
+    a skipped step discards). Stage 3 (stage3.py `_create_momentum_buffer`): a partition in the gradients' dtype
+    (measured: 4 bytes in fp32, 2 in bf16; bench.zero_states)."""
+    if zero == 0:
+        return (FP32 + (prec.master if prec.param < FP32 else 0)) * psi
+    if zero in (1, 2):
+        return (prec.master + 2 * prec.grad) * psi / nd
+    return (prec.master + prec.grad) * psi / nd
 
 
 def engine_buffers(psi: float, zero: int, nd: int, prec: Precision, largest: float, offload: bool = False,
@@ -114,11 +131,43 @@ def engine_buffers(psi: float, zero: int, nd: int, prec: Precision, largest: flo
             "step_fp32_grads": fp32_grads, "step_grads_released": g * (psi - psi / nd) if zero == 1 else 0.0}
 
 
+MUON_GATHER_ENTRY = 64 * 2**20  # bytes: DeepSpeed's _muon_allgather_max_buffer_bytes (zero/stage3.py)
+MUON_GATHER_CACHE = 256 * 2**20  # bytes: its _muon_allgather_max_cached_bytes
+
+
+def muon_gather_cache(numels: list[int], nd: int, elem: int = FP32) -> float:
+    """ZeRO-3 under Muon: the all-gather buffers DeepSpeed caches to rebuild each Muon matrix's whole gradient
+    for Newton-Schulz (stage3.py `_muon_all_gather_partitions`), bytes per rank, held for good. One cache entry
+    per distinct partition size, i.e. per distinct matrix size in `numels`: a local and a gathered buffer,
+    (nd + 1)·ceil(numel / nd) elements of `elem` bytes (the gradients'), at most MUON_GATHER_ENTRY each and
+    MUON_GATHER_CACHE in all."""
+    entries = [min(MUON_GATHER_ENTRY, (nd + 1) * -(-n // nd) * elem) for n in set(numels)]
+    return min(MUON_GATHER_CACHE, float(sum(entries)))
+
+
+def muon_buffers(numels: list[int], zero: int, nd: int, prec: Precision, psi: float, muon: float) -> dict:
+    """DeepSpeed's buffers under Muon beside its states, bytes per rank: ZeRO-3's `gather_cache`
+    (`muon_gather_cache`, held for good) and, at ZeRO-2, the gradients beyond the rank's partition, `whole_grads`:
+    Newton-Schulz needs whole matrices, so the gradients are whole once backward ends (`averaged_gradients`;
+    measured, bench.zero_states). Stage 3 makes the step's fp32 gradients one sub-group at a time, and Muon's
+    matrices are a group of their own: `step_grads_not_made` is what the larger of the two leaves out. `numels`:
+    the sizes of the Muon matrices (their distinct sizes matter); `muon`: how many of the rank's Ψ they hold."""
+    if not muon:
+        return {"gather_cache": 0.0, "whole_grads": 0.0, "step_grads_not_made": 0.0}
+    return {"gather_cache": muon_gather_cache(numels, nd, prec.grad) if zero == 3 else 0.0,
+            "whole_grads": prec.grad * (psi - psi / nd) if zero == 2 else 0.0,
+            "step_grads_not_made": prec.master * (psi - max(muon, psi - muon)) / nd if zero == 3 else 0.0}
+
+
 def engine_bytes(psi: float, zero: int, nd: int, prec: Precision, largest: float, **kw) -> dict:
     """Model states plus DeepSpeed's buffers at backward's peak and at the step's, and the larger: what
-    `bench.zero_states` measures (activations and ZeRO-3's gathered parameters are not in it)."""
-    states = sum(model_states(psi, zero, nd, prec, kw.get("offload", False)).values())
+    `bench.zero_states` measures (activations and ZeRO-3's gathered parameters are not in it). `muon`: the
+    parameters Muon steps; `muon_numels`: their matrices' sizes (ZeRO-3's gather cache)."""
+    muon = kw.pop("muon", 0.0)
+    extra = muon_buffers(kw.pop("muon_numels", []), zero, nd, prec, psi, muon)
+    states = sum(model_states(psi, zero, nd, prec, kw.get("offload", False), muon).values()) + extra["gather_cache"]
     buf = engine_buffers(psi, zero, nd, prec, largest, **kw)
-    backward = states + buf["grad_bucket"] + buf["pending_grad"]
+    backward = max(states + buf["grad_bucket"] + buf["pending_grad"], states + extra["whole_grads"])
     step = states - buf["step_grads_released"] + buf["step_fp32_grads"] + (buf["grad_bucket"] if zero == 3 else 0.0)
+    step -= extra["step_grads_not_made"]
     return {"states": states, "backward": backward, "step": step, "total": max(backward, step)}
