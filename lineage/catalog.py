@@ -12,6 +12,8 @@ Tables and views (query them with `lifecycle sql "SELECT ..."`):
 - `rejected`: every rejected row of every dataset (doc_id, source_id, stage, reason, detail, ...) plus
   dataset_path; join `datasets` on `path` for its run time or config.
 - `kept`: every kept document row of the document stages (collect, filter, dedup, scrub) plus dataset_path.
+- `images`: every kept row of the image stages without its bytes (image_id, source_id, source: the raw file,
+  sha256, pixel_sha256, phash, ...); `image_index`: image_preprocess's image -> shard tables; both + dataset_path.
 - `tokens`: the tokenize side tables (doc_id, source_id, split, shard, token_start, token_end) plus dataset_path.
 - `signatures`: every row that holds a document's MinHash signature (data derived from its text): the
   `dedup-signatures` datasets, each dedup dataset's index rows and the published `dedup-index/` parts
@@ -19,7 +21,8 @@ Tables and views (query them with `lifecycle sql "SELECT ..."`):
 - `checkpoints`: training runs and their committed checkpoints (run_dir, step, tag_dir, token_dataset_sha256,
   marker_sha256).
 - `models`: registered model versions (name, version, aliases, run_id, package_sha256, tokenize_sha256,
-  val_bpb, promotion) from the MLflow registry, when the work dir has one.
+  val_bpb, promotion, kind: `clip` for a dual encoder, image_preprocess_sha256: the image shards it trained on)
+  from the MLflow registry, when the work dir has one.
 - `model_docs`: name, version, doc_id, source_id, split: the documents each registered version trained on
   (split `train`) or was validated on (`val`), from its own tokenize dataset. "Which documents trained this model"
   is `SELECT count(DISTINCT doc_id) FROM model_docs WHERE name = ? AND version = ? AND split = 'train'`.
@@ -49,6 +52,7 @@ from lifecycle.tasks.stages import DOCUMENT_STAGES
 
 log = logging.getLogger(__name__)
 DOC_STAGES = DOCUMENT_STAGES
+IMAGE_STAGES = ("image_collect", "image_filter", "image_dedup", "image_scrub")  # tasks/data/images/ (not imported)
 SIG_STAGE, INDEX_FILE = "dedup-signatures", "dedup-index.parquet"  # lifecycle.tasks.data.dedup.stage's names (not imported: no numba here)
 
 
@@ -102,6 +106,8 @@ def model_rows(tracking_uri: str | None) -> list[dict]:
                          "checkpoint_dir": t.get("lifecycle.checkpoint_dir"),
                          "checkpoint_marker_sha256": t.get("lifecycle.checkpoint_marker_sha256"),
                          "val_bpb": float(t["metric.val_bpb"]) if "metric.val_bpb" in t else None,
+                         "kind": t.get("lifecycle.model_kind"),
+                         "image_preprocess_sha256": t.get("lifecycle.dataset.image_preprocess.sha256"),
                          "promotion": t.get("lifecycle.promotion.decision"),
                          "created": mv.creation_timestamp,
                          "source": mv.source, "description": mv.description, "tags": json.dumps(dict(t))})
@@ -113,8 +119,8 @@ def model_rows(tracking_uri: str | None) -> list[dict]:
 
 
 CATALOG = "catalog"  # <workdir>/catalog/: index.json (what was read, and its rows), one Parquet file per table
-CATALOG_VERSION = 1
-VIEWS = ("rejected", "kept", "tokens", "signatures")
+CATALOG_VERSION = 2  # 2: the image views and the models' kind and image_preprocess_sha256
+VIEWS = ("rejected", "kept", "tokens", "signatures", "images", "image_index")
 S, I = pa.string(), pa.int64()
 TABLES = {  # catalog table -> its columns
     "datasets": {"stage": S, "fingerprint": S, "sha256": S, "num_rows": I, "num_rejected": I, "created_at": S,
@@ -127,7 +133,7 @@ TABLES = {  # catalog table -> its columns
                     "tokenizer_sha256": S, "marker_sha256": S, "time": S},
     "models": {"name": S, "version": I, "aliases": S, "run_id": S, "package_sha256": S, "package_manifest": S,
                "tokenize_sha256": S, "checkpoint_dir": S, "checkpoint_marker_sha256": S, "val_bpb": pa.float64(),
-               "promotion": S, "created": I},
+               "promotion": S, "created": I, "kind": S, "image_preprocess_sha256": S},
 }
 _scratch: list = []  # temporary folders holding the tables of a work dir this process cannot write to
 
@@ -159,8 +165,9 @@ def _dataset_entry(workdir: Path, mp: Path, m: dict) -> dict:
         files["kept"] = listed("files")
     elif m["stage"] == "tokenize":
         files["tokens"] = listed("files")
-    elif m["stage"] == SIG_STAGE:
-        files["signatures"] = listed("files")
+    elif view := {SIG_STAGE: "signatures", "image_preprocess": "image_index",
+                  **dict.fromkeys(IMAGE_STAGES, "images")}.get(m["stage"]):
+        files[view] = listed("files")
     if m["stage"] == "dedup":
         files["signatures"] += [p for p in listed("extra") if p.endswith("/" + INDEX_FILE)]
     return {
@@ -364,11 +371,13 @@ def connect(workdir: str | Path, tracking_uri: str | None = None, with_models: b
             con.execute(f"CREATE VIEW models AS SELECT {cols} WHERE false")
         else:
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({_quote(path)})")
-    fallback = {"rejected": "doc_id, source_id, stage, reason, detail",
+    fallback = {"rejected": "doc_id, source_id, stage, reason, detail", "images": "image_id, source_id, source",
+                "image_index": "image_id, source_id, shard, member",
                 "kept": "doc_id, source_id", "signatures": "doc_id", "tokens": "doc_id, source_id, split, shard, token_start, token_end"}
     for view, paths in files.items():
         if paths:
-            con.execute(f"CREATE VIEW {view} AS SELECT * EXCLUDE (filename), "
+            drop = "filename, image" if view == "images" else "filename"  # an image row's bytes stay in its file
+            con.execute(f"CREATE VIEW {view} AS SELECT * EXCLUDE ({drop}), "
                         f"regexp_replace(filename, '(/shard-[0-9]+)?/[^/]*$', '') AS dataset_path "
                         f"FROM read_parquet([{', '.join(map(_quote, paths))}], union_by_name=true, filename=true)")
         else:  # an empty view with the shared columns, so queries still bind

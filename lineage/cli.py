@@ -1,8 +1,8 @@
 """Audit commands, answered from manifests and MLflow (nothing is recomputed). Every command takes `--json`.
 
     lifecycle lineage model NAME[/VERSION|@ALIAS]   model version -> checkpoint -> token shards -> ... -> raw files
-    lifecycle lineage doc ID                        a doc_id's or source_id's path through every stage, and the
-                                                    model versions that trained on it
+    lifecycle lineage doc ID                        a doc_id's, image_id's or source_id's path through every
+                                                    stage, and the model versions that trained on it
     lifecycle lineage forget SOURCE_ID...           every dataset, checkpoint and model version holding those
                                                     documents; writes a report under <workdir>/audit/, changes nothing
     lifecycle lineage step RUN STEP                 the documents a training step read (the sampler's windows,
@@ -238,15 +238,27 @@ def print_doc(r: dict) -> None:
         print(f"no document with doc_id or source_id {r['query']!r} in any dataset" + did_you_mean(r["near"]))
         return
     print(f"{r['query']}: doc_id {', '.join(r['doc_ids'])}  source_id {', '.join(r['source_ids'])}")
-    skip = {"doc_id", "source_id", "dataset_path", "stage", "dataset_sha256", "dataset_dir", "created_at", "outcome"}
+    _print_events(r, {"doc_id"}, 9, "held out (val)")
+
+
+def print_image(r: dict) -> None:
+    """`lineage doc` of an image (lineage/images.py `image_lineage`)."""
+    print(f"{r['query']}: image_id {', '.join(r['image_ids'])}  source_id {', '.join(r['source_ids'])}")
+    for f in r["raw_files"]:
+        print(f"  raw file {f['path']}  sha256 {f['sha256'][:16]}  {f['bytes']} B")
+    _print_events(r, {"image_id", "source"}, 16, "held out (clip_evaluate)")
+
+
+def _print_events(r: dict, skip: set[str], width: int, held: str) -> None:
+    skip = skip | {"source_id", "dataset_path", "stage", "dataset_sha256", "dataset_dir", "created_at", "outcome"}
     for e in r["events"]:
         rest = "  ".join(f"{k}={v}" for k, v in e.items() if k not in skip)
-        print(f"  {e['created_at']}  {e['stage']:<9} {e['outcome']:<9} {rest}  "
-              f"[datasets/{e['stage']}/{e['dataset_dir']}, sha256 {e['dataset_sha256'][:12]}]")
+        print(f"  {e['created_at']}  {e['stage']:<{width}} {e['outcome']:<{max(9, width - 4)}} {rest}  "
+              f"[datasets/{e['stage']}/{Path(e['dataset_path'] or '').name}, sha256 {e['dataset_sha256'][:12]}]")
     fmt = lambda ms: ", ".join(f"{m['name']}/{m['version']}" + (f" @{m['aliases']}" if m["aliases"] else "")
                                for m in ms) or "none"
     print(f"  trained on by model versions: {fmt(r['trained_by'])}")
-    print(f"  held out (val) for model versions: {fmt(r['evaluated_by'])}")
+    print(f"  {held} for model versions: {fmt(r['evaluated_by'])}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,11 +287,15 @@ def cmd_model(args) -> int:
 
 
 def cmd_doc(args) -> int:
+    from lifecycle.lineage.images import image_lineage
+
     try:
-        r = doc_lineage(cat.connect(_workdir(args), args.tracking_uri), args.id)
+        con = cat.connect(_workdir(args), args.tracking_uri)
+        r = image_lineage(con, args.id)  # an image's id (the image path), else a document's
+        r = r if r["events"] else doc_lineage(con, args.id)
     except (FileNotFoundError, PathEscape) as e:
         return _fail(args, e)
-    _emit(args, r, print_doc)
+    _emit(args, r, print_image if r.get("kind") == "image" else print_doc)
     return 0 if r["events"] else 3
 
 
@@ -357,8 +373,9 @@ def register(sub) -> None:
     _common(m)
     m.add_argument("--files", action="store_true", help="list every raw input file (default: their count)")
     m.set_defaults(func=cmd_model)
-    d = lsub.add_parser("doc", help="A document's path through every stage and the models that trained on it.")
-    d.add_argument("id", metavar="ID", help="a doc_id or source_id")
+    d = lsub.add_parser("doc", help="A document's or image's path through every stage and the models that trained "
+                                    "on it.")
+    d.add_argument("id", metavar="ID", help="a doc_id, image_id or source_id")
     _common(d)
     d.set_defaults(func=cmd_doc)
     st = lsub.add_parser("step", help="The documents one training step read (recomputed from the sampler), "
@@ -376,7 +393,7 @@ def register(sub) -> None:
     f.set_defaults(func=cmd_forget)
     s = sub.add_parser("sql", help="DuckDB over the catalog of manifests, stats and rows (see lineage/catalog.py).")
     s.add_argument("query", help="one SELECT statement (tables: datasets, parents, raw_inputs, drops, rejected, "
-                                 "kept, tokens, signatures, checkpoints, models)")
+                                 "kept, tokens, signatures, images, image_index, checkpoints, models)")
     s.add_argument("--max-rows", type=int, default=40, help="rows to print at most (default 40; --json prints all)")
     _common(s)
     s.set_defaults(func=cmd_sql)

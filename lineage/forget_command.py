@@ -33,14 +33,17 @@ def cmd_forget(args: argparse.Namespace, run_config, run) -> int:
         raise UsageError(f"--retrain reruns the lifecycle of {cfg.workdir} on its inputs: name its config (--config)")
     ucfg = UnlearnConfig(**unlearn_knobs(args.unlearn_set or []))
     check_workdir(cfg.workdir)
-    from lifecycle.lineage.forgetting import record_request, taint_versions
+    from lifecycle.lineage.forgetting import image_path, record_request, taint_versions
 
+    if args.unlearn and image_path(cfg):
+        raise UsageError("--unlearn is for the text path's language model; forget an image with --retrain (or "
+                         "record it now and rerun the lifecycle)")
     info = sys.stderr if args.json else sys.stdout
     print(f"forget: work dir {cfg.workdir} (from {args.workdir_from})", file=info)
     with workdir_lock(cfg.workdir, wait=args.wait, holder="lifecycle forget"):
         rows = record_request(cfg, args.ids, args.reason)
         tainted = taint_versions(cfg, rows)
-    print_recorded(cfg, rows, tainted, info)
+    print_recorded(cfg, rows, tainted, info, image_path(cfg))
     if args.retrain:
         # a rebuild of the whole corpus without the documents, not a run on new data: deduplicated within itself,
         # not against the dedup index and paragraph filter of earlier runs (they hold the forgotten document's
@@ -58,7 +61,8 @@ def cmd_forget(args: argparse.Namespace, run_config, run) -> int:
             return unlearned
         result = unlearned
     else:
-        print("recorded; the next `lifecycle run` rejects these documents at collect (reason `forgotten`)", file=info)
+        where = "images at image_collect" if image_path(cfg) else "documents at collect"
+        print(f"recorded; the next `lifecycle run` rejects these {where} (reason `forgotten`)", file=info)
     if args.json:
         print(json.dumps(result, default=str))
     return 0 if result["status"] != "refused" else 4
@@ -77,13 +81,17 @@ def unlearn_knobs(items: list[str]) -> dict:
     return knobs
 
 
-def print_recorded(cfg, rows: list[dict], tainted: list[str], info) -> None:
+def print_recorded(cfg, rows: list[dict], tainted: list[str], info, images: bool = False) -> None:
+    kind, ledger = ("image_id", "image_tombstones.parquet") if images else ("doc_id", "tombstones.parquet")
     for r in rows:
-        print(f"tombstone {r['tombstone_id']}: doc_id {r['doc_id']} source_id {r['source_id']} ({r['reason']}, "
-              f"{r['created_at']}) in {cfg.workdir}/tombstones.parquet", file=info)
+        print(f"tombstone {r['tombstone_id']}: {kind} {r['doc_id']} source_id {r['source_id']} ({r['reason']}, "
+              f"{r['created_at']}) in {cfg.workdir}/{ledger}", file=info)
     if tainted:
         print(f"model versions trained on them, tagged lifecycle.forget.tainted: {', '.join(tainted)} (a tainted "
               "champion gives way to the next version without them and is no warm start)", file=info)
+        if images:
+            print("they still hold the images: retrain (`--retrain`, or the next `lifecycle run`) to register a "
+                  "version without them", file=info)
 
 
 def unlearn(args: argparse.Namespace, cfg, ucfg, rows: list[dict], tainted: list[str], info) -> dict | int:

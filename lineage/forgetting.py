@@ -2,7 +2,9 @@
 
 1. `record_request`: the documents (by doc_id or source_id) are found in the work dir's collect datasets, hashed
    and signed, and written to the tombstone ledger (`tasks/data/collect/tombstones.py`). Every later collect
-   rejects them and their near copies as `forgotten`.
+   rejects them and their near copies as `forgotten`. On the image path (`image_collect.enabled`) the ids are
+   image_ids, found in image_collect's datasets, and the ledger is `tasks/data/images/tombstones.py`'s; only
+   retraining removes an image from a model (unlearning is the text path's).
 2. Then one of two routes:
    - retrain: the CLI reruns the lifecycle; collect's fingerprint holds the ledger's digest, so collect and every
      stage after it are recomputed and the new model's lineage (its collect dataset's config) names the tombstones.
@@ -28,12 +30,26 @@ from lifecycle.tasks.data.collect import tombstones as tb
 from lifecycle.tasks.eval import unlearn as ul
 
 
+def image_path(cfg) -> bool:
+    """Whether the request is for images: the config runs the image path, or (a work dir named without its
+    config) the work dir holds image_collect datasets and no text collect ones."""
+    d = Path(cfg.workdir) / "datasets"
+    return cfg.image_collect.enabled or ((d / "image_collect").is_dir() and not (d / "collect").is_dir())
+
+
 def record_request(cfg, ids: list[str], reason: str) -> list[dict]:
     """Tombstones for the documents `ids` (doc_ids or source_ids) in `cfg.workdir`'s ledger; returns the ledger
     rows of all of them (the ones recorded earlier too), without their signatures. Near copies are
     fingerprinted with the configured `dedup.method` (MinHash or SimHash, dedup's parameters)."""
     if not reason.strip():
         raise ValueError("--reason must say why the documents are forgotten (it is kept in the ledger)")
+    if image_path(cfg):  # the image path: its own ledger (tasks/data/images/tombstones.py)
+        from lifecycle.tasks.data.images import tombstones as itb
+
+        rows = itb.tombstone_rows(itb.find_images(cfg.workdir, ids), reason, cfg.image_dedup.k)
+        itb.add_tombstones(cfg.workdir, rows)
+        want = {r["tombstone_id"] for r in rows}
+        return [r for r in itb.read_ledger(cfg.workdir).to_pylist() if r["tombstone_id"] in want]
     docs = tb.find_documents(cfg.workdir, ids)
     rows = tb.tombstone_rows(docs, reason, tb.params_of(cfg.dedup))
     tb.add_tombstones(cfg.workdir, rows)
@@ -54,7 +70,13 @@ def taint_versions(cfg, tombstones: list[dict]) -> list[str]:
         return []
     con = cat.connect(cfg.workdir, tracker.uri)
     try:
-        versions = versions_trained_on(con, sorted({t["doc_id"] for t in tombstones}))
+        ids = sorted({t["doc_id"] for t in tombstones})
+        if image_path(cfg):
+            from lifecycle.lineage.images import versions_trained_on_images
+
+            versions = versions_trained_on_images(con, ids)
+        else:
+            versions = versions_trained_on(con, ids)
     finally:
         con.close()
     return Registry(tracker).taint(versions, sorted({t["tombstone_id"] for t in tombstones})) if versions else []

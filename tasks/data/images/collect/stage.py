@@ -4,7 +4,8 @@ and record its format, width, height, sha256, pixel hash and perceptual hash (`l
 Quarantined, each with a reason and never stopping its shard: corrupt (Pillow cannot identify or verify it),
 truncated (the full load breaks off), decompression_bomb (the header claims more than `max_pixels`), oversized
 (a side above `max_side`), oversized_bytes, no_image, no_caption, bad_text (a caption that is not UTF-8 or a
-key.json that is not JSON) and tar_damaged (an archive that breaks off: one row for the rest of the file).
+key.json that is not JSON), tar_damaged (an archive that breaks off: one row for the rest of the file) and
+forgotten (an exact or near copy of an image in the work dir's tombstone ledger, `images/tombstones.py`).
 Sharded over its input files, consecutive small files together (`shard_bytes`), like text collect.
 """
 
@@ -21,6 +22,7 @@ from lifecycle.core.dataset import DatasetRef, RawFile, StageStats, rejected_tab
 from lifecycle.core.shards import StageCode, StagePlan, group_files, heartbeat, plan_stage, run_plan
 from lifecycle.tasks.data.images.collect.readers import file_kind, read_parquet_pairs, read_tar
 from lifecycle.tasks.data.images.pixels import IMAGE_SCHEMA, Limits, Refused, decode, image_id, meta_json, phash, pixel_sha256
+from lifecycle.tasks.data.images.tombstones import REASON as FORGOTTEN, ImageForgetFilter
 
 NAME = "image_collect"
 
@@ -51,6 +53,13 @@ class ImageCollectConfig(BaseModel):
     """Kept pairs per output Parquet file (the image bytes are in the rows)."""
     shard_bytes: int = Field(64 << 20, gt=0)
     """Consecutive input files are one shard up to this many raw bytes; a larger file is a shard of its own."""
+
+
+class ImageCollectRun(ImageCollectConfig):
+    """The config a run collects with: the user's, plus the work dir's tombstones (never set in YAML)."""
+
+    forgotten: ImageForgetFilter | None = None
+    """The image tombstone ledger's rows (`plan_image_collect` reads them); part of the fingerprint."""
 
 
 def resolve_image_inputs(patterns: list[str]) -> list[RawFile]:
@@ -88,6 +97,7 @@ def collect_shard(cfg: ImageCollectConfig, paths: list[str], writer) -> StageSta
     """Every record of the shard's files: kept rows in parts of `rows_per_part`, rejected rows beside."""
     stats, kept, rejected = StageStats(), [], []
     limits = Limits(cfg.max_bytes, cfg.max_pixels, cfg.max_side)
+    forgotten = getattr(cfg, "forgotten", None)
     for path in paths:
         for item in _records(path, cfg):
             stats.rows_in += 1
@@ -106,6 +116,11 @@ def collect_shard(cfg: ImageCollectConfig, paths: list[str], writer) -> StageSta
                                  "source_id": rec["source_id"], "reason": e.reason, "detail": str(e)})
                 stats.rejected[e.reason] += 1
                 continue
+            if forgotten is not None and (detail := forgotten.match(row)):
+                rejected.append({"doc_id": row["image_id"], "source_id": row["source_id"], "reason": FORGOTTEN,
+                                 "detail": detail})
+                stats.rejected[FORGOTTEN] += 1
+                continue
             kept.append(row)
             stats.rows_kept += 1
             stats.bytes_out += len(row["image"])
@@ -123,6 +138,8 @@ def collect_shard(cfg: ImageCollectConfig, paths: list[str], writer) -> StageSta
 def plan_image_collect(cfg: ImageCollectConfig, workdir: str, inputs: list[RawFile] | None = None
                        ) -> StagePlan | DatasetRef:
     inputs = resolve_image_inputs(cfg.inputs) if inputs is None else inputs
+    if (forgotten := ImageForgetFilter.from_workdir(workdir)) is not None:
+        cfg = ImageCollectRun(**cfg.model_dump(), forgotten=forgotten)
     shards = group_files([(r.path, r.bytes) for r in inputs], cfg.shard_bytes)
     return plan_stage(workdir, NAME, cfg, code_version(__package__), collect_shard, shards, inputs=inputs)
 
