@@ -28,6 +28,7 @@ from lifecycle.core.paths import PathEscape
 from lifecycle.core.suggest import did_you_mean, near_ids
 from lifecycle.lineage import catalog as cat
 from lifecycle.lineage.forget_report import forget_report, print_forget, raw_summary
+from lifecycle.lineage.images import add_images, image_lineage, print_images
 from lifecycle.lineage.tracking import open_server
 from lifecycle.tasks.stages import NAMES
 
@@ -287,8 +288,6 @@ def cmd_model(args) -> int:
 
 
 def cmd_doc(args) -> int:
-    from lifecycle.lineage.images import image_lineage
-
     try:
         con = cat.connect(_workdir(args), args.tracking_uri)
         r = image_lineage(con, args.id)  # an image's id (the image path), else a document's
@@ -316,7 +315,8 @@ def cmd_step(args) -> int:
 def cmd_forget(args) -> int:
     try:
         wd = _workdir(args)
-        r = forget_report(cat.connect(wd, args.tracking_uri), args.source_ids, wd)
+        con = cat.connect(wd, args.tracking_uri)
+        r = add_images(con, forget_report(con, args.source_ids, wd))  # an image id: its lineage and models too
         out = wd / "audit" / f"forget-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
         cat.inside(wd, out.parent, "report directory").mkdir(parents=True, exist_ok=True)
         out = cat.inside(wd, out, "report")  # `audit` may exist already: a symlink out of the work dir is refused
@@ -324,7 +324,7 @@ def cmd_forget(args) -> int:
         return _fail(args, e)
     out.write_text(json.dumps(r, indent=2, default=str))
     r["report"] = str(out)
-    return _emit(args, r, lambda x: print_forget(x, out, args.files))
+    return _emit(args, r, lambda x: (print_forget(x, out, args.files), print_images(x)))
 
 
 SQL_STATEMENTS = ("SELECT", "EXPLAIN")  # DESCRIBE, SHOW, SUMMARIZE and WITH ... SELECT are SELECT statements

@@ -85,3 +85,26 @@ def versions_trained_on_images(con, ids: list[str]) -> list[dict]:
     """{name, version} of every registered version that trained on one of these images (for `Registry.taint`)."""
     found = {(m["name"], m["version"]) for i in ids for m in image_lineage(con, i)["trained_by"]}
     return [{"name": n, "version": v} for n, v in sorted(found)]
+
+
+def add_images(con, report: dict) -> dict:
+    """A `lineage forget` report (lineage/forget_report.py) with the images among the requested ids: each one's
+    lineage (`images`), and the versions that trained on it added to `model_versions`."""
+    images = [x for x in (image_lineage(con, i) for i in report["requested_source_ids"]) if x["events"]]
+    if images:
+        report["images"] = images
+        report["not_found"] = [i for i in report["not_found"] if i not in {x["query"] for x in images}]
+        have = {(m["name"], m["version"]) for m in report["model_versions"]}
+        for m in (m for x in images for m in x["trained_by"]):
+            if (m["name"], m["version"]) not in have:
+                have.add((m["name"], m["version"]))
+                report["model_versions"].append(m)
+    return report
+
+
+def print_images(report: dict) -> None:
+    for x in report.get("images", []):
+        last = x["events"][-1]
+        where = f"{last['stage']} {last['outcome']}" + (f" ({last['reason']})" if last.get("reason") else "")
+        print(f"  image       {', '.join(x['image_ids'])}  from {', '.join(f['path'] for f in x['raw_files'])}; "
+              f"last: {where}; `lifecycle lineage doc {x['query']}` for every stage")

@@ -53,6 +53,9 @@ def test_a_trained_image_is_followed_from_its_raw_file_to_the_model(clip_demo):
     assert events[-1]["shard"] == row["shard"] and events[0]["source"] == raw["path"]
     assert {"name": version["name"], "version": int(version["version"])}.items() <= r["trained_by"][0].items()
     assert r["evaluated_by"] == []
+    report = last_json(lifecycle("lineage", "forget", row["image_id"], "--workdir", wd, "--json").stdout)
+    assert report["not_found"] == [] and report["images"][0]["image_ids"] == [row["image_id"]]
+    assert [m["version"] for m in report["model_versions"]] == [int(version["version"])]
 
 
 def test_a_held_out_image_is_named_as_evaluated_not_trained_on(clip_demo):
