@@ -27,10 +27,13 @@ def trainer_refusal(m: ModelConfig, tp: int, pp: int, sp: int, zero: int, recomp
     from lifecycle.tasks.train.parallel import rules
 
     ac = {"none": False, "full": True, "selective": "selective"}[recompute]
+    model = m.model_dump()
+    experts = model.pop("moe", None) or {}  # a training config sets its experts in train.moe (MoEConfig)
     try:
         cfg = TrainConfig.model_validate({
-            "model": m.model_dump(), "batch": {"num_ranks": tp * pp * sp}, "parallel": {"tp": tp, "pp": pp, "sp": sp},
-            "engine": {"zero_stage": zero, "activation_checkpointing": ac}, "optimizer": {"name": optimizer}})
+            "model": model, "batch": {"num_ranks": tp * pp * sp}, "parallel": {"tp": tp, "pp": pp, "sp": sp},
+            "engine": {"zero_stage": zero, "activation_checkpointing": ac}, "moe": experts,
+            "optimizer": {"name": optimizer}})
     except ValueError as e:
         return str(e)
     return rules.refusal(cfg)

@@ -5,8 +5,6 @@ Fast: what composes and what is refused, at config build. Launched (CPU ranks, g
 consolidated weights against the single-rank run's. Slow: tp2×pp2 under ZeRO-0, and exact resume after SIGKILL.
 """
 
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,8 @@ def test_tp_pp_dp_composes_and_describes_itself():
 @pytest.mark.parametrize("over, message", [
     ({"parallel": {"tp": 2, "pp": 2}, "engine": {"zero_stage": 2}}, "DeepSpeed's pipeline engine runs ZeRO-0 and"),
     ({"parallel": {"tp": 2, "sp": 2}, "engine": {"zero_stage": 1}}, "Ulysses sequence parallelism inside a tp"),
-    ({"parallel": {"tp": 2, "pp": 2}, "engine": {"zero_stage": 1}, "moe": {"num_experts": 2}}, "MoE experts"),
+    ({"parallel": {"tp": 2, "pp": 2}, "engine": {"zero_stage": 1}, "moe": {"num_experts": 2}},
+     "MoE experts are not tp-sharded"),  # MoE with pp alone composes (tests/train/test_parallel_moe_pp.py)
 ])
 def test_what_does_not_compose_with_tp_x_pp_is_refused_with_the_reason(over, message):
     data = {"batch": {"num_ranks": 4}, "model": {"n_head": 4, "dropout": 0.0}, **over}
@@ -89,12 +88,18 @@ def test_tp2_pp2_trains_the_single_rank_loss_curve_and_exports_the_dense_weights
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
 
 
-@pytest.mark.slow  # one launch of 8 ranks (about a minute alone, several beside other tests)
-def test_tp2_pp2_dp2_on_eight_ranks_trains_the_single_rank_loss_curve(runs, tokens, tmp_path):
-    """The full 3D grid: tp inside, dp between, pp outermost (Megatron's order), ZeRO-1 over each dp group."""
+@pytest.fixture(scope="module")
+def eight(tokens, tmp_path_factory):
+    """tp2×pp2×dp2 on 8 ranks, 20 steps (slow tests only: about a minute alone, several beside other tests)."""
     from lifecycle.tasks.train.launch import run_train
 
-    r = run_train(tokens, tp_pp_config(ranks=8), str(tmp_path))
+    return run_train(tokens, tp_pp_config(ranks=8), str(tmp_path_factory.mktemp("tp2pp2dp2")))
+
+
+@pytest.mark.slow  # one launch of 8 ranks
+def test_tp2_pp2_dp2_on_eight_ranks_trains_the_single_rank_loss_curve(runs, eight):
+    """The full 3D grid: tp inside, dp between, pp outermost (Megatron's order), ZeRO-1 over each dp group."""
+    r = eight
     rel = _max_rel(_curve(r), _curve(runs["dense"]))
     print(f"tp2 x pp2 x dp2 (8 ranks) vs single rank, 20 steps: max relative loss difference {rel:.3g}")
     assert len(_curve(r)) == 20 and rel < 1e-5
@@ -114,52 +119,21 @@ def test_tp2_pp2_under_zero0_with_selective_recomputation_matches_the_single_ran
     assert rel < 1e-5
 
 
-CHILD = r"""
-import sys, json
-sys.path.insert(0, {root!r})
-from tests.train.test_parallel_3d import tp_pp_config
-from tests.train.test_train import make_tokens
-from lifecycle.tasks.train.launch import run_train
-r = run_train(make_tokens({tokdir!r}, 600), tp_pp_config(**{{"checkpoint.async_save": False}}), {workdir!r})
-print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "resumed_from": r.resumed_from}}))
-"""
-
-
 @pytest.mark.slow  # two launches of 4 ranks
 def test_tp2_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
     """SIGKILL the supervisor and all four ranks after the step-10 commit, rerun: the resumed curve and final
-    weights are the uninterrupted tp2×pp2 run's, bit for bit."""
-    import subprocess
-    import sys
-    import time
+    weights are the uninterrupted tp2×pp2 run's, bit for bit (tests/train/sigkill.py)."""
+    from tests.train.sigkill import resumes_exactly
 
-    from lifecycle.core import fs
-    from lifecycle.tasks.train import commit as ckpt
-    from tests.faults import ROOT, kill_all, records
+    resumes_exactly(tmp_path, "tests.train.test_parallel_3d:tp_pp_config", {}, runs["tp2pp2"])
 
-    tokdir, workdir = tmp_path / "tok", tmp_path / "w"
-    code = CHILD.format(root=str(ROOT), tokdir=str(tokdir), workdir=str(workdir))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env)
-    deadline = time.monotonic() + 1200
 
-    def committed() -> list[int]:
-        return [s for run in (workdir / "train").glob("*") for s, _ in ckpt.list_committed(run / "checkpoints")]
+@pytest.mark.slow  # two more launches of 8 ranks
+def test_tp2_pp2_dp2_resumes_exactly_after_a_sigkill(eight, tmp_path):
+    """The 8-rank grid killed after its step-10 commit and rerun: every loss and the final weights bitwise."""
+    from tests.train.sigkill import resumes_exactly
 
-    while 10 not in committed():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the step-10 commit"
-        time.sleep(0.05)
-    kill_all(proc)
-    assert max(r["step"] for r in records(str(workdir), "train")) < 20
-    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200)
-    assert again.returncode == 0, again.stderr[-3000:]
-    out = json.loads(again.stdout.strip().splitlines()[-1])
-    assert out["resumed_from"] == 10
-    ref = [(r["step"], r["loss"]) for r in _records(runs["tp2pp2"].metrics_path, "train")]
-    assert [(r["step"], r["loss"]) for r in _records(out["metrics"], "train")] == ref
-    assert fs.sha256_file(Path(out["checkpoint"]) / "model.safetensors") == \
-        fs.sha256_file(Path(runs["tp2pp2"].checkpoint_dir) / "model.safetensors")
+    resumes_exactly(tmp_path, "tests.train.test_parallel_3d:tp_pp_config", {"ranks": 8}, eight)
 
 
 def _continues(resumed, ref, steps=range(11, 21)) -> float:

@@ -254,56 +254,13 @@ def test_pp2_trains_the_single_rank_loss_curve_and_exports_the_same_model(runs, 
     assert max((hf[0][k] - hf[1][k]).abs().max().item() for k in hf[0]) < 1e-4
 
 
-CHILD = r"""
-import sys, json
-sys.path.insert(0, {root!r})
-from tests.train.test_parallel_pp import pp_config
-from tests.train.test_train import make_tokens
-from lifecycle.tasks.data.tokenize.stage import token_shards
-from lifecycle.tasks.train.launch import run_train
-r = run_train(make_tokens({tokdir!r}, 600), pp_config(**{{"checkpoint.async_save": False}}), {workdir!r})
-print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "resumed_from": r.resumed_from}}))
-"""
-
-
 @pytest.mark.slow  # two launches of 2 ranks
 def test_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
     """SIGKILL the supervisor and both stages after the step-10 commit, rerun: the resumed run's loss curve and
-    final weights are the uninterrupted pp=2 run's, bit for bit. The killed run saves synchronously (the same
-    files and numerics): at ~0.1 s a step the async commit of step 10 can land after step 20, leaving no window."""
-    import subprocess
-    import sys
-    import time
+    final weights are the uninterrupted pp=2 run's, bit for bit (tests/train/sigkill.py)."""
+    from tests.train.sigkill import resumes_exactly
 
-    from lifecycle.core import fs
-    from lifecycle.tasks.train import commit as ckpt
-    from tests.faults import ROOT, kill_all, records
-
-    tokdir, workdir = tmp_path / "tok", tmp_path / "w"
-    code = CHILD.format(root=str(ROOT), tokdir=str(tokdir), workdir=str(workdir))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env)
-    deadline = time.monotonic() + 1200
-
-    def committed() -> list[int]:
-        return [s for run in (workdir / "train").glob("*") for s, _ in ckpt.list_committed(run / "checkpoints")]
-
-    while 10 not in committed():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the step-10 commit"
-        time.sleep(0.05)
-    kill_all(proc)
-    killed_at = max(r["step"] for r in records(str(workdir), "train"))
-    assert killed_at < 20
-    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200)
-    assert again.returncode == 0, again.stderr[-3000:]
-    out = json.loads(again.stdout.strip().splitlines()[-1])
-    assert out["resumed_from"] == 10
-    ref = [(r["step"], r["loss"]) for r in _records(runs["pp"].metrics_path, "train")]
-    got = [(r["step"], r["loss"]) for r in _records(out["metrics"], "train")]
-    assert got == ref
-    assert fs.sha256_file(Path(out["checkpoint"]) / "model.safetensors") == \
-        fs.sha256_file(Path(runs["pp"].checkpoint_dir) / "model.safetensors")
+    resumes_exactly(tmp_path, "tests.train.test_parallel_pp:pp_config", {}, runs["pp"])
 
 
 @pytest.mark.slow  # two launches

@@ -138,6 +138,12 @@ TP_CFG = with_(CFG, max_steps=20, **{
     "engine.zero_stage": 1, "checkpoint.every": 10, "checkpoint.keep_last": 3, "logging.every": 1,
     "logging.eval_every": 0, "launch.timeout_s": 900})
 LOSS_RTOL = 1e-5
+TP_SEQ = {"parallel.tp": 2, "parallel.tp_sequence_parallel": True}
+
+
+def tp_config(**changes):
+    """TP_CFG with `changes` (dotted keys): what tests/train/sigkill.py's child process trains."""
+    return with_(TP_CFG, **changes)
 
 
 def _losses(result) -> list[float]:
@@ -193,7 +199,7 @@ def test_tp2_with_megatron_sequence_parallelism_trains_the_single_rank_loss_curv
     from lifecycle.tasks.train.launch import run_train
 
     dense, tp2 = tp_and_dense_runs
-    r = run_train(tokens, with_(TP_CFG, **{"parallel.tp": 2, "parallel.tp_sequence_parallel": True}), str(tmp_path))
+    r = run_train(tokens, tp_config(**TP_SEQ), str(tmp_path))
     a, b = _losses(dense), _losses(r)
     rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
     print(json.dumps({"tp2_sequence_parallel_vs_single_rank_max_rel_loss_diff": rel, "steps": len(b)}))
@@ -305,6 +311,17 @@ def test_tp2_resumes_exactly_after_a_sigkill(tmp_path):
     got = result(tmp_path / "run")
     assert got["losses"] == want["losses"]
     assert got["weights"] == want["weights"]
+
+
+@pytest.mark.slow  # three 20-step launches on 2 ranks
+def test_tp2_with_sequence_parallelism_resumes_exactly_after_a_sigkill(tokens, tmp_path):
+    """tp=2 with Megatron's sequence parallelism (ZeRO-1): SIGKILL the supervisor and both ranks after the step-10
+    commit, rerun: every loss and the final consolidated weights are the uninterrupted run's, bit for bit."""
+    from lifecycle.tasks.train.launch import run_train
+    from tests.train.sigkill import resumes_exactly
+
+    ref = run_train(tokens, tp_config(**TP_SEQ), str(tmp_path / "ref"))
+    resumes_exactly(tmp_path, "tests.train.test_parallel_tp:tp_config", TP_SEQ, ref, docs=1500)
 
 
 def _dense_continue_worker(rank: int, port: int, launch_path: str, universal_root: str, tag: str, out: str) -> None:

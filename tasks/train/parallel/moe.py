@@ -26,6 +26,15 @@ Load-balancing loss (`l_aux`, DeepSpeed's): top-1: E·Σ_e mean_s(p_e)·frac_e; 
 the first choices only (GShard); top-k ≥ 3: E·Σ_e mean_s(p_e)·frac_e / k over all k choices. The trainer adds
 `aux_loss_weight` × (sum over MoE layers) to the LM loss; the logged `loss` stays the LM loss.
 
+Under pipeline stages (`train.parallel.pp`) a stage passes one activation on and only the last stage has a loss,
+so each MoE layer carries its own balancing loss into backward instead (`AuxLossCarrier`, Megatron-LM's
+MoEAuxLossAutoScaler): the layer's output goes through an autograd function that returns it unchanged and, in
+backward, hands the balancing loss the gradient aux_loss_weight / grad_accum, the factor DeepSpeed's
+engine.backward applies to the LM loss of each micro-batch. The gradients are those of Σ_m (LM_m + w·aux_m) /
+grad_accum, the single-rank step's, without passing anything between stages. The expert groups are then
+built per stage (`ep_group`: DeepSpeed's `_create_expert_and_data_parallel` with pp_size), inside the stage's
+data-parallel group.
+
 In evaluation mode (in-training validation) the capacity factor is num_experts/top_k: capacity = tokens, so no
 token is dropped and the numbers equal `MoEMLP`'s (the evaluate stage's).
 
@@ -85,6 +94,23 @@ class MoEMLP(nn.Module):
         return out.to(x.dtype).view(shape)
 
 
+class AuxLossCarrier(torch.autograd.Function):
+    """Identity on a layer's output whose backward also gives the layer's balancing loss the gradient `scale`
+    (aux_loss_weight / grad_accum): the loss reaches backward through the activation's own graph (Megatron-LM's
+    MoEAuxLossAutoScaler, megatron/core/transformer/moe/moe_utils.py)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, l_aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(l_aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (l_aux,) = ctx.saved_tensors
+        return grad_out, torch.full_like(l_aux, ctx.scale), None
+
+
 def _ds_moe_class():
     from deepspeed.moe.layer import MoE
 
@@ -101,6 +127,8 @@ def _ds_moe_class():
                              drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=False)
             self.arch = arch
             self.l_aux: torch.Tensor | None = None
+            self.aux_scale: float | None = None  # set under pipeline stages: the loss is carried (AuxLossCarrier)
+            self.aux_carried = torch.zeros((), dtype=torch.float64)  # sum of the carried losses since the last read
             zeros = torch.zeros(arch.num_experts, dtype=torch.int64)
             self.routed, self.kept = zeros.clone(), zeros.clone()
             self.deepspeed_moe.gate.register_forward_hook(self._count)
@@ -117,20 +145,33 @@ def _ds_moe_class():
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
             out, self.l_aux, _ = super().forward(hidden_states)
+            if self.aux_scale is not None and self.training and torch.is_grad_enabled():
+                self.aux_carried = self.aux_carried.to(self.l_aux.device) + self.l_aux.detach().double()
+                out = AuxLossCarrier.apply(out, self.l_aux, self.aux_scale)
             return out
 
     return DSMoE
 
 
-def ep_group(ep: int):
+def ep_group(ep: int, pp: int = 1):
     """(process group, its ranks) of this rank's expert-parallel group, created (collectively, every rank) the way
-    DeepSpeed's engine would: consecutive ranks, [0..ep), [ep..2ep), ...; the expert-data-parallel groups with it."""
+    DeepSpeed's engine would: consecutive ranks, [0..ep), [ep..2ep), ...; the expert-data-parallel groups with it.
+    Under pp stages (ranks pp-major, lifecycle.tasks.train.parallel.mesh) DeepSpeed builds both per stage
+    (pp_size); checked here against the grid: each lies in this rank's data-parallel group."""
     from deepspeed.utils import groups
 
     name = f"ep_size_{ep}"
     if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep)
-    return groups._get_expert_parallel_group(name), list(groups._get_expert_parallel_group_ranks(name))
+        groups._create_expert_and_data_parallel(ep, pp_size=pp)
+    ranks = list(groups._get_expert_parallel_group_ranks(name))
+    data = list(groups._get_expert_data_parallel_group_ranks(name))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    stage = list(range(rank - rank % (world // pp), rank - rank % (world // pp) + world // pp))  # dp group (tp = 1)
+    i = stage.index(rank)
+    if ranks != stage[i - i % ep:i - i % ep + ep] or data != stage[i % ep::ep]:
+        raise RuntimeError(f"DeepSpeed's expert groups of rank {rank} ({ranks}, expert-data {data}) are not the "
+                           f"expert-parallel slices of its data-parallel group {stage}")
+    return groups._get_expert_parallel_group(name), ranks
 
 
 def install(model: nn.Module, cfg: TrainConfig) -> list[nn.Module]:
@@ -139,7 +180,7 @@ def install(model: nn.Module, cfg: TrainConfig) -> list[nn.Module]:
     returns the DSMoE layers in block order. Collective (creates the expert groups)."""
     DSMoE = _ds_moe_class()
     ep = cfg.moe.ep
-    group, ranks = ep_group(ep)
+    group, ranks = ep_group(ep, cfg.parallel.pp)
     ep_rank = ranks.index(dist.get_rank())
     layers = []
     for name, parent in list(model.named_modules()):
@@ -152,6 +193,8 @@ def install(model: nn.Module, cfg: TrainConfig) -> list[nn.Module]:
                 layer.deepspeed_moe.gate.wg.weight.copy_(child.gate.weight)
                 for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
                     expert.load_state_dict(child.experts[ep_rank * L + i].state_dict())
+            if cfg.parallel.pp > 1:  # the balancing loss rides the activation (AuxLossCarrier)
+                layer.aux_scale = cfg.moe.aux_loss_weight / cfg.batch.grad_accum
             layer.to(child.gate.weight.device)
             setattr(parent, child_name, layer)
             layers.append(layer)
@@ -177,6 +220,15 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
     return sum(layer.l_aux for layer in layers)
 
 
+def take_carried_aux(model: nn.Module) -> float:
+    """Sum of the balancing losses the layers carried (pipeline stages) since the last call, on this rank; resets."""
+    total = 0.0
+    for layer in model.moe_layers:
+        total += float(layer.aux_carried)
+        layer.aux_carried = torch.zeros((), dtype=torch.float64)
+    return total
+
+
 def take_counts(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(routed, kept) per expert (int64, E) summed over the MoE layers since the last call, on this rank; resets."""
     layers = model.moe_layers
@@ -188,9 +240,10 @@ def take_counts(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return routed.clone(), kept.clone()
 
 
-def step_record(model: nn.Module, aux_sum: float, micro_batches: int, device: torch.device) -> dict:
+def step_record(model: nn.Module, aux_sum: float, micro_batches: int, dp: int, device: torch.device) -> dict:
     """Collective: the MoE part of a train record for the routes since the last call, over all ranks: the
-    load-balancing loss (mean over ranks and micro-batches, summed over layers), routes and dropped routes per
+    load-balancing loss (summed over layers, mean over micro-batches and the `dp` data-parallel replicas: the
+    sum over all ranks adds each pipeline stage's layers once per replica), routes and dropped routes per
     expert (summed over layers, ranks and micro-batches; dropped = routed - kept within capacity)."""
     routed, kept = take_counts(model)
     t = torch.cat([routed, kept]).to(torch.float64)
@@ -199,7 +252,7 @@ def step_record(model: nn.Module, aux_sum: float, micro_batches: int, device: to
     E = routed.numel()
     routed_all, kept_all = t[:E].long().tolist(), t[E:2 * E].long().tolist()
     dropped = [r - k for r, k in zip(routed_all, kept_all)]
-    return {"moe_aux_loss": t[-1].item() / dist.get_world_size(), "moe_routed_per_expert": routed_all,
+    return {"moe_aux_loss": t[-1].item() / dp, "moe_routed_per_expert": routed_all,
             "moe_dropped_per_expert": dropped, "moe_dropped": sum(dropped),
             "moe_drop_frac": sum(dropped) / max(1, sum(routed_all))}
 
@@ -207,14 +260,23 @@ def step_record(model: nn.Module, aux_sum: float, micro_batches: int, device: to
 def consolidated_state(module: nn.Module, copy: bool = True) -> dict[str, torch.Tensor] | None:
     """Collective over every rank: the dense-layout fp32 weights (`MoEMLP` names, all experts) on global rank 0,
     None elsewhere. Each expert-parallel group all-gathers its experts (rank 0's group is the one kept)."""
-    layers = getattr(module, "moe_layers", None)
-    if not layers:
+    if not getattr(module, "moe_layers", None):
         return module.export_state(copy=copy) if dist.get_rank() == 0 else None
+    gathered = gather_experts(module)
+    if dist.get_rank() != 0:
+        return None
+    return dense_layout(module.export_state(copy=copy), gathered)
+
+
+def gather_experts(module: nn.Module, rename=lambda name: name) -> dict[str, torch.Tensor]:
+    """Collective over each expert-parallel group: {`MoEMLP` name: fp32 CPU tensor} of every expert of `module`'s
+    MoE layers, global expert ids; `rename` maps a layer's module name to its name in the dense GPT."""
+    layers = module.moe_layers
     names = {id(layer): name for name, layer in module.named_modules() if any(layer is m for m in layers)}
     gathered: dict[str, torch.Tensor] = {}
     group, ranks = module.ep_process_group, module.ep_ranks
     for layer in layers:
-        prefix, L = names[id(layer)], layer.num_local_experts
+        prefix, L = rename(names[id(layer)]), layer.num_local_experts
         for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
             for pname, p in expert.named_parameters():
                 t = p.detach().float().contiguous()
@@ -225,11 +287,15 @@ def consolidated_state(module: nn.Module, copy: bool = True) -> dict[str, torch.
                     parts = [t]
                 for r, part in enumerate(parts):
                     gathered[f"{prefix}.experts.{r * L + i}.{pname}"] = part.cpu()
-    if dist.get_rank() != 0:
-        return None
-    state = {}
-    for name, t in module.export_state(copy=copy).items():
+    return gathered
+
+
+def dense_layout(state: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (DSMoE names, this rank's experts) in `MoEMLP` names: the local experts replaced by `gathered`
+    (all of them) and the router renamed."""
+    out = {}
+    for name, t in state.items():
         if ".deepspeed_moe.experts.deepspeed_experts." in name:
             continue
-        state[name.replace(".deepspeed_moe.gate.wg.", ".gate.")] = t
-    return state | gathered
+        out[name.replace(".deepspeed_moe.gate.wg.", ".gate.")] = t
+    return out | gathered

@@ -58,7 +58,9 @@ class Parallelism:
 
             model = shard_model(model, TPGroup.of(self.mesh), cfg.parallel.tp_sequence_parallel)
         if self.moe:  # expert-parallel groups made here
-            moe.install(model, cfg)
+            for layer in moe.install(model, cfg):
+                for p in layer.parameters() if self.pp else ():  # a stage's own: in ZeRO-0's norm (pp.pipeline_module)
+                    p.model_parallel = True
         return model
 
     def param_groups(self, groups: list[dict]) -> list[dict]:
@@ -69,8 +71,9 @@ class Parallelism:
 
     def begin_step(self, engine) -> None:
         self.aux_sum = 0.0
-        if self.moe:  # the route counts of this step only
+        if self.moe:  # the route counts and carried balancing losses of this step only
             moe.take_counts(engine.module)
+            moe.take_carried_aux(engine.module)
 
     def forward_backward(self, engine, batch: Callable[[int], Batch], poison: bool = False) -> DeviceValue:
         """The step's grad_accum micro-batches (`batch(m)`) through the engine, which steps the optimizer on the
@@ -81,6 +84,8 @@ class Parallelism:
             from lifecycle.tasks.train.parallel import pp
 
             loss = pp.forward_backward(engine, [batch(m) for m in range(accum)], poison=poison)
+            if self.moe:  # each stage's layers carried their balancing losses into backward (moe.AuxLossCarrier)
+                self.aux_sum = moe.take_carried_aux(engine.module)
             return DeviceValue(torch.tensor(loss, dtype=torch.float64))
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro in range(accum):
@@ -103,7 +108,7 @@ class Parallelism:
         """What the layout adds to a train record (MoE: auxiliary loss, routing and drops; collective)."""
         if not self.moe:
             return {}
-        return moe.step_record(engine.module, self.aux_sum, self.cfg.batch.grad_accum, self.device)
+        return moe.step_record(engine.module, self.aux_sum, self.cfg.batch.grad_accum, self.cfg.dp, self.device)
 
     @torch.no_grad()
     def eval_losses(self, engine, batches) -> list[float]:

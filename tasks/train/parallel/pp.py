@@ -233,6 +233,11 @@ class GPTPipe(PipelineModule):
                 out[local] = layer_prefix(self.cfg, int(head)) + rest
         return out
 
+    def dense_module_name(self, local: str) -> str:
+        """GPT's name of one of this stage's modules (`2.mlp` -> `blocks.0.mlp`)."""
+        head, _, rest = local.partition(".")
+        return layer_prefix(self.cfg, int(head)) + rest
+
     def load_dense(self, state: dict[str, torch.Tensor]) -> None:
         """Copy GPT-named weights into this stage's layers (a tied copy takes `wte.weight` too)."""
         with torch.no_grad():
@@ -268,6 +273,10 @@ class GPTPipe(PipelineModule):
             from lifecycle.tasks.train.parallel.tp import gather_dense
 
             state = gather_dense(self.cfg, state, self.tp)
+        if getattr(self, "moe_layers", None):  # experts gathered over the stage's expert-parallel group
+            from lifecycle.tasks.train.parallel.moe import dense_layout, gather_experts
+
+            state = dense_layout(state, gather_experts(self, self.dense_module_name))
         state = {k: t.cpu() for k, t in state.items()}
         return {k: t.clone() for k, t in state.items()} if copy else state
 

@@ -160,6 +160,9 @@ def to_dense(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
         raise ValueError(f"{src_tag}: {why}")
     src_tag, dst_tag = Path(src_tag), Path(dst_tag)
     cfg = ModelConfig.model_validate_json((src_tag / ckpt.MODEL_CONFIG).read_text())
+    if cfg.moe is not None:  # DeepSpeed saves a stage with MoE layers as one module file plus a file per expert
+        raise ValueError(f"{src_tag}: a pipeline run with experts (DeepSpeed's MoE checkpoint layout, no "
+                         "per-layer files) is not converted; resume it under the same pp, tp and ep")
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
     stages = [_load(src_tag / f"mp_rank_{m:02d}_model_states.pt") for m in range(src["pp"] * src.get("tp", 1))]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 def check(cfg) -> None:
-    """What mixture of experts composes with (lifecycle.tasks.train.parallel.moe); refused with the reason."""
+    """What mixture of experts composes with (lifecycle.tasks.train.parallel.moe); refused with the reason. Pipeline
+    stages compose (ZeRO 0/1, the pipeline engine's): each stage's layers carry their balancing loss into backward
+    (moe.AuxLossCarrier) and the expert groups lie inside each stage's data-parallel group."""
     moe, pre = cfg.moe, "train.moe"
     if cfg.model.moe is not None:
         raise ValueError("train.model.moe is filled from train.moe by the trainer: set train.moe instead")
@@ -19,13 +21,6 @@ def check(cfg) -> None:
     if moe.every > cfg.model.n_layer:
         raise ValueError(f"{pre}.every ({moe.every}) exceeds train.model.n_layer ({cfg.model.n_layer}): "
                          "no block would get an MoE MLP")
-    if cfg.parallel.pp > 1:
-        raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.parallel.pp={cfg.parallel.pp}: DeepSpeed's "
-                         "MoE layer returns (output, load-balancing loss, expert counts) "
-                         "(deepspeed/moe/layer.py, MoE.forward) and its pipeline engine passes one activation "
-                         "between stages and takes the loss from the last stage only "
-                         "(deepspeed/runtime/pipe/engine.py, PipelineEngine._exec_forward_pass), so the earlier "
-                         "stages' balancing losses would be dropped; not built: use experts over dp")
     if cfg.parallel.tp > 1 or cfg.parallel.sp > 1:
         raise ValueError(f"{pre}.num_experts={moe.num_experts} with train.parallel tp={cfg.parallel.tp}, "
                          f"sp={cfg.parallel.sp}: DeepSpeed's expert tensor parallelism "

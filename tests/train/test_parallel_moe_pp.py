@@ -1,0 +1,123 @@
+"""Mixture of experts with pipeline stages (lifecycle.tasks.train.parallel.moe under parallel.pp).
+
+Fast: the layout composes (and the planner keeps it), what stays refused, and the balancing loss carried into
+backward (moe.AuxLossCarrier) as gradient. Slow, launched (CPU ranks, gloo, through run_train): MoE ep2 with pp2
+(4 ranks: pp2 × dp2, each stage's two dp ranks one expert-parallel group) against one rank holding every expert
+over 20 steps on the same global batches, and exact resume after SIGKILL (tests/train/sigkill.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifecycle.tasks.train.config import ModelConfig, MoEArch, TrainConfig
+from lifecycle.tasks.train.parallel.mesh import Layout
+from tests.train.test_parallel_pp import _max_rel, _records, pp_config
+
+MOE = {"moe.num_experts": 4, "moe.top_k": 2, "moe.capacity_factor": 1.0, "moe.aux_loss_weight": 0.01}
+
+# --------------------------------------------------------------------------------------------------
+# config and the carrier
+
+
+def test_experts_compose_with_pipeline_stages_and_the_planner_keeps_them():
+    from lifecycle.tasks.train.layout_search import trainer_refusal
+
+    cfg = moe_pp_config(ep=2)
+    assert cfg.dp == 2 and cfg.global_batch == 16
+    assert Layout.of(cfg).describe() == "dp=2,zero=1,micro=4,accum=2,pp=2,ep=2"
+    m = ModelConfig(n_layer=4, n_head=4, n_embd=64, seq_len=64, moe=MoEArch(num_experts=4, top_k=2))
+    assert trainer_refusal(m, tp=1, pp=2, sp=1, zero=1, recompute="none") is None
+    assert "not tp-sharded" in trainer_refusal(m, tp=2, pp=2, sp=1, zero=1, recompute="none")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"engine.zero_stage": 2}, "DeepSpeed's pipeline engine runs ZeRO-0 and"),
+    ({"moe.ep": 4}, r"must divide the data-parallel degree \(2\)"),
+    ({"engine.activation_checkpointing": True}, "load-balancing loss"),
+])
+def test_what_experts_with_stages_cannot_compute_is_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        moe_pp_config(ep=2, **changes)
+
+
+def test_the_carrier_returns_the_output_and_gives_the_balancing_loss_its_gradient():
+    """Backward through the carrier equals backward of (output-side loss) + scale × aux: the stage's balancing loss
+    reaches its router without being passed to the next stage."""
+    from lifecycle.tasks.train.parallel.moe import AuxLossCarrier
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(16, 8)
+
+    def parts(w):
+        logits = x @ w
+        aux = logits.softmax(-1).square().sum()
+        return torch.tanh(logits), aux
+
+    out, aux = parts(w)
+    carried = AuxLossCarrier.apply(out, aux, 0.25)
+    assert torch.equal(carried, out)
+    carried.sum().backward()
+    got, w.grad = w.grad.clone(), None
+    out, aux = parts(w)
+    (out.sum() + 0.25 * aux).backward()
+    assert torch.allclose(got, w.grad, rtol=1e-6, atol=1e-7) and not torch.allclose(got, 0 * got)
+
+
+# --------------------------------------------------------------------------------------------------
+# launched
+
+
+def moe_pp_config(ranks: int = 4, pp: int = 2, ep: int = 1, **changes) -> TrainConfig:
+    """pp_config's tiny model (2 blocks: one a stage) with 4 experts top-2 in every block, capacity factor 1
+    (routes are dropped), global batch 16 = micro 4 × grad_accum (4 / dp) × dp: `ranks=1, pp=1` is the
+    single-rank run over the same micro-batches (the same token groups for the router's capacity)."""
+    dp = ranks // pp
+    return pp_config(ranks=ranks, pp=pp, **{**MOE, "moe.ep": ep, "batch.grad_accum": 4 // dp, **changes})
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    from tests.train.test_train import make_tokens
+
+    return make_tokens(tmp_path_factory.mktemp("tokens"), 600)
+
+
+@pytest.fixture(scope="module")
+def runs(tokens, tmp_path_factory):
+    from lifecycle.tasks.train.launch import run_train
+
+    root = tmp_path_factory.mktemp("runs")
+    return {"one": run_train(tokens, moe_pp_config(ranks=1, pp=1), str(root / "one")),
+            "ep2pp2": run_train(tokens, moe_pp_config(ep=2), str(root / "ep2pp2"))}
+
+
+@pytest.mark.slow  # two launches, 1 and 4 ranks
+def test_ep2_pp2_trains_the_single_rank_curve_with_each_stages_balancing_loss(runs):
+    """Same initial weights and global batches; each stage's MoE layer carries its balancing loss into backward
+    (without it the curves part by ~5e-3 in 20 steps). The logged loss is the LM loss, as on one rank, and the
+    logged balancing loss (summed over the stages' layers, mean over dp) and the dropped routes are the single
+    rank's; the consolidated checkpoint holds every expert under the dense names."""
+    from safetensors.torch import load_file
+
+    one, pipe = (_records(runs[k].metrics_path, "train") for k in ("one", "ep2pp2"))
+    rel = _max_rel([r["loss"] for r in pipe], [r["loss"] for r in one])
+    print(f"MoE ep2 x pp2 (4 ranks) vs single rank, 20 steps: max relative loss difference {rel:.3g}")
+    assert len(pipe) == 20 and pipe[-1]["loss"] < 0.8 * pipe[0]["loss"] and rel <= 1e-5
+    assert _max_rel([r["moe_aux_loss"] for r in pipe], [r["moe_aux_loss"] for r in one]) <= 1e-5
+    assert [r["moe_dropped_per_expert"] for r in pipe] == [r["moe_dropped_per_expert"] for r in one]
+    assert sum(r["moe_dropped"] for r in pipe) > 0
+    a, b = (load_file(f"{runs[k].checkpoint_dir}/model.safetensors") for k in ("one", "ep2pp2"))
+    assert sorted(a) == sorted(b) and "blocks.1.mlp.experts.3.up.weight" in b
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+@pytest.mark.slow  # two launches of 4 ranks
+def test_ep2_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
+    """SIGKILL the supervisor and the four ranks after the step-10 commit, rerun: every loss and the final weights
+    are the uninterrupted run's, bit for bit (DeepSpeed's MoE files per stage: a module file and one per expert)."""
+    from tests.train.sigkill import resumes_exactly
+
+    resumes_exactly(tmp_path, "tests.train.test_parallel_moe_pp:moe_pp_config", {"ep": 2}, runs["ep2pp2"])
