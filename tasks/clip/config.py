@@ -73,7 +73,12 @@ class ClipTrainConfig(BaseModel):
     steps: int = Field(60, ge=1)
     """Optimizer steps."""
     micro_batch: int = Field(32, ge=2)
-    """Pairs per rank per step; the contrastive loss's negatives are the rank's other pairs."""
+    """Pairs per rank per step."""
+    negatives: Literal["global", "local"] = "global"
+    """The contrastive loss's negatives. `global`: every pair of the step on every rank, as CLIP trains (each rank's
+    images against all ranks' captions and the reverse; the features all-gathered with their gradients, open_clip's
+    `local_loss` with `gather_with_grad`): the loss and gradients of one rank holding the whole global batch.
+    `local`: the rank's own micro-batch only (cheaper, a smaller task; the behaviour before this field)."""
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate of AdamW (linear warmup, then cosine to a tenth)."""
     warmup: int = Field(5, ge=0)

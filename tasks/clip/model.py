@@ -75,6 +75,9 @@ class CLIP(nn.Module):
         # shape (1,), not a 0-dim tensor: DeepSpeed 0.19's initial broadcast views every parameter as bytes, which a
         # 0-dim tensor refuses
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.07)))
+        # set by the trainer under `negatives: global` with more than one rank: the loss's negatives are the features
+        # of every rank (global_contrastive_loss); False: this rank's micro-batch only
+        self.gather = False
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.image(images), dim=-1)
@@ -84,7 +87,8 @@ class CLIP(nn.Module):
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The symmetric contrastive loss of a batch whose i-th image and i-th caption are a pair."""
-        return contrastive_loss(self.encode_image(images), self.encode_text(tokens), self.logit_scale)
+        loss = global_contrastive_loss if self.gather else contrastive_loss
+        return loss(self.encode_image(images), self.encode_text(tokens), self.logit_scale)
 
     def logits_per_image(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """(images, captions) similarities times the clamped temperature: transformers' `logits_per_image`."""
@@ -107,6 +111,20 @@ def contrastive_loss(img: torch.Tensor, txt: torch.Tensor, logit_scale: torch.Te
     logits = similarity_logits(img, txt, logit_scale)
     labels = torch.arange(len(img), device=img.device)
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def global_contrastive_loss(img: torch.Tensor, txt: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    """The contrastive loss of this rank's pairs against every rank's: its images against all captions, its
+    captions against all images, the positives at this rank's offset. The features are all-gathered with their
+    gradients (torch.distributed.nn's all_gather sums each rank's gradient back to the rank that made the
+    feature), so the mean over ranks of this loss, and of its gradients, is the one-rank loss of the whole batch."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_gather
+
+    all_img, all_txt = torch.cat(all_gather(img)), torch.cat(all_gather(txt))
+    labels = torch.arange(len(img), device=img.device) + dist.get_rank() * len(img)
+    scale = logit_scale.clamp(max=MAX_SCALE).exp()
+    return (F.cross_entropy(scale * img @ all_txt.T, labels) + F.cross_entropy(scale * txt @ all_img.T, labels)) / 2
 
 
 def caption_tokens(captions: list[list[int]], c: ClipModelConfig) -> torch.Tensor:

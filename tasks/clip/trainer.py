@@ -55,6 +55,7 @@ def build(cfg: ClipTrainConfig, ranks: int):
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = CLIP(cfg.model)
+    model.gather = cfg.negatives == "global" and ranks > 1
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
