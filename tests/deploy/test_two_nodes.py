@@ -126,6 +126,58 @@ def test_node2_cable_pulled_mid_training_is_named_and_the_rerun_resumes_exactly(
     print(f"cable pulled: detected and failed in {detected_s:.0f} s")
 
 
+def test_ranks_on_both_nodes_stop_when_the_supervisor_is_killed(nodes):
+    """`lifecycle run` on node1 is SIGKILLed mid-training: DeepSpeed started every rank over ssh, where the
+    supervisor's pid is not theirs to watch; they watch its beat on the shared run dir and all four stop."""
+    t, root, inputs = nodes
+    wd = root / "wd-orphans"
+    env = {**node1_env(t), "LIFECYCLE_SUPERVISOR_SILENCE_S": "5"}  # forwarded to every node's ranks
+    run = t.popen(0, two_node_args(t, root, wd, inputs, ["train.max_steps=100000"]), log=root / "orphans.log",
+                  env=env)
+    ranks: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 900
+        while len(ranks) < 4 or min(json.loads(b.read_text() or "{}").get("step", 0)
+                                    for b in wd.glob("train/*/heartbeat/rank[0-3]")) < 2:
+            assert run.poll() is None and time.monotonic() < deadline, (root / "orphans.log").read_text()[-3000:]
+            ranks = {int(b.name[4:]): json.loads(b.read_text() or "{}").get("pid")
+                     for b in wd.glob("train/*/heartbeat/rank[0-3]")}
+            time.sleep(0.5)
+        os.kill(run.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() - killed_at < 120:
+            time.sleep(0.5)
+        left = {r: pid for r, pid in ranks.items() if _alive(pid)}
+        stopped_s = time.monotonic() - killed_at
+    finally:
+        run.wait(timeout=30)
+        # the ranks left, or the pdsh and ssh of the killed launch (their sshd goes with the namespaces)
+        for pid in [*ranks.values(), *_naming(wd)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks still running 120 s after the supervisor was killed: {left}"
+    print(f"supervisor killed: all 4 ranks (2 per node) stopped {stopped_s:.0f} s after (silence bound 5 s)")
+
+
+def _naming(path) -> list[int]:
+    """Live processes whose command line names `path`."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(path).encode() in (proc / "cmdline").read_bytes():
+                out.append(int(proc.name))
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, TypeError):
+        return False
+
+
 def test_data_stages_on_a_dask_scheduler_with_workers_on_both_nodes(nodes, two_node_run):
     """A `dask scheduler` on node1 and a `dask worker` on each node; the data stages' shards run on both, and the
     datasets are byte for byte those of the local pool (the undisturbed 2x2 run's)."""
