@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -198,28 +199,39 @@ def watch_parent_run(interval: float = 1.0, beat: Path | None = None) -> None:
         kill_own_group(f"supervisor {pid} is gone")
 
     def watch_beat() -> None:
-        wait_for_silence(beat, silence, interval)
-        kill_own_group(f"the supervisor's beat {beat} has not changed for {silence:g} s")
+        kill_own_group(f"the supervisor's beat {beat} {wait_for_beat_end(beat, silence, interval)}")
 
     if pid or (beat is not None and beat.exists()):
         threading.Thread(target=watch_pid if pid else watch_beat, name="lifecycle-supervisor-watch",
                          daemon=True).start()
 
 
-def wait_for_silence(path: Path, silence_s: float, interval: float = 1.0) -> None:
-    """Return once `path`'s content (or its absence) has stayed the same for `silence_s` seconds of this host's
-    monotonic clock: the writer's clock, on another machine, is never compared with ours."""
+def wait_for_beat_end(path: Path, silence_s: float, interval: float = 1.0) -> str:
+    """Return, saying why, once the beat file `path` has stayed the same (or absent) for `silence_s` seconds of this
+    host's monotonic clock (the writer's clock, on another machine, is never compared with ours), or once it names
+    another launch than the one it named first (a JSON object's `launch`): a rank of an earlier attempt, cut off
+    from its supervisor, does not live on on the beat of the next attempt's."""
     def read() -> bytes | None:
         try:
             return path.read_bytes()
         except OSError:
             return None
 
-    last, since = read(), time.monotonic()
+    def launch(content: bytes | None):
+        try:
+            return json.loads(content).get("launch") if content else None
+        except (ValueError, AttributeError):
+            return None
+
+    last = read()
+    ours, since = launch(last), time.monotonic()
     while time.monotonic() - since <= silence_s:
         time.sleep(interval)
         if (now := read()) != last:
-            last, since = now, time.monotonic()
+            if ours is not None and launch(now) not in (None, ours):
+                return f"names another launch ({launch(now)}, not {ours})"
+            last, since, ours = now, time.monotonic(), ours or launch(now)
+    return f"has not changed for {silence_s:g} s"
 
 
 def kill_own_group(why: str) -> None:

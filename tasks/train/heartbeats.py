@@ -58,13 +58,14 @@ class SupervisorBeat:
         import threading
 
         self.path, self.every, self.stopped = Path(run_dir) / SUPERVISOR_BEAT, every, threading.Event()
+        self.launch = f"{HOST}:{os.getpid()}:{time.time_ns()}"  # this launch's: a rank of an earlier one stops
         self.thread = threading.Thread(target=self._beat, name="lifecycle-supervisor-beat", daemon=True)
 
     def _beat(self) -> None:
         n = 0
         while True:
             try:
-                _write_beat(self.path, {"pid": os.getpid(), "host": HOST, "n": n, "time": time.time()})
+                _write_beat(self.path, {"launch": self.launch, "n": n, "time": time.time()})
             except OSError:  # a full or vanished run dir: the ranks judge the silence
                 pass
             n += 1

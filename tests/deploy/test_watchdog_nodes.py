@@ -40,7 +40,7 @@ def test_no_hostfile_no_probe(tmp_path):
 SUPERVISOR = ("import sys, time; from pathlib import Path; from lifecycle.tasks.train.heartbeats import SupervisorBeat; "
               "SupervisorBeat(Path(sys.argv[1]), every=0.2).__enter__(); time.sleep(600)")
 RANK = ("import sys, time; from pathlib import Path; from lifecycle.core.procs import watch_parent_run; "
-        "watch_parent_run(interval=0.2, beat=Path(sys.argv[1])); time.sleep(600)")
+        "watch_parent_run(interval=0.2, beat=Path(sys.argv[1])); print('watching', flush=True); time.sleep(600)")
 
 
 def test_a_rank_on_another_node_stops_once_the_supervisor_is_killed(tmp_path):
@@ -74,3 +74,35 @@ def test_a_rank_on_another_node_stops_once_the_supervisor_is_killed(tmp_path):
     assert rank.returncode == -signal.SIGKILL
     assert "supervisor.beat has not changed for 2 s; stopping the ranks" in rank.stdout.read()
     assert 1 <= stopped_s < 20  # the bound counts from the last beat seen, up to a beat before the kill
+
+
+def test_a_rank_of_an_earlier_launch_stops_on_the_next_launchs_beat(tmp_path):
+    """A rank cut off from its launch (node2's cable pulled, the attempt failed) must not live on the beat that the
+    rerun's supervisor writes to the same run dir: it stops as soon as the beat names another launch."""
+    import subprocess
+    import sys
+
+    first = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path)])
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "supervisor.beat").exists():
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIFECYCLE_SUPERVISOR")}
+    env["LIFECYCLE_SUPERVISOR_SILENCE_S"] = "600"  # silence alone would not stop it within the test
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "supervisor.beat")], env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert rank.stdout.readline() == "watching\n"
+    time.sleep(1)  # its first look at the beat is done: it watches the first launch
+    first.kill()
+    first.wait()
+    second = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path)])
+    try:
+        rank.wait(timeout=120)
+    finally:
+        second.kill()
+        second.wait()
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+            rank.wait()
+    assert rank.returncode == -signal.SIGKILL
+    assert "names another launch" in rank.stdout.read()
