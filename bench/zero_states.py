@@ -133,7 +133,7 @@ def worker(index: int, steps: int = 2) -> None:
     cfg = TrainConfig(model=ModelConfig(**MODEL), batch={"micro_batch_size": 2, "grad_accum": 1, "num_ranks": 2},
                       engine={"zero_stage": zero, "precision": prec.split("-")[0],
                               "optimizer_states": "bf16" if prec == "bf16-states" else "fp32"},
-                      optimizer={"name": "muon" if muon else "adamw"})
+                      optimizer={"name": "muon", "grad_clip": 0.0} if muon else {})
     ds = ds_config(cfg)
     ds["zero_optimization"].update(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET)
     torch.manual_seed(cfg.seed)

@@ -360,6 +360,10 @@ class TrainConfig(BaseModel):
                              f"{self.parallel.sp}: a pipeline stage gets only the activations and a sequence slice "
                              "only its tokens, not the token ids that mark the documents; set "
                              "train.model.attention=packed")
+        if self.model.norm == "none" and self.parallel.tp_sequence_parallel:
+            raise ValueError("train.model.norm=none with train.parallel.tp_sequence_parallel: Megatron's sequence "
+                             "parallelism splits the norms' activations along the sequence, and this model has no "
+                             "norms; set train.parallel.tp_sequence_parallel=false")
         self._check_muon()
         if "dp=" in self.layout and int(self.layout.split("dp=")[1].split(",")[0]) != self.dp:
             raise ValueError(f"train.layout {self.layout!r}: dp must equal train.batch.num_ranks / (tp·pp·sp) "
@@ -377,16 +381,24 @@ class TrainConfig(BaseModel):
         par, why = self.parallel, None
         if par.tp > 1:
             why = f"tp={par.tp}: a tp rank holds a slice of each matrix, and Newton-Schulz of a slice is not of the matrix"
-        elif par.pp > 1 or par.sp > 1 or self.moe.num_experts:
-            why = (f"pp={par.pp} sp={par.sp} experts={self.moe.num_experts}: DeepSpeed's pipeline, Ulysses and MoE "
-                   "paths are not verified with Muon here")
+        elif self.moe.num_experts:
+            why = (f"experts={self.moe.num_experts}: DeepSpeed's Muon orthogonalises expert matrices in expert groups "
+                   "of its own (muon_update's is_expert_group), which this trainer does not set or verify")
         elif self.engine.zero_stage == 3 and self.init_from.startswith("hf:"):
             why = ("ZeRO-3 with a base model (built under zero.Init, where DeepSpeed's own Muon tagging reads the "
                    "partitioned 1-D shapes and silently trains every parameter with AdamW; not verified here)")
         elif self.engine.optimizer_states == "bf16":
             why = "train.engine.optimizer_states=bf16: DeepSpeed's bf16 optimizer states are not verified with Muon here"
+        elif self.engine.zero_stage >= 1 and self.optimizer.grad_clip > 0:
+            why = (f"train.optimizer.grad_clip={self.optimizer.grad_clip} under ZeRO-{self.engine.zero_stage}: DeepSpeed's "
+                   "ZeRO optimizers put Muon's orthogonalised update where the gradient was before they take the "
+                   "clipping norm (stage_1_and_2.py get_flat_partition, stage3.py _apply_muon_to_accumulated_grads), "
+                   "so clipping shrinks every Muon step by that norm instead of "
+                   "bounding a gradient; set train.optimizer.grad_clip=0 (Muon's update has a fixed size; ZeRO-0 "
+                   "clips the raw gradients and may keep it)")
         if why:
-            raise ValueError(f"train.optimizer.name=muon with {why}; use train.optimizer.name=adamw")
+            raise ValueError(f"train.optimizer.name=muon with {why}" + ("" if "grad_clip=0" in why else
+                                                                       "; use train.optimizer.name=adamw"))
 
     @property
     def model_arch(self) -> ModelConfig:

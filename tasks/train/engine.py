@@ -141,12 +141,15 @@ def muon_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
     """DeepSpeed's MuonWithAuxAdam as the client optimizer: Muon on the blocks' 2-D weights, AdamW (DeepSpeed's
     inline update) on the embeddings, head, norms and biases. Each parameter carries `use_muon`, which DeepSpeed's
     ZeRO optimizers read to orthogonalise the whole matrix before partitioning its update; the tagging is ours
-    (by the layer's shape and our module names), since DeepSpeed's own reads names with "embed"/"lm_head"."""
+    (by the layer's shape and our module names, a pipeline stage's mapped to GPT's), since DeepSpeed's own reads
+    names with "embed"/"lm_head"."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     opt = cfg.optimizer
     hidden, matrices, flat = [], [], []
+    dense = model.dense_names() if hasattr(model, "dense_names") else {}  # a pipeline stage's GPT names
     for name, p in model.named_parameters():
+        name = dense.get(name, name)
         shape = tuple(getattr(p, "ds_shape", p.shape))  # a layer's shape also under ZeRO-3's partitioning
         p.use_muon = name.startswith("blocks.") and len(shape) >= 2
         (hidden if p.use_muon else matrices if len(shape) >= 2 else flat).append(p)

@@ -331,6 +331,12 @@ def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig
     this run's checkpoints; a sibling whose supervisor is running is passed over. Logs the change in train.log and
     `<run_dir>/layout_change.json` (TrainResult.layout_change, the MLflow tag). Returns the converted tag dir."""
     dst = layout_of(cfg)
+    if cfg.optimizer.name == "muon":  # checked before any sibling is touched
+        src = newer[0]
+        raise ValueError(f"train.optimizer.name=muon: a run of this trajectory under layout {describe(src.layout)} "
+                         f"committed step {src.step} ({src.tag_dir}), and no layout converter carries Muon's momentum "
+                         "(DeepSpeed's ds_to_universal keeps fp32, exp_avg and exp_avg_sq only): rerun with that "
+                         "layout, or set train.resume_across_layouts: false to start a new run")
     for src in newer:
         with open(src.run_dir / ".lock", "a") as other:
             try:

@@ -33,7 +33,7 @@ def trainer_refusal(m: ModelConfig, tp: int, pp: int, sp: int, zero: int, recomp
         cfg = TrainConfig.model_validate({
             "model": model, "batch": {"num_ranks": tp * pp * sp}, "parallel": {"tp": tp, "pp": pp, "sp": sp},
             "engine": {"zero_stage": zero, "activation_checkpointing": ac}, "moe": experts,
-            "optimizer": {"name": optimizer}})
+            "optimizer": {"name": optimizer, **({"grad_clip": 0.0} if optimizer == "muon" else {})}})
     except ValueError as e:
         return str(e)
     return rules.refusal(cfg)

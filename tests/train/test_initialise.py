@@ -61,3 +61,13 @@ def test_trains_without_warmup_or_norms():
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_no_norms_under_megatron_sequence_parallelism_is_refused():
+    from lifecycle.tasks.train.config import TrainConfig
+
+    model = {"init": "tfixup", "norm": "none"}
+    with pytest.raises(ValueError, match="norm=none with train.parallel.tp_sequence_parallel"):
+        TrainConfig.model_validate({"model": model, "batch": {"num_ranks": 2},
+                                    "parallel": {"tp": 2, "tp_sequence_parallel": True}})
+    assert TrainConfig.model_validate({"model": model, "batch": {"num_ranks": 2}, "parallel": {"tp": 2}})

@@ -61,3 +61,16 @@ def test_muon_formulas_match_what_deepspeed_allocates(zero, prec):
 
     (row,) = main(only=[LAYOUTS.index((zero, prec))])
     assert 0.95 <= row["new_ratio"] <= 1.01
+
+
+def test_a_layout_change_under_muon_is_refused_before_any_conversion(tmp_path):
+    """No converter carries Muon's momentum: resuming a sibling layout's commit is refused, naming it."""
+    from lifecycle.tasks.train.config import TrainConfig
+    from lifecycle.tasks.train.launch import _resume_other_layout
+    from lifecycle.tasks.train.layout import Sibling
+
+    cfg = TrainConfig.model_validate({"optimizer": {"name": "muon", "grad_clip": 0.0}, "batch": {"num_ranks": 1}})
+    src = Sibling(tmp_path / "other", {"dp": 2, "zero": 2, "micro": 16, "accum": 1}, tmp_path / "other" / "step_00000020", 32)
+    with pytest.raises(ValueError, match=r"optimizer.name=muon: .* committed step 20 .*resume_across_layouts"):
+        _resume_other_layout([src], tmp_path / "ckpt", cfg, tmp_path / "run")
+    assert not (tmp_path / "ckpt").exists()
