@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,21 @@ make = getattr(importlib.import_module({module!r}), {name!r})
 r = run_train(make_tokens({tokdir!r}, {docs!r}), make(**{kwargs!r}), {workdir!r})
 print(json.dumps({{"checkpoint": r.checkpoint_dir, "metrics": r.metrics_path, "resumed_from": r.resumed_from}}))
 """
+
+
+def _kill_run(proc: subprocess.Popen, workdir: Path) -> list[int]:
+    """SIGKILL the supervisor and its ranks (tests.faults.kill_all, by the supervisor's pid in their environment),
+    then any process still running a config under `workdir` (by its command line); returns those second ones."""
+    kill_all(proc)
+    mark, missed = str(workdir).encode(), []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and mark in (d / "cmdline").read_bytes():
+                os.kill(int(d.name), signal.SIGKILL)
+                missed.append(int(d.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return missed
 
 
 def _train_losses(metrics_path) -> list[tuple[int, float]]:
@@ -60,14 +76,17 @@ def resumes_exactly(tmp_path: Path, config: str, kwargs: dict, reference, at: in
             assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before the step-{at} commit"
             time.sleep(0.05)
     finally:
-        kill_all(proc)
+        missed = _kill_run(proc, workdir)
+    time.sleep(1)  # a rank that outlived the kill would commit on
     ref = _train_losses(reference.metrics_path)
-    assert max(committed()) == at, f"killed after the commits {committed()}, not right after step {at}'s"
+    assert max(committed()) == at, f"commits {committed()} after the kill, not step {at}'s (outlived it: {missed})"
     assert max(r["step"] for r in records(str(workdir), "train")) < ref[-1][0], "killed after the last step"
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
     assert again.returncode == 0, again.stderr[-3000:]
     out = json.loads(again.stdout.strip().splitlines()[-1])
-    assert out["resumed_from"] == at, out
+    log = [line for run in (workdir / "train").glob("*") for line in (run / "train.log").read_text().splitlines()
+           if line.startswith(("===", "committed", "resumed")) or "gone" in line]
+    assert out["resumed_from"] == at, (out, log)
     assert _train_losses(out["metrics"]) == ref
     assert fs.sha256_file(Path(out["checkpoint"]) / "model.safetensors") == \
         fs.sha256_file(Path(reference.checkpoint_dir) / "model.safetensors")
