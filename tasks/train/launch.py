@@ -37,6 +37,7 @@ from lifecycle.core.procs import free_port, start_time
 from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train import hf_import
 from lifecycle.tasks.train import memtier
+from lifecycle.tasks.train import anneal
 from lifecycle.tasks.train.resume import fallback_note
 from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import TrainConfig
@@ -199,6 +200,10 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
         tier = memory_tier(cfg, run_dir)  # this run's in-memory checkpoint tier (a rerun of it restores from there)
         memtier.release_dead(keep=tier)  # tiers of dead runs
         latest = _start_checkpoint(ckpt_root, cfg, found, run_dir)
+        prefix = anneal.stable_prefix_of(tokens, cfg, init, code)
+        if (src := anneal.branch_source(Path(workdir).resolve(), prefix, cfg, run_dir)) is not None and \
+                (latest is None or ckpt.step_of(src) > ckpt.step_of(latest)):
+            latest = anneal.branch(src, ckpt_root, run_dir) or latest
         if latest is not None and ckpt.step_of(latest) == cfg.max_steps:
             if tier is not None:
                 memtier.remove(tier)
@@ -208,7 +213,7 @@ def run_train(tokens: ds.DatasetRef, cfg: TrainConfig, workdir: str,
             memtier.claim(tier, os.getpid())
         config_path = run_dir / "config.json"
         fs.atomic_write_json(config_path, {"train": cfg.model_dump(mode="json"), "fingerprint": fp,
-                                           "trajectory": trajectory, "code_version": code,
+                                           "trajectory": trajectory, "stable_prefix": prefix, "code_version": code,
                                            "run_dir": str(run_dir), "tokens": meta.model_dump(),
                                            "token_dataset": tokens.path, "init_weights": init_weights,
                                            "memory_tier": str(tier) if tier is not None else None, **init})

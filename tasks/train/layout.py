@@ -39,7 +39,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from lifecycle.tasks.train import commit as ckpt
 from lifecycle.tasks.train.config import TrainConfig
@@ -115,20 +115,25 @@ class Sibling:
         return ckpt.step_of(self.tag_dir)
 
 
+def train_runs(workdir: Path, exclude: Path | None = None) -> Iterator[tuple[Path, dict]]:
+    """(run dir, its config.json) of each train run under `<workdir>/train/` but `exclude`; unreadable ones are
+    passed over."""
+    for cfg_path in sorted((workdir / "train").glob("*/config.json")):
+        if exclude is not None and cfg_path.parent.resolve() == exclude.resolve():
+            continue
+        try:
+            yield cfg_path.parent, json.loads(cfg_path.read_text())
+        except (OSError, ValueError):
+            continue
+
+
 def siblings(workdir: Path, trajectory: str, max_steps: int, exclude: Path | None = None) -> list[Sibling]:
     """Run directories under `<workdir>/train/` whose config.json has trajectory fingerprint `trajectory` (and
     batch fields), with a commit at most `max_steps` whose files have their sizes; newest commit first. Their
     hashes are not read here (seconds per GB, for every run of the trajectory at every launch): the one that is
     converted is verified then (`launch._resume_other_layout`)."""
     found = []
-    for cfg_path in sorted((workdir / "train").glob("*/config.json")):
-        run_dir = cfg_path.parent
-        if exclude is not None and run_dir.resolve() == exclude.resolve():
-            continue
-        try:
-            launch = json.loads(cfg_path.read_text())
-        except (OSError, ValueError):
-            continue
+    for run_dir, launch in train_runs(workdir, exclude):
         if launch.get("trajectory") != trajectory:
             continue
         tag = ckpt.latest_valid(run_dir / "checkpoints", max_step=max_steps, hashes=False)

@@ -43,17 +43,27 @@ def test_wsd_run_extended_from_its_commit_trains_what_an_uninterrupted_run_train
 
 
 @pytest.mark.slow
-def test_an_anneal_follows_the_long_wsd_run_to_its_branch_step_then_decays(tokens, tmp_path):
-    long = with_(WSD, max_steps=24, **{"optimizer.decay_steps": 1000})
-    anneal = with_(WSD, max_steps=24, **{"optimizer.decay_steps": 24, "optimizer.decay_fraction": 0.25})
+def test_an_anneal_branches_off_the_long_wsd_runs_commit_and_trains_what_a_fresh_anneal_trains(tokens, tmp_path):
+    """An anneal of a long WSD run (decay starting at 18 instead of 800) starts from the long run's last commit
+    in its stable phase (step 10) instead of recomputing it, and trains every later step as an anneal run from
+    scratch does, loss for loss and lr for lr."""
+    long = with_(WSD, max_steps=24, **{"optimizer.decay_steps": 1000, "checkpoint.keep_last": 3})  # keeps step 10
+    anneal = with_(WSD, max_steps=24, **{"optimizer.decay_steps": 24, "optimizer.decay_fraction": 0.25,
+                                         "checkpoint.keep_last": 3})
     assert anneal.decay_start == 18
-    trunk = _train(run_train(tokens, long, str(tmp_path)).metrics_path)
-    branch = _train(run_train(tokens, anneal, str(tmp_path)).metrics_path)
-    for step in range(1, 19):  # the anneal's steps before its decay are the long run's
-        assert branch[step]["loss"] == trunk[step]["loss"] and branch[step]["lr"] == trunk[step]["lr"], step
-    assert branch[20]["lr"] < trunk[20]["lr"] == long.optimizer.lr
+    trunk = run_train(tokens, long, str(tmp_path / "w"))
+    branched = run_train(tokens, anneal, str(tmp_path / "w"))
+    assert branched.resumed_from == 10 and branched.run_dir != trunk.run_dir
+    assert f"branched from {trunk.run_dir}/checkpoints/step_00000010" in (Path(branched.run_dir) / "train.log").read_text()
+    fresh = run_train(tokens, anneal, str(tmp_path / "fresh"))
+    b, t, f = (_train(r.metrics_path) for r in (branched, trunk, fresh))
+    assert sorted(b) == list(range(11, 25))
+    for step in range(11, 25):
+        assert b[step]["loss"] == f[step]["loss"] and b[step]["lr"] == f[step]["lr"], step
+    for step in range(11, 19):  # the anneal's steps before its decay are the long run's
+        assert b[step]["loss"] == t[step]["loss"] and b[step]["lr"] == t[step]["lr"] == long.optimizer.lr, step
     for step in range(20, 25):  # record `step` holds the lr of update step-1
-        assert branch[step]["lr"] == pytest.approx(anneal.lr_at(step - 1)) and branch[step]["lr"] < trunk[step]["lr"]
+        assert b[step]["lr"] == pytest.approx(anneal.lr_at(step - 1)) and b[step]["lr"] < t[step]["lr"]
 
 
 @pytest.mark.slow
