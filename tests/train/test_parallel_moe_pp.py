@@ -3,7 +3,8 @@
 Fast: the layout composes (and the planner keeps it), what stays refused, and the balancing loss carried into
 backward (moe.AuxLossCarrier) as gradient. Slow, launched (CPU ranks, gloo, through run_train): MoE ep2 with pp2
 (4 ranks: pp2 × dp2, each stage's two dp ranks one expert-parallel group) against one rank holding every expert
-over 20 steps on the same global batches, and exact resume after SIGKILL (tests/train/sigkill.py).
+over 20 steps on the same global batches, the same over pp2 × dp4 (8 ranks: expert-data-parallel groups of two
+inside each stage), and exact resume after SIGKILL (tests/train/sigkill.py).
 """
 
 from __future__ import annotations
@@ -112,6 +113,20 @@ def test_ep2_pp2_trains_the_single_rank_curve_with_each_stages_balancing_loss(ru
     a, b = (load_file(f"{runs[k].checkpoint_dir}/model.safetensors") for k in ("one", "ep2pp2"))
     assert sorted(a) == sorted(b) and "blocks.1.mlp.experts.3.up.weight" in b
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+@pytest.mark.slow  # one launch of 8 ranks
+def test_ep2_over_pp2_dp4_reduces_expert_gradients_over_the_expert_data_group(runs, tokens, tmp_path):
+    """pp2 × dp4 with ep2 (8 ranks): each stage's four dp ranks form two expert-parallel groups, so each expert has
+    two copies, averaged over its expert-data-parallel group inside the stage (ranks 0,2 / 1,3 of it, checked by
+    moe.ep_group against the grid), never across stages: still the single-rank curve (grad_accum 1 here)."""
+    from lifecycle.tasks.train.launch import run_train
+
+    r = run_train(tokens, moe_pp_config(ranks=8, ep=2), str(tmp_path))
+    one, pipe = (_records(path, "train") for path in (runs["one"].metrics_path, r.metrics_path))
+    rel = _max_rel([x["loss"] for x in pipe], [x["loss"] for x in one])
+    print(f"MoE ep2 over pp2 x dp4 (8 ranks) vs single rank, 20 steps: max relative loss difference {rel:.3g}")
+    assert len(pipe) == 20 and rel <= 1e-5
 
 
 @pytest.mark.slow  # two launches of 4 ranks
