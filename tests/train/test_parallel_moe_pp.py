@@ -129,6 +129,19 @@ def test_ep2_over_pp2_dp4_reduces_expert_gradients_over_the_expert_data_group(ru
     assert len(pipe) == 20 and rel <= 1e-5
 
 
+@pytest.mark.slow  # two launches, 1 and 2 ranks
+def test_replicated_experts_in_pipeline_stages_under_zero0_match_the_single_rank_run(tokens, tmp_path):
+    """pp2 under ZeRO-0 (ep1, clipping on): DeepSpeed's clip_grad_norm_ sums over the stages the parameters marked
+    model-parallel, so each stage's experts and router are marked (Parallelism.wrap_model) as its blocks are."""
+    from lifecycle.tasks.train.launch import run_train
+
+    one = run_train(tokens, moe_pp_config(ranks=1, pp=1, zero=0), str(tmp_path / "one"))
+    two = run_train(tokens, moe_pp_config(ranks=2, pp=2, zero=0), str(tmp_path / "two"))
+    rel = _max_rel(*([x["loss"] for x in _records(r.metrics_path, "train")] for r in (two, one)))
+    print(f"MoE pp2 ZeRO-0 (2 ranks) vs single rank, 20 steps: max relative loss difference {rel:.3g}")
+    assert rel <= 1e-5
+
+
 @pytest.mark.slow  # two launches of 4 ranks
 def test_ep2_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
     """SIGKILL the supervisor and the four ranks after the step-10 commit, rerun: every loss and the final weights
