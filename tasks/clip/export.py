@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from lifecycle.core.dataset import DatasetRef
 from lifecycle.core.fs import atomic_write_json, sha256_file
@@ -170,7 +171,8 @@ def relative_logit_diff(ours, hf_dir: Path, pixels, ids) -> float:
     import torch
     from transformers import CLIPModel
 
-    hf, info = CLIPModel.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True)
+    loaded: tuple[Any, dict] = CLIPModel.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True)
+    hf, info = loaded
     if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
         raise ValueError(f"CLIPModel did not load the export exactly: {info}")
     with torch.no_grad():

@@ -13,9 +13,12 @@ A tied output head is the embedding table, so it carries the embedding's scale.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
+
+from lifecycle.tasks.train.model_config import ModelConfig
 
 
 def _xavier_parts_(weight: torch.Tensor, sizes: list[int]) -> None:
@@ -27,7 +30,7 @@ def _xavier_parts_(weight: torch.Tensor, sizes: list[int]) -> None:
 @torch.no_grad()
 def tfixup_(model: nn.Module) -> None:
     """Initialise a GPT (lifecycle.tasks.train.model.GPT) in place by T-Fixup's decoder rule (module docstring)."""
-    cfg = model.cfg
+    cfg = cast(ModelConfig, model.cfg)
     scale = tfixup_scale(cfg.n_layer)
     for table in (model.wte, model.wpe):
         if table is not None:
