@@ -301,7 +301,7 @@ CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reaso
                                Converter("pipeline-to-dense", _pipeline_reason, _pipeline_convert),
                                Converter("pipeline-replicas", _replicas_reason, _replicas_convert)]
 """Tried in order: DeepSpeed's universal checkpoint between ZeRO layouts, a pipeline checkpoint (tp inside its
-stages or not) to a dense ZeRO-0 one (lifecycle.tasks.train.parallel.pp_convert.to_dense), and a ZeRO-0 pipeline to more
+stages or not, experts too) to a dense ZeRO-0 one (lifecycle.tasks.train.parallel.pp_convert.to_dense), and a ZeRO-0 pipeline to more
 or fewer data-parallel replicas of it."""
 
 

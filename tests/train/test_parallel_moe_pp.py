@@ -4,7 +4,8 @@ Fast: the layout composes (and the planner keeps it), what stays refused, and th
 backward (moe.AuxLossCarrier) as gradient. Slow, launched (CPU ranks, gloo, through run_train): MoE ep2 with pp2
 (4 ranks: pp2 × dp2, each stage's two dp ranks one expert-parallel group) against one rank holding every expert
 over 20 steps on the same global batches, the same over pp2 × dp4 (8 ranks: expert-data-parallel groups of two
-inside each stage), and exact resume after SIGKILL (tests/train/sigkill.py).
+inside each stage), exact resume after SIGKILL (tests/train/sigkill.py), and the step-10 commits of ep2 × pp2
+(ZeRO-1) and pp2 (ZeRO-0) resumed on one rank (pipeline-to-dense, parallel.moe_convert).
 """
 
 from __future__ import annotations
@@ -65,6 +66,32 @@ def test_the_carrier_returns_the_output_and_gives_the_balancing_loss_its_gradien
     out, aux = parts(w)
     (out.sum() + 0.25 * aux).backward()
     assert torch.allclose(got, w.grad, rtol=1e-6, atol=1e-7) and not torch.allclose(got, 0 * got)
+
+
+def test_pipeline_to_dense_takes_expert_checkpoints_to_one_rank_only():
+    """ep2 × pp2 (ZeRO-1) and pp2 (ZeRO-0) convert to one rank holding every expert (ep = 1); a destination that
+    splits the experts again (ep = 2) is refused with the reason."""
+    from lifecycle.tasks.train.parallel import pp_convert
+
+    one = {"dp": 1, "zero": 0, "micro": 4, "accum": 4}
+    assert pp_convert.dense_reason({"dp": 2, "zero": 1, "micro": 4, "accum": 2, "pp": 2, "ep": 2}, one) is None
+    assert pp_convert.dense_reason({"dp": 1, "zero": 0, "micro": 4, "accum": 4, "pp": 2}, one) is None
+    why = pp_convert.dense_reason({"dp": 2, "zero": 1, "micro": 4, "accum": 2, "pp": 2, "ep": 2},
+                                  {"dp": 2, "zero": 0, "micro": 4, "accum": 2, "ep": 2})
+    assert "ep = 1" in why
+
+
+def test_deepspeed_expert_names_map_to_the_dense_models_and_back():
+    """A stage's local expert i of expert-parallel rank r is global expert r·L + i under GPT's names; the
+    single-rank engine's names (ep = 1) are DeepSpeed's with the global id, the router under `gate.wg`."""
+    from lifecycle.tasks.train.parallel.moe_convert import dense_name, ds_name, expert_id
+
+    local = "blocks.1.mlp.deepspeed_moe.experts.deepspeed_experts.1.up.weight"
+    assert dense_name(local, 1, 2) == "blocks.1.mlp.experts.3.up.weight"
+    assert ds_name("blocks.1.mlp.experts.3.up.weight") == local.replace(".1.up", ".3.up")
+    assert dense_name("blocks.0.mlp.deepspeed_moe.gate.wg.weight", 1, 2) == "blocks.0.mlp.gate.weight"
+    assert ds_name("blocks.0.mlp.gate.weight") == "blocks.0.mlp.deepspeed_moe.gate.wg.weight"
+    assert ds_name("blocks.0.mlp.up.weight") == "blocks.0.mlp.up.weight" and expert_id("blocks.0.mlp.up.weight") is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,3 +176,25 @@ def test_ep2_pp2_resumes_exactly_after_a_sigkill(runs, tmp_path):
     from tests.train.sigkill import resumes_exactly
 
     resumes_exactly(tmp_path, "tests.train.test_parallel_moe_pp:moe_pp_config", {"ep": 2}, runs["ep2pp2"])
+
+
+@pytest.mark.slow  # four launches: 4 and 1 ranks, 2 and 1
+@pytest.mark.parametrize("source", [{"ep": 2}, {"ranks": 2, "zero": 0}], ids=["ep2pp2-zero1", "pp2-zero0"])
+def test_a_pipeline_checkpoint_with_experts_resumes_on_one_rank(runs, tokens, tmp_path, source):
+    """pp2 with experts -> one rank holding every expert, found by run_train itself: the pipeline run stops at step
+    10; a single-rank ZeRO-0 run of the same trajectory converts that commit (pipeline-to-dense: each stage's
+    shared weights and every expert's, from the ZeRO-1 partitions of each expert-parallel rank or the ZeRO-0
+    per-rank optimizer files, Adam moments and step, into DeepSpeed's single-rank MoE files) and continues: steps
+    11-20 follow the single-rank curve, balancing loss and dropped routes included."""
+    from lifecycle.tasks.train.launch import run_train
+
+    run_train(tokens, moe_pp_config(max_steps=10, **source), str(tmp_path))
+    resumed = run_train(tokens, moe_pp_config(ranks=1, pp=1, zero=0), str(tmp_path))
+    assert resumed.resumed_from == 10 and resumed.layout_change.endswith("-> dp=1,zero=0,micro=4,accum=4 at step 10")
+    got, ref = ([r for r in _records(x.metrics_path, "train") if r["step"] > 10] for x in (resumed, runs["one"]))
+    assert [r["step"] for r in got] == list(range(11, 21))
+    rel = _max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    print(f"MoE {resumed.layout_change.split(' -> ')[0]} -> one rank at step 10: max relative loss difference "
+          f"over steps 11-20 {rel:.3g}")
+    assert rel <= 1e-5 and _max_rel([r["moe_aux_loss"] for r in got], [r["moe_aux_loss"] for r in ref]) <= 1e-5
+    assert [r["moe_dropped_per_expert"] for r in got] == [r["moe_dropped_per_expert"] for r in ref]
