@@ -84,5 +84,7 @@ def mark_experts(params: dict[str, torch.nn.Parameter], ep: int = 1) -> bool:
     found = False
     for name, p in params.items():
         if expert_id(name) is not None:
-            p.allreduce, p.group_name, found = False, f"ep_size_{ep}", True
+            setattr(p, "allreduce", False)  # attributes DeepSpeed's MoE layer sets on its expert parameters
+            setattr(p, "group_name", f"ep_size_{ep}")
+            found = True
     return found
