@@ -8,7 +8,8 @@
   predicted for ZeRO-3 with torchtitan's separate q/k/v and w1/w3 matmuls (which decide what per-op selective
   keeps). Goal ±15 %.
 - Model states: DeepSpeed's docs/code-docs/source/memory.rst, t5-3b (2,851M parameters, largest layer 32M) on 8
-  GPUs: 15.93 GB with ZeRO-2 and 6.10 GB with ZeRO-3 (its estimators' output, in GiB). Ours is what the pinned
+  GPUs: 15.93 GB with ZeRO-2 and 6.10 GB with ZeRO-3 (its estimators' output, in GiB), and its t5-large example
+  (737.67M parameters, largest layer 32.90M, 4 GPUs, ZeRO-3: 3291 MB, in MiB). Ours is what the pinned
   engine allocates (bench.zero_states measures it); the ratio says how far memory.rst's formulas are from it.
 - MFU: llm-foundry's MPT runs on H100 80GB, bf16 (scripts/train/benchmarking/README.md, FSDP FULL_SHARD = ZeRO-3).
   The matmul and attention ceilings of step_time.Hardware were set on the first two rows; the rest check them.
@@ -58,14 +59,19 @@ def torchtitan_table() -> list[dict]:
     return rows
 
 
+DEEPSPEED_ROWS = [  # (model, parameters, largest layer, GPUs, ZeRO stage, memory.rst's GiB per GPU)
+    ("t5-3b", 2_851e6, 32e6, 8, 2, 15.93), ("t5-3b", 2_851e6, 32e6, 8, 3, 6.10),
+    ("t5-large", 737.67e6, 32.90e6, 4, 3, 3291 / 1024),  # its worked example, case 1: 3291 MB (>> 20: MiB)
+]
+
+
 def deepspeed_table() -> list[dict]:
-    psi, largest, n, prec = 2_851e6, 32e6, 8, PRECISIONS["bf16"]
-    rows = []
-    for zero, pub in ((2, 15.93), (3, 6.10)):
+    prec, rows = PRECISIONS["bf16"], []
+    for name, psi, largest, n, zero, pub in DEEPSPEED_ROWS:
         states = sum(model_states(psi, zero, n, prec).values())
         buf = engine_buffers(psi, zero, n, prec, largest)
         step_peak = states + buf["step_fp32_grads"] - buf["step_grads_released"]
-        rows.append({"what": f"t5-3b, 8 GPUs, ZeRO-{zero}, model states", "published_gib": pub,
+        rows.append({"what": f"{name}, {n} GPUs, ZeRO-{zero}, model states", "published_gib": pub,
                      "predicted_gib": max(states, step_peak) / GiB})
     return rows
 
