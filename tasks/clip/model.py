@@ -123,8 +123,8 @@ def global_contrastive_loss(img: torch.Tensor, txt: torch.Tensor, logit_scale: t
 
     all_img, all_txt = torch.cat(all_gather(img)), torch.cat(all_gather(txt))
     labels = torch.arange(len(img), device=img.device) + dist.get_rank() * len(img)
-    scale = logit_scale.clamp(max=MAX_SCALE).exp()
-    return (F.cross_entropy(scale * img @ all_txt.T, labels) + F.cross_entropy(scale * txt @ all_img.T, labels)) / 2
+    return (F.cross_entropy(similarity_logits(img, all_txt, logit_scale), labels)
+            + F.cross_entropy(similarity_logits(txt, all_img, logit_scale), labels)) / 2
 
 
 def caption_tokens(captions: list[list[int]], c: ClipModelConfig) -> torch.Tensor:

@@ -378,7 +378,7 @@ class TrainConfig(BaseModel):
         """Where DeepSpeed's Muon would not compute what `optimizer.name: muon` says, refused with the reason."""
         if self.optimizer.name != "muon":
             return
-        par, why = self.parallel, None
+        par, why, fix = self.parallel, None, "use train.optimizer.name=adamw"
         if par.tp > 1:
             why = f"tp={par.tp}: a tp rank holds a slice of each matrix, and Newton-Schulz of a slice is not of the matrix"
         elif self.moe.num_experts:
@@ -393,12 +393,11 @@ class TrainConfig(BaseModel):
             why = (f"train.optimizer.grad_clip={self.optimizer.grad_clip} under ZeRO-{self.engine.zero_stage}: DeepSpeed's "
                    "ZeRO optimizers put Muon's orthogonalised update where the gradient was before they take the "
                    "clipping norm (stage_1_and_2.py get_flat_partition, stage3.py _apply_muon_to_accumulated_grads), "
-                   "so clipping shrinks every Muon step by that norm instead of "
-                   "bounding a gradient; set train.optimizer.grad_clip=0 (Muon's update has a fixed size; ZeRO-0 "
-                   "clips the raw gradients and may keep it)")
+                   "so clipping shrinks every Muon step by that norm instead of bounding a gradient")
+            fix = ("set train.optimizer.grad_clip=0 (Muon's update has a fixed size; ZeRO-0 clips the raw gradients "
+                   "and may keep it)")
         if why:
-            raise ValueError(f"train.optimizer.name=muon with {why}" + ("" if "grad_clip=0" in why else
-                                                                       "; use train.optimizer.name=adamw"))
+            raise ValueError(f"train.optimizer.name=muon with {why}; {fix}")
 
     @property
     def model_arch(self) -> ModelConfig:

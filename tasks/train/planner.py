@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from lifecycle.core.errors import UsageError
 from lifecycle.tasks.train.config import ModelConfig
 from lifecycle.tasks.train.parallel.mesh import RECOMPUTE, Layout
-from lifecycle.tasks.train.sizing import largest_tensor, muon_numels, muon_params, outer_tensors, param_count
+from lifecycle.tasks.train.sizing import largest_tensor, muon_numels, outer_tensors, param_count
 from lifecycle.tasks.train.zero_memory import (  # noqa: F401  (Precision, PRECISIONS, GRAD_BUCKET: the planner's API)
     GRAD_BUCKET, PRECISIONS, Precision, engine_buffers, model_states, muon_buffers,
 )
@@ -301,9 +301,10 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     s, b, v = seq_len or m.seq_len, lay.micro_batch, m.vocab_size
     psi_rank = params_per_rank(m, lay, params)
     nd = lay.dp * lay.sp  # Ulysses ranks hold replicas: ZeRO shards over dp x sp
-    muon = psi_rank * muon_params(m) / param_count(m).total if optimizer == "muon" else 0.0
+    numels = muon_numels(m) if optimizer == "muon" else []  # the matrices Muon steps (none: AdamW)
+    muon = psi_rank * sum(numels) / param_count(m).total if numels else 0.0
     ms = model_states(psi_rank, lay.zero, nd, prec, lay.offload, muon)
-    mu = muon_buffers(muon_numels(m), lay.zero, nd, prec, psi_rank, muon)
+    mu = muon_buffers(numels, lay.zero, nd, prec, psi_rank, muon)
     am = am or ActivationModel.for_model(m, prec.act, fused_attention)
     s_rank = s / lay.sp
     t = lay.tp

@@ -3,6 +3,7 @@ pdsh on node1. `lifecycle run` on node1 trains through DeepSpeed's hostfile laun
 bridge (gloo on the CPU), and matches a one-node run of the same global batch step by step; with node2's cable
 pulled mid-training the watchdog names node2 and its last step, and the rerun resumes onto the same losses."""
 
+import contextlib
 import json
 import os
 import re
@@ -178,25 +179,41 @@ def _alive(pid) -> bool:
         return False
 
 
-def test_data_stages_on_a_dask_scheduler_with_workers_on_both_nodes(nodes, two_node_run):
-    """A `dask scheduler` on node1 and a `dask worker` on each node; the data stages' shards run on both, and the
-    datasets are byte for byte those of the local pool (the undisturbed 2x2 run's)."""
-    t, root, inputs = nodes
+@contextlib.contextmanager
+def dask_cluster(t, root: Path, tag: str):
+    """A `dask scheduler` on node1 and a `dask worker` on each node (preloading lifecycle's worker setup), both
+    workers up; yields (scheduler address, [node1's worker, node2's worker]) and stops what is still running."""
     dask = str(ROOT / ".venv" / "bin" / "dask")
-    address = f"tcp://{t.addrs[0]}:8786"
+    address = f"tcp://{t.addrs[0]}:8786"  # 8787 failed to bind here (Address already in use)
     procs = [t.popen(0, [dask, "scheduler", "--host", t.addrs[0], "--port", "8786", "--no-dashboard"],
-                     log=root / "dask-scheduler.log")]
+                     log=root / f"dask-scheduler{tag}.log")]
     try:
         for i in range(2):
             procs.append(t.popen(i, [dask, "worker", address, "--nthreads", "1", "--nworkers", "1", "--name",
                                      t.names[i], "--preload", "lifecycle.flows.worker_preload", "--no-dashboard"],
-                                 log=root / f"dask-worker{i}.log"))
+                                 log=root / f"dask-worker{tag}{i}.log"))
+        wait = [sys.executable, "-c", f"from distributed import Client; Client('{address}', timeout=60)"
+                                      ".wait_for_workers(2, timeout=120)"]
+        assert t.run(0, wait, capture_output=True, timeout=180).returncode == 0, \
+            (root / f"dask-worker{tag}1.log").read_text()
+        yield address, procs[1:]
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:  # node2's worker, killed by the test
+                pass
+            proc.wait(timeout=30)
+
+
+def test_data_stages_on_a_dask_scheduler_with_workers_on_both_nodes(nodes, two_node_run):
+    """A `dask scheduler` on node1 and a `dask worker` on each node; the data stages' shards run on both, and the
+    datasets are byte for byte those of the local pool (the undisturbed 2x2 run's)."""
+    t, root, inputs = nodes
+    with dask_cluster(t, root, "") as (address, _):
         wd = root / "wd-dask"
         args = run_args(wd, inputs, [f"orchestration.dask_address={address}"])
         args[args.index("train")] = "tokenize"  # --until tokenize: the data stages only
-        watcher = [sys.executable, "-c", "import sys, time; from distributed import Client; "
-                   f"c = Client('{address}', timeout=60); c.wait_for_workers(2, timeout=120)"]
-        assert t.run(0, watcher, capture_output=True, timeout=180).returncode == 0, (root / "dask-worker1.log").read_text()
         p = t.run(0, args, env=node1_env(t), cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-4000:]
         counts = t.run(0, [sys.executable, "-c", "import json; from distributed import Client; "
@@ -208,10 +225,6 @@ def test_data_stages_on_a_dask_scheduler_with_workers_on_both_nodes(nodes, two_n
         out, local = last_json(p.stdout), two_node_run[1]
         for stage in ("collect", "filter", "dedup", "scrub", "tokenize"):
             assert Path(out["datasets"][stage]).parent.name == Path(local["datasets"][stage]).parent.name, stage
-    finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
 
 
 KILL_MID_SHARD = """
@@ -234,22 +247,11 @@ def test_a_dask_worker_killed_mid_shard_leaves_the_datasets_unchanged(nodes):
     """node2's Dask worker is SIGKILLed while it runs a shard of the whole bundled corpus: the shard runs again on
     node1's worker and the datasets are those of the local pool."""
     t, root, _ = nodes
-    dask = str(ROOT / ".venv" / "bin" / "dask")
-    address = f"tcp://{t.addrs[0]}:8786"  # 8787 failed to bind here (Address already in use)
-    procs = [t.popen(0, [dask, "scheduler", "--host", t.addrs[0], "--port", "8786", "--no-dashboard"],
-                     log=root / "dask-scheduler-kill.log")]
-    try:
-        for i in range(2):
-            procs.append(t.popen(i, [dask, "worker", address, "--nthreads", "1", "--nworkers", "1", "--name",
-                                     t.names[i], "--preload", "lifecycle.flows.worker_preload", "--no-dashboard"],
-                                 log=root / f"dask-worker-kill{i}.log"))
-        wait = [sys.executable, "-c", f"from distributed import Client; Client('{address}', timeout=60)"
-                                      ".wait_for_workers(2, timeout=120)"]
-        assert t.run(0, wait, capture_output=True, timeout=180).returncode == 0
+    with dask_cluster(t, root, "-kill") as (address, workers):
         corpus = str(ROOT / "corpus/python-docs/*.jsonl.gz")
         base = [sys.executable, "-m", "lifecycle.launch", "run", str(ROOT / "deploy/configs/demo.yaml"), "--json",
                 "--until", "filter", "--set", f"collect.inputs={json.dumps([corpus])}"]
-        killer = t.popen(0, [sys.executable, "-c", KILL_MID_SHARD, address, str(procs[2].pid)],
+        killer = t.popen(0, [sys.executable, "-c", KILL_MID_SHARD, address, str(workers[1].pid)],
                          log=root / "kill.log")
         p = t.run(0, [*base, "--set", f"workdir={root / 'wd-dask-kill'}", "--set",
                       f"orchestration.dask_address={address}"], env=node1_env(t), cwd=ROOT, capture_output=True,
@@ -263,10 +265,3 @@ def test_a_dask_worker_killed_mid_shard_leaves_the_datasets_unchanged(nodes):
         got, want = last_json(p.stdout)["datasets"], last_json(local.stdout)["datasets"]
         for stage in ("collect", "filter"):
             assert Path(got[stage]).parent.name == Path(want[stage]).parent.name, stage
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
