@@ -118,6 +118,11 @@ def unreachable(e: BaseException) -> BaseException | None:
         ConnectionError, TimeoutError))), None)
 
 
+# MlflowClient methods that move files through the server's artifact proxy (the rest go to its backend database)
+ARTIFACT_CALLS = frozenset({"log_artifact", "log_artifacts", "log_text", "log_dict", "log_figure", "log_image",
+                            "log_table", "download_artifacts", "list_artifacts"})
+
+
 class GuardedClient:
     """An `MlflowClient` whose calls, when the tracking server stops answering mid-run, raise one
     `TrackingStoreError` naming the URI (instead of MLflow's `API request to ... failed` or a later
@@ -144,10 +149,12 @@ class GuardedClient:
                 import requests
 
                 if isinstance(cause, requests.exceptions.RetryError):  # it answered, with server errors each time
+                    store = ("the artifact store it proxies uploads to is not (its --artifacts-destination: S3, "
+                             "MinIO, ...)" if name in ARTIFACT_CALLS else "its backend store is not (the database of "
+                             "its --backend-store-uri)")
                     self.down = (f"MLflow tracking server {self._uri} answered {name} with server errors until "
-                                 f"its retries ran out ({one_line(str(cause))[:200]}): the server is up, a store "
-                                 "behind it is not (its database, or the artifact store it proxies); see the "
-                                 "server's log, then rerun: the run resumes from what was committed")
+                                 f"its retries ran out ({one_line(str(cause))[:200]}): the server is up, {store}; "
+                                 "see the server's log, then rerun: the run resumes from what was committed")
                     raise TrackingStoreError(self.down) from None
                 self.down = (f"MLflow tracking server {self._uri} stopped answering during the run ({name}: "
                              f"{type(cause).__name__}; MLFLOW_HTTP_REQUEST_TIMEOUT="

@@ -133,7 +133,8 @@ def test_lifecycle_run_fails_within_seconds_when_its_tracking_server_dies(server
 
 def test_a_server_that_answers_with_errors_is_told_apart_from_one_that_is_gone():
     """The object store behind MLflow's artifact proxy down: the server answers every retry with a 5xx, and
-    requests ends in a RetryError. The message says a store behind the server failed, not that it stopped
+    requests ends in a RetryError. The message names the store behind the server that failed (the artifact store
+    for an upload, the backend database otherwise), not that the server stopped
     answering (issue 46: it blamed the server and `lifecycle up`)."""
     import requests
 
@@ -143,10 +144,21 @@ def test_a_server_that_answers_with_errors_is_told_apart_from_one_that_is_gone()
         def log_artifact(self, *a):
             raise requests.exceptions.RetryError("Max retries exceeded (too many 500 error responses)")
 
+        log_text = log_artifact
+
+        def log_param(self, *a):
+            raise requests.exceptions.RetryError("Max retries exceeded (too many 500 error responses)")
+
         def log_metric(self, *a):
             raise requests.exceptions.ConnectionError("Connection refused")
 
-    with pytest.raises(TrackingStoreError, match="answered log_artifact with server errors .* a store behind it"):
+    with pytest.raises(TrackingStoreError, match="answered log_artifact with server errors .* the server is up, "
+                                                 "the artifact store it proxies uploads to is not"):
         GuardedClient(Client(), "http://x").log_artifact("f")
+    with pytest.raises(TrackingStoreError, match="answered log_text .* the artifact store it proxies uploads to"):
+        GuardedClient(Client(), "http://x").log_text("t", "f.txt")
+    with pytest.raises(TrackingStoreError, match="answered log_param with server errors .* the server is up, its "
+                                                 "backend store is not .the database"):
+        GuardedClient(Client(), "http://x").log_param("p", 1)
     with pytest.raises(TrackingStoreError, match="stopped answering during the run .log_metric"):
         GuardedClient(Client(), "http://x").log_metric("m", 1)
