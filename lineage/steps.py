@@ -2,7 +2,8 @@
 
 A run directory's `config.json` holds the train config and the token dataset it read (`tokens`). The sampler
 (lifecycle.tasks.train.sampler) is a pure function of (seed, data step, sequence index), so the windows of a
-step are recomputed here, not logged: every sequence of the global batch, with the rank and micro-batch that
+step are recomputed here (where they start: `train.batch.window_starts`, `anywhere` for a config.json that
+predates it), not logged: every sequence of the global batch, with the rank and micro-batch that
 read it under the run's layout, its shard and token range, and the documents of the token dataset's side table
 that overlap it (with the tokens each contributed). Loss-spike rollbacks (metrics.jsonl `rollback` records)
 shift which data step a training step reads, and are applied. Torch-free.
@@ -49,9 +50,10 @@ def step_documents(run_dir: str | Path, step: int, check=lambda path, what: Path
     skipped = skipped_before(run_dir, step)
     dstep = sampler.data_step(step - 1, skipped)  # logged step N is the update computed at index N-1
     shards = [p for p in tokens.train if check(p, "token shard").stat().st_size]  # the sampler's k counts these
-    size = {p: Path(p).stat().st_size // np.dtype(tokens.dtype).itemsize for p in shards}
+    data = [np.memmap(p, dtype=tokens.dtype, mode="r") for p in shards]
     T, B, accum, grid = cfg.model.seq_len, cfg.batch.micro_batch_size, cfg.batch.grad_accum, Grid.of(cfg)
-    wins = sampler.windows([size[p] for p in shards], T, cfg.seed, dstep, 0, cfg.global_batch)
+    wins = sampler.step_windows(sampler.window_mode(launch["train"]), data, tokens.eot_id, T, cfg.seed, dstep, 0,
+                                cfg.global_batch)
     ref = DatasetRef.from_dir(check(Path(tokens.tokenizer_path).parent, "token dataset"))
     side = ref.read(["doc_id", "source_id", "split", "shard", "token_start", "token_end"])
     side = side.filter(pc.equal(side.column("split"), "train"))

@@ -84,6 +84,11 @@ class BatchConfig(Section):
     num_ranks: int = Field(2, ge=1)
     """All ranks (the world size): data-parallel degree × `train.parallel` tp·pp·sp. Without a hostfile, processes the train stage starts on this machine
     (one per rank, with DeepSpeed's rank environment); with `train.launch.hostfile`, the total number of ranks the (filtered) hostfile gives."""
+    window_starts: Literal["anywhere", "documents"] = "anywhere"
+    """Where a training window may start (lifecycle.tasks.train.sampler): `anywhere` in a shard (uniform), or
+    `documents`: at a document's first token or a whole number of seq_len past it inside the document (a long
+    document is read in chunks from its start; no token is dropped), uniform over those starts. In the
+    fingerprint; a run whose config.json predates the field resumes as `anywhere` (sampler.window_mode)."""
 
 
 class EngineConfig(Section):

@@ -22,19 +22,20 @@ import torch
 from lifecycle.tasks.data.tokenize.stage import TokenShards
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.sampler import data_step  # noqa: F401  (re-exported: the trainer's import)
-from lifecycle.tasks.train.sampler import first_sequence, windows
+from lifecycle.tasks.train.sampler import first_sequence, step_windows
 
 
 def get_batch(shards: TokenShards, cfg: TrainConfig, step: int, dp_rank: int, micro: int, pin: bool = False):
     """(x, y) int64 tensors (B, T) of random windows: the micro-batch `micro` of data-parallel rank `dp_rank`
     (lifecycle.tasks.train.sampler: sequence j of a step's global batch is a pure function of (seed, step, j), so
-    every layout with the same global batch trains on the same sequences)."""
+    every layout with the same global batch trains on the same sequences; `train.batch.window_starts` says where
+    a window may start)."""
     T, B = cfg.model.seq_len, cfg.batch.micro_batch_size
     # We recreate np.memmap every batch to avoid a memory leak (nanoGPT): a long-lived map keeps every
     # page it ever touched accounted to the process.
     data = shards.memmap("train")
     first = first_sequence(dp_rank, micro, cfg.batch.grad_accum, B)
-    wins = windows([len(d) for d in data], T, cfg.seed, step, first, B)
+    wins = step_windows(cfg.batch.window_starts, data, shards.eot_id, T, cfg.seed, step, first, B)
     x = np.stack([data[k][i : i + T] for k, i in wins]).astype(np.int64)
     y = np.stack([data[k][i + 1 : i + 1 + T] for k, i in wins]).astype(np.int64)
     if pin:  # page-locked, so the step's copy to the GPU is asynchronous (the prefetch thread pays for the pinning)
