@@ -10,7 +10,11 @@ of the demo's val shard once, over both ranks; each arm's model attends as it tr
 cores: tokens/s moves with the machine's load, so compare arms run back to back). Arms, against `base` (the
 defaults: AdamW, cosine, packed attention, fp32, scaled init with RMSNorm):
 
+- `packed`: `train.model.attention: packed` and `train.batch.window_starts: anywhere` (the packing of before,
+  whatever the defaults);
 - `document`: `train.model.attention: document` (document-aware attention);
+- `document_windows`: the same with `train.batch.window_starts: documents` (windows start at a document's first
+  token, or a whole number of windows past it);
 - `wsd`: `train.optimizer.schedule: wsd` (decay over the last 20 %, 1-sqrt);
 - `wsd_anneal`: the same WSD run annealed from its middle: horizon 0.6·steps, the decay over its last 10 % of
   the steps (decay_fraction 1/6), so it is the `wsd` run up to step 0.5·steps; its loss is read at 0.6·steps;
@@ -44,7 +48,9 @@ EVALS = 8  # validation points per run: the curve that `tokens_to` reads
 MODELS = {"demo": {}, "larger": {"n_layer": 6, "n_embd": 192, "n_head": 6}}
 ARMS = {
     "base": {},
+    "packed": {"model": {"attention": "packed"}, "batch": {"window_starts": "anywhere"}},
     "document": {"model": {"attention": "document"}},
+    "document_windows": {"model": {"attention": "document"}, "batch": {"window_starts": "documents"}},
     "wsd": {"optimizer": {"schedule": "wsd"}},
     "wsd_anneal": {"optimizer": {"schedule": "wsd", "decay_fraction": 1 / 6}},  # horizon set in config()
     "bf16": {"engine": {"precision": "bf16"}},
