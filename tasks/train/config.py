@@ -313,26 +313,6 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _attention(cls, data: Any) -> Any:
-        """`model.attention` left unset is `packed` (ModelConfig.attention), and stays so under pipeline or
-        sequence parallelism, which cannot compute document masks; `document` set explicitly is checked in
-        `_check`."""
-        if not isinstance(data, dict):
-            return data
-        model = data.get("model") or {}
-        given = model.model_fields_set if isinstance(model, BaseModel) else set(model)
-        par = data.get("parallel") or {}
-        par = par.model_dump() if isinstance(par, BaseModel) else par
-        layout = data.get("layout") if isinstance(data.get("layout"), str) else ""
-        split = max(par.get("pp", 1), par.get("sp", 1)) > 1 or any(f"{d}=" in layout and f"{d}=1" not in layout
-                                                                   for d in ("pp", "sp"))
-        if "attention" in given or not split:
-            return data
-        model = model.model_dump(exclude_unset=True) if isinstance(model, BaseModel) else dict(model)
-        return {**data, "model": {**model, "attention": "packed"}}
-
-    @model_validator(mode="before")
-    @classmethod
     def _layout(cls, data: Any) -> Any:
         """`layout: tp=T,pp=P,sp=S[,dp=D]` (what `lifecycle plan layout` prints) sets `train.parallel`; a degree
         that `parallel` also sets, differently, is refused. `dp` is checked against the ranks after validation."""
@@ -360,11 +340,6 @@ class TrainConfig(BaseModel):
                              f" and train.engine.zero_stage 1-3 (got {eng.zero_stage}; DeepSpeed keeps bf16 master "
                              "weights and moments in its ZeRO optimizers only, runtime/config.py) without pipeline "
                              f"stages (pp={self.parallel.pp})")
-        if self.model.attention == "document" and max(self.parallel.pp, self.parallel.sp) > 1:
-            raise ValueError(f"train.model.attention=document with train.parallel pp={self.parallel.pp} sp="
-                             f"{self.parallel.sp}: a pipeline stage gets only the activations and a sequence slice "
-                             "only its tokens, not the token ids that mark the documents; set "
-                             "train.model.attention=packed")
         if self.model.norm == "none" and self.parallel.tp_sequence_parallel:
             raise ValueError("train.model.norm=none with train.parallel.tp_sequence_parallel: Megatron's sequence "
                              "parallelism splits the norms' activations along the sequence, and this model has no "

@@ -11,7 +11,8 @@ config fields too, so a Llama 2/3, Mistral, Qwen2 or SmolLM checkpoint loads exa
 Document-aware attention (`ModelConfig.attention: document`, set up by the trainer with the end-of-text id the
 tokenizer puts after every document, `GPT.doc_sep`): inside a packed window each token attends only to the
 earlier tokens of its own document (a block-causal boolean mask for SDPA) and its rotary or learned position
-restarts at 0 where its document starts (`documents`). A window without an end-of-text token takes the plain
+restarts at 0 where its document starts (`documents`, over the whole window's ids: `GPT.window_ids`, which
+sequence parallelism gathers; a pipeline passes the ids from stage to stage, lifecycle.tasks.train.parallel.pp). A window without an end-of-text token takes the plain
 causal kernel. Left unset (`doc_sep` None, as when the model is rebuilt for generation) attention is causal over
 the whole input, the same for a single document.
 
@@ -73,10 +74,12 @@ def rope_tables(cfg: ModelConfig, T: int, device: torch.device, start: int = 0) 
     return angles.cos(), angles.sin()
 
 
-def rope_tables_at(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables_at(cfg: ModelConfig, positions: torch.Tensor, length: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (B, 1, T, head_dim/2) for per-token `positions` (B, T) (document-aware packing:
-    positions restart at each document); they broadcast over the heads in `apply_rope`."""
-    cos, sin = rope_tables(cfg, positions.size(1), positions.device)  # positions < T
+    positions restart at each document), all below `length` (default T; a sequence-parallel slice's positions
+    run up to the whole window's); they broadcast over the heads in `apply_rope`."""
+    cos, sin = rope_tables(cfg, length or positions.size(1), positions.device)
     return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
@@ -322,6 +325,11 @@ class GPT(nn.Module):
         """The residual stream as the final norm and head take it (whole again)."""
         return x
 
+    def window_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """The token ids of the whole windows `idx` (B, T) belongs to, where `documents` finds the documents: idx
+        itself, or under sequence parallelism the sp group's slices gathered (lifecycle.tasks.train.parallel.sp)."""
+        return idx
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) int64 with T <= seq_len. Returns (logits (B, T, vocab), mean loss or None).
         Targets equal to -1 are ignored in the loss."""
@@ -330,13 +338,15 @@ class GPT(nn.Module):
         if start + T > self.cfg.seq_len:
             raise ValueError(f"sequence length {start + T} exceeds the model's seq_len {self.cfg.seq_len}")
         x = self.wte(idx)
-        docs = documents(idx, self.doc_sep) if self.doc_sep is not None else None
-        mask = None if docs is None else docs[1]
+        docs = documents(self.window_ids(idx), self.doc_sep) if self.doc_sep is not None else None
+        mask, pos = (None, None) if docs is None else (docs[1], docs[0][:, start:start + T])  # this slice's
         rope = None
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device) if docs is None else docs[0])
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device) if pos is None else pos)
+        elif pos is None:
+            rope = rope_tables(self.cfg, T, idx.device, start)
         else:
-            rope = rope_tables(self.cfg, T, idx.device, start) if docs is None else rope_tables_at(self.cfg, docs[0])
+            rope = rope_tables_at(self.cfg, pos, docs[0].size(1))
         x = self.enter_blocks(self.drop(x))
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():

@@ -103,10 +103,10 @@ class ModelConfig(BaseModel):
     at 0 where the document starts (Llama 3's document mask; lifecycle.tasks.train.model.documents). `packed`: one
     causal sequence over the whole window, positions 0..seq_len-1 across documents (the behaviour before this
     field existed: a run whose config.json lacks it resumes as `packed`). Only training and in-training
-    validation windows are affected: generation sees one document. `document` is refused with pipeline or
-    sequence parallelism (their stages and slices do not see the token ids of the whole window). Default `packed`: document attention did not help the demo's model (bench.recipe: 1.008x packed's validation
-    loss) and pipeline and sequence parallelism cannot compute it, so as a default it would change a run's
-    trajectory when its layout changes; set `document` to use it."""
+    validation windows are affected: generation sees one document. Works under every layout: a pipeline passes
+    the window's ids from stage to stage with the activations, sequence parallelism gathers the slices' ids
+    (lifecycle.tasks.train.parallel.pp, sp). Default `packed`: document attention did not help the demo's model
+    (bench.recipe: 1.008x packed's validation loss); set `document` to use it."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the norm layers."""
     n_kv_head: int | None = Field(None, ge=1)

@@ -71,10 +71,23 @@ def _sequential(cfg: ModelConfig, model):
     return layers, names
 
 
+EOT = 0
+
+
+def _with_documents(x: torch.Tensor) -> torch.Tensor:
+    """x with end-of-text ids at fixed places: three documents in the first window, two in the second."""
+    x = x.clone().clamp(min=1)
+    x[0, [3, 9]] = EOT
+    x[1, 6] = EOT
+    return x
+
+
+@pytest.mark.parametrize("sep", [None, EOT], ids=["packed", "document"])
 @pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False, "pos": "learned", "norm": "layernorm", "mlp": "gelu"}])
-def test_layer_specs_compute_the_dense_model(changes):
+def test_layer_specs_compute_the_dense_model(changes, sep):
     """Embedding, input, blocks, norm and head in sequence give GPT's logits, loss and gradients (tied head:
-    the embedding's gradient sums both uses, as in GPT)."""
+    the embedding's gradient sums both uses, as in GPT); with document attention too (the ids travel with the
+    activations to every block)."""
     from lifecycle.tasks.train.model import GPT
     from lifecycle.tasks.train.parallel import pp
 
@@ -83,7 +96,10 @@ def test_layer_specs_compute_the_dense_model(changes):
     model = GPT(cfg)
     layers, params = _sequential(cfg, model)
     assert set(params) == set(model.export_state())
-    x, y = torch.randint(0, 97, (3, 16)), torch.randint(0, 97, (3, 16))
+    x, y = _with_documents(torch.randint(0, 97, (3, 16))), torch.randint(0, 97, (3, 16))
+    if sep is not None:
+        model.doc_sep = sep
+        pp.set_doc_sep(torch.nn.ModuleList(m for m in layers if isinstance(m, torch.nn.Module)), sep)
     h = x
     for layer in layers:
         h = layer(h)
@@ -115,7 +131,7 @@ def test_blocks_are_split_evenly_and_the_names_follow_the_dense_model():
 # two gloo processes, a real PipelineModule
 
 
-def _pipe_worker(rank: int, port: int, out: str, tie: bool) -> None:
+def _pipe_worker(rank: int, port: int, out: str, tie: bool, sep: int | None = None) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
     import deepspeed
@@ -129,6 +145,7 @@ def _pipe_worker(rank: int, port: int, out: str, tie: bool) -> None:
     cfg = TINY.model_copy(update={"tie_embeddings": tie})
     torch.manual_seed(0)
     model = GPT(cfg)
+    model.doc_sep = sep
     pipe = pp.pipeline_module(model, pp=2, dp=1, activation_checkpointing=False)
     stage = pipe.stage_id
     order = [pipe.dense_names().get(n, "wte.weight") for n, _ in pipe.named_parameters()]
@@ -138,12 +155,15 @@ def _pipe_worker(rank: int, port: int, out: str, tie: bool) -> None:
         "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True})
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)) for _ in range(2)]
+    batches = [(_with_documents(torch.randint(0, 97, (2, 16), generator=g)), torch.randint(0, 97, (2, 16), generator=g))
+               for _ in range(2)]
     evaluated = pp.eval_loss(engine, *batches[1])
     loss = pp.forward_backward(engine, batches)
     ref = sum(model(x, y)[1].item() for x, y in batches) / 2
     result = {"stage": stage, "order": order, "expected_order": pp.stage_param_names(cfg, 2, stage),
               "loss": loss, "ref": ref, "eval": evaluated, "eval_ref": model(*batches[1])[1].item()}
+    model.doc_sep = None
+    result["packed_ref"] = sum(model(x, y)[1].item() for x, y in batches) / 2
     if rank == 0:
         dense = model.export_state()
         result["export_equal"] = sorted(exported) == sorted(dense) and all(torch.equal(exported[k], dense[k]) for k in dense)
@@ -153,15 +173,18 @@ def _pipe_worker(rank: int, port: int, out: str, tie: bool) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_a_two_stage_pipeline_exports_the_dense_weights_and_computes_the_dense_loss(tmp_path, tie):
+@pytest.mark.parametrize("tie, sep", [(True, None), (True, EOT), pytest.param(False, None, marks=pytest.mark.slow)],
+                         ids=["tied", "tied-document", "untied"])
+def test_a_two_stage_pipeline_exports_the_dense_weights_and_computes_the_dense_loss(tmp_path, tie, sep):
     """Two gloo ranks, one stage each: rank 0 gathers model.safetensors' dense state (equal to GPT's), the
     stages' parameter order is what the converter assumes, and the first step's loss (before any update) and
-    an eval loss equal the dense model's on the same micro-batches, on both ranks (DeepSpeed broadcasts it)."""
+    an eval loss equal the dense model's on the same micro-batches, on both ranks (DeepSpeed broadcasts it).
+    With document attention the second stage's blocks mask by the ids the first stage sends: the loss is the
+    dense document-aware model's, not the packed one's."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "r")
-    mp.start_processes(_pipe_worker, args=(free_port(), out, tie), nprocs=2, start_method="spawn")
+    mp.start_processes(_pipe_worker, args=(free_port(), out, tie, sep), nprocs=2, start_method="spawn")
     got = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     assert [g["stage"] for g in got] == [0, 1]
     assert got[0]["export_equal"]
@@ -169,6 +192,8 @@ def test_a_two_stage_pipeline_exports_the_dense_weights_and_computes_the_dense_l
         assert g["order"] == g["expected_order"]
         assert math.isclose(g["loss"], g["ref"], rel_tol=1e-6) and math.isclose(g["eval"], g["eval_ref"], rel_tol=1e-6)
     assert got[0]["loss"] == got[1]["loss"]
+    if sep is not None:  # the documents change the loss, so a stage that ignored them would fail the check above
+        assert not math.isclose(got[0]["ref"], got[0]["packed_ref"], rel_tol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------------

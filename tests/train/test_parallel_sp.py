@@ -55,14 +55,19 @@ def _compare(sp, rank: int, world: int, shape: dict) -> dict:
 
     from lifecycle.tasks.train.model import GPT
 
+    shape = dict(shape)
+    sep = shape.pop("doc_sep", None)  # document attention: the end-of-text id
     cfg = ModelConfig(vocab_size=97, **shape)
     torch.manual_seed(0)
     dense = GPT(cfg)
     model = sp.wrap(GPT(cfg))
     model.load_state_dict(dense.state_dict())
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 97, (3, cfg.seq_len), generator=g)
+    x = torch.randint(1, 97, (3, cfg.seq_len), generator=g)
     y = torch.randint(0, 97, (3, cfg.seq_len), generator=g)
+    x[0, [3, 11]] = x[1, 6] = EOT  # a document across the two halves; the third window one document
+    packed_logits = dense(x, y)[0].detach()
+    dense.doc_sep = model.doc_sep = sep
 
     ref_logits, ref_loss = dense(x, y)
     ref_loss.backward()
@@ -78,6 +83,7 @@ def _compare(sp, rank: int, world: int, shape: dict) -> dict:
     n = cfg.seq_len // world
     part = slice(rank * n, (rank + 1) * n)
     return {"loss": loss.item(), "ref_loss": ref_loss.item(),
+            "packed_err": (packed_logits - ref_logits).abs().max().item(),
             "logits_err": (logits - ref_logits[:, part]).abs().max().item(),
             "logits_scale": ref_logits.abs().max().item(),
             "grad_err": max((grads[k] - p.grad).abs().max().item() for k, p in dense.named_parameters()),
@@ -103,20 +109,26 @@ def _worker(rank: int, world: int, port: int, shapes: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
+EOT = 0
+
 SHAPES = {
     "rope": {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16},  # Llama recipe: RoPE at global positions
     "gqa": {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "seq_len": 16, "qkv_bias": True},
     "learned-positions": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 16, "pos": "learned",
                           "norm": "layernorm", "mlp": "gelu"},
+    # document attention: the slices' ids gathered, positions restarting per document, the whole window's mask
+    "rope-gqa-document": {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "seq_len": 16, "doc_sep": EOT},
+    "learned-document": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 16, "pos": "learned",
+                         "norm": "layernorm", "mlp": "gelu", "doc_sep": EOT},
 }
 
 
 def test_ulysses_attention_on_gloo_matches_the_dense_model_forward_and_backward(tmp_path):
     """DeepSpeed's DistributedAttention (all_to_all_single on gloo) around our causal attention, 2 ranks each
     holding half of every sequence, against one dense model on the whole sequence, for RoPE, grouped-query
-    attention and learned positions: the logits of each half, the loss (sp-group mean) and every parameter's
-    gradient (summed over the sp ranks, as DeepSpeed reduces it) agree to fp32 rounding. One spawn for the
-    three models (each process pays ~10-40 s for `import deepspeed`)."""
+    attention and learned positions, packed and with document attention: the logits of each half, the loss
+    (sp-group mean) and every parameter's gradient (summed over the sp ranks, as DeepSpeed reduces it) agree to
+    fp32 rounding. One spawn for the five models (each process pays ~10-40 s for `import deepspeed`)."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "res")
@@ -129,6 +141,8 @@ def test_ulysses_attention_on_gloo_matches_the_dense_model_forward_and_backward(
             assert r["logits_err"] <= 1e-5 * r["logits_scale"], name
             assert r["grad_err"] <= 1e-5 * r["grad_scale"], name
         assert got[0][name]["loss"] == got[1][name]["loss"], name  # every sp rank reports the full-sequence loss
+        if "doc_sep" in shape:  # the documents change the loss: a slice that ignored them would fail above
+            assert got[0][name]["packed_err"] > 100 * 1e-5 * got[0][name]["logits_scale"], name
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Issue 47's recipe options, fast: warmup-stable-decay (`train.optimizer.schedule: wsd`: lr values, extension,
 the stable phase shared by any horizon, the run key) and document-aware attention
 (`train.model.attention: document`: a document's logits do not depend on the other documents of its window,
-positions restart at each document, the same under tp=2 on two gloo processes; refusals under pp/sp). The runs
+positions restart at each document, the same under tp=2 on two gloo processes; accepted under pp/sp). The runs
 that train through DeepSpeed are in test_recipe_runs.py."""
 
 from __future__ import annotations
@@ -139,14 +139,14 @@ def test_document_attention_under_tp2_matches_the_dense_model(tmp_path):
         torch.testing.assert_close(got[0][:, -5:], got[1][:, -5:], rtol=0, atol=1e-5)  # the last document
 
 
-def test_attention_defaults_to_packed_refuses_document_under_pp_or_sp_and_old_runs_stay_packed():
+def test_attention_defaults_to_packed_runs_under_pp_and_sp_and_old_runs_stay_packed():
     assert TrainConfig().model.attention == "packed"
     pp = {"parallel": {"pp": 2}, "engine": {"zero_stage": 1}}
-    assert TrainConfig.model_validate(pp).model.attention == "packed"  # unset: what the layout can compute
-    with pytest.raises(ValueError, match="attention=document with train.parallel pp=2"):
-        TrainConfig.model_validate({**pp, "model": {"attention": "document"}})
-    with pytest.raises(ValueError, match="attention=document with train.parallel pp=1 sp=2"):
-        TrainConfig.model_validate({"parallel": {"sp": 2}, "model": {"attention": "document"}})
+    assert TrainConfig.model_validate(pp).model.attention == "packed"
+    # pipeline and sequence parallelism compute it (tests/train/test_parallel_pp.py, test_parallel_sp.py)
+    assert TrainConfig.model_validate({**pp, "model": {"attention": "document"}}).model.attention == "document"
+    assert TrainConfig.model_validate({"parallel": {"sp": 2}, "model": {"attention": "document"}}
+                                      ).model.attention == "document"
     new = {"train": TrainConfig.model_validate({"model": {"attention": "document"}}).model_dump(mode="json")}
     old = {"train": {**new["train"], "model": {k: v for k, v in new["train"]["model"].items() if k != "attention"}}}
     assert attention(new) == "document" and attention(old) == "packed"

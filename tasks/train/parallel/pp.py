@@ -11,6 +11,13 @@ The model is a list of layer specs, each stage a contiguous run of them (`layer_
                    all-reduces the two copies' gradients and counts the copy once in the gradient norm), or a
                    `HeadPipe` (lm_head) when the embeddings are untied
 
+Document-aware attention (`attention: document`, the dense model's `doc_sep` set): a stage gets only what the
+stage before sends, so the embedding layer sends the window's token ids on with the activations, as a tuple
+(activations, ids) that DeepSpeed passes between stages (integers get no gradient); the input layer and each block
+find the documents in them (`model.documents`: the learned positions, the RoPE tables and the block-causal mask,
+recomputed per block, as the RoPE tables are), and the final norm drops them. Without it the layers pass one
+tensor, as before.
+
 Blocks are partitioned evenly: `partition_method="type:BlockPipe"` balances the number of blocks per stage
 (the embedding, input and head layers add no block). 'parameters' would count the token table (the largest
 matrix at demo scale) and leave the first stage with almost no blocks; 'uniform' counts the four non-block
@@ -57,7 +64,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelD
 from deepspeed.runtime.utils import partition_balanced
 
 from lifecycle.tasks.train.config import ModelConfig
-from lifecycle.tasks.train.model import GPT, Block, make_norm, recompute_fn, rope_tables
+from lifecycle.tasks.train.model import GPT, Block, documents, make_norm, recompute_fn, rope_tables, rope_tables_at
 from lifecycle.tasks.train.parallel.mesh import Grid
 
 PARTITION_METHOD = "type:BlockPipe"
@@ -68,15 +75,22 @@ TIE_KEY = "wte"
 # the layers
 
 
+Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What the layers pass: the activations, or (activations, the window's token ids) under document attention."""
+
+
 class EmbedPipe(nn.Module):
-    """The token table; on the last stage of a tied model the same module (a tied copy) is the output head."""
+    """The token table; on the last stage of a tied model the same module (a tied copy) is the output head.
+    Under document attention (`doc_sep` set by `pipeline_module`) the ids go on with the activations."""
+
+    doc_sep: int | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.wte(idx)
+    def forward(self, idx: torch.Tensor) -> Hidden:
+        return self.wte(idx) if self.doc_sep is None else (self.wte(idx), idx)
 
 
 def tied_head(embed: EmbedPipe, x: torch.Tensor) -> torch.Tensor:
@@ -85,30 +99,42 @@ def tied_head(embed: EmbedPipe, x: torch.Tensor) -> torch.Tensor:
 
 
 class InputPipe(nn.Module):
-    """Learned positions (when `pos: learned`) and the embedding dropout."""
+    """Learned positions (when `pos: learned`; per document under document attention) and the embedding
+    dropout."""
+
+    doc_sep: int | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd) if cfg.pos == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: Hidden) -> Hidden:
+        x, ids = h if isinstance(h, tuple) else (h, None)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(x.shape[1], device=x.device))
-        return self.drop(x)
+            docs = documents(ids, self.doc_sep) if ids is not None and self.doc_sep is not None else None
+            x = x + self.wpe(torch.arange(x.shape[1], device=x.device) if docs is None else docs[0])
+        return self.drop(x) if ids is None else (self.drop(x), ids)
 
 
 class BlockPipe(Block):
-    """A block that takes only the activations (a pipeline passes one tensor between layers): its RoPE tables
-    are computed here from the sequence length."""
+    """A block that takes only what the layer before passes: its RoPE tables are computed here from the sequence
+    length, or under document attention its positions and mask from the window's ids."""
+
+    doc_sep: int | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.cfg = cfg
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rope = None if self.cfg.pos == "learned" else rope_tables(self.cfg, x.shape[1], x.device)
-        return super().forward(x, rope)
+    def forward(self, h: Hidden) -> Hidden:
+        x, ids = h if isinstance(h, tuple) else (h, None)
+        docs = documents(ids, self.doc_sep) if ids is not None and self.doc_sep is not None else None
+        rope = None
+        if self.cfg.pos != "learned":
+            rope = rope_tables(self.cfg, x.shape[1], x.device) if docs is None else rope_tables_at(self.cfg, docs[0])
+        y = super().forward(x, rope, None if docs is None else docs[1])
+        return y if ids is None else (y, ids)
 
 
 class NormPipe(nn.Module):
@@ -116,8 +142,8 @@ class NormPipe(nn.Module):
         super().__init__()
         self.norm_f = make_norm(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm_f(x)
+    def forward(self, h: Hidden) -> torch.Tensor:
+        return self.norm_f(h[0] if isinstance(h, tuple) else h)
 
 
 class HeadPipe(nn.Module):
@@ -199,6 +225,8 @@ def pipeline_module(model: GPT, pp: int, dp: int, activation_checkpointing: bool
     if Grid(pp=pp, dp=dp, tp=tp).coords(rank) != {"pp": coord.pipe, "dp": coord.data, "sp": 0, "tp": getattr(coord, "model", 0)}:
         raise RuntimeError(f"DeepSpeed's pipeline topology puts rank {rank} at {coord}, the lifecycle Grid elsewhere")
     pipe.load_dense(model.export_state(copy=False))
+    if model.doc_sep is not None:  # document attention: the ids travel with the activations
+        set_doc_sep(pipe, model.doc_sep)
     if tp > 1:
         pipe.shard_blocks()
     tp_rank = pipe._grid.get_slice_parallel_rank()
@@ -206,6 +234,14 @@ def pipeline_module(model: GPT, pp: int, dp: int, activation_checkpointing: bool
         p.model_parallel = getattr(p, "tensor_model_parallel", False) or (
             tp_rank == 0 and not getattr(p, "ds_pipe_replicated", False))
     return pipe
+
+
+def set_doc_sep(layers: nn.Module, sep: int) -> None:
+    """Document attention in a stage's (or a list's) layers: the embedding sends the ids on, the input layer and
+    the blocks find the documents ending with end-of-text id `sep` in them."""
+    for m in layers.modules():
+        if isinstance(m, (EmbedPipe, InputPipe, BlockPipe)):
+            m.doc_sep = sep
 
 
 class GPTPipe(PipelineModule):

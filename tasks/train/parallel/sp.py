@@ -5,7 +5,10 @@ The `sp` ranks of a group read the same micro-batches (the sampler keys on the d
 a contiguous 1/sp slice of every sequence: tokens, targets (the targets are the inputs shifted by one before
 slicing, so slice r's last target is slice r+1's first token) and positions (rank r's tokens sit at positions
 r·T/sp ...: `GPT.seq_shard` offsets the RoPE tables or the learned position table). Everything but attention is
-per token, so it runs on the slice unchanged. Attention goes through DeepSpeed's
+per token, so it runs on the slice unchanged. Document-aware attention (`attention: document`) needs the whole
+window's token ids: `GPT.window_ids` all-gathers the slices' ids over the sp group (B·T integers per forward), so
+every rank finds the same documents; a rank keeps its slice of the positions and hands the whole block-causal
+mask to the attention, which runs over the whole sequence. Attention goes through DeepSpeed's
 `deepspeed.sequence.layer.DistributedAttention`: an all-to-all turns q, k, v from (all heads, T/sp tokens) into
 (H/sp heads, all T tokens), our causal SDPA runs on those heads, and a second all-to-all turns the output back.
 With grouped-query attention k and v carry n_kv_head heads and are split the same way, so query heads
@@ -49,12 +52,17 @@ class UlyssesAttention:
         self.layer = DistributedAttention(self._local, group, scatter_idx=2, gather_idx=1)
 
     @staticmethod
-    def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """Our causal attention on (B, T, heads/sp, D): the full sequence, this rank's heads."""
-        return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p).transpose(1, 2)
+    def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Our causal (or block-causal: `mask` of the whole window) attention on (B, T, heads/sp, D): the full
+        sequence, this rank's heads."""
+        return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
+                                mask).transpose(1, 2)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        y = self.layer(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, dropout_p=dropout_p)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.layer(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, dropout_p=dropout_p,
+                       mask=mask)
         return y.transpose(1, 2)
 
 
@@ -83,11 +91,20 @@ class SequenceParallel:
         self.size = mesh.get_sequence_parallel_world_size()
 
     def wrap(self, model: GPT) -> GPT:
-        """Make `model` compute on this rank's slice: global positions, all-to-all attention in every block."""
+        """Make `model` compute on this rank's slice: global positions, all-to-all attention in every block, the
+        documents of the whole window (`gather`)."""
         model.seq_shard = self.rank
+        model.window_ids = self.gather
         for block in model.blocks:
             block.attn.attention = UlyssesAttention(self.group)
         return model
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The whole windows (B, T) from this rank's slice (B, T/sp) of their token ids (collective over the sp
+        group; integers, no gradient)."""
+        parts = [torch.empty_like(ids) for _ in range(self.size)]
+        dist.all_gather(parts, ids.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's contiguous slice of the inputs (B, T) and of their targets (the same positions)."""
