@@ -146,7 +146,8 @@ def _pipe_worker(rank: int, port: int, out: str, tie: bool, sep: int | None = No
     torch.manual_seed(0)
     model = GPT(cfg)
     model.doc_sep = sep
-    pipe = pp.pipeline_module(model, pp=2, dp=1, activation_checkpointing=False)
+    # with documents, each block recomputed in backward too: the (activations, ids) tuple goes through checkpoint
+    pipe = pp.pipeline_module(model, pp=2, dp=1, activation_checkpointing=sep is not None)
     stage = pipe.stage_id
     order = [pipe.dense_names().get(n, "wte.weight") for n, _ in pipe.named_parameters()]
     exported = pipe.export_state()
@@ -179,8 +180,8 @@ def test_a_two_stage_pipeline_exports_the_dense_weights_and_computes_the_dense_l
     """Two gloo ranks, one stage each: rank 0 gathers model.safetensors' dense state (equal to GPT's), the
     stages' parameter order is what the converter assumes, and the first step's loss (before any update) and
     an eval loss equal the dense model's on the same micro-batches, on both ranks (DeepSpeed broadcasts it).
-    With document attention the second stage's blocks mask by the ids the first stage sends: the loss is the
-    dense document-aware model's, not the packed one's."""
+    With document attention (and activation checkpointing) the second stage's blocks mask by the ids the first
+    stage sends: the loss is the dense document-aware model's, not the packed one's."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "r")
