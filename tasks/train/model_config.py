@@ -97,7 +97,7 @@ class ModelConfig(BaseModel):
     """Share the token embedding with the output head (see module docstring)."""
     rope_theta: float = Field(10000.0, gt=0)
     """RoPE base frequency."""
-    attention: Literal["document", "packed"] = "packed"
+    attention: Literal["document", "packed"] = "document"
     """How a packed training window (documents end to end, each followed by the tokenizer's end-of-text id) is
     attended. `document`: each token attends only to its own document's earlier tokens and its position restarts
     at 0 where the document starts (Llama 3's document mask; lifecycle.tasks.train.model.documents). `packed`: one
@@ -105,8 +105,8 @@ class ModelConfig(BaseModel):
     field existed: a run whose config.json lacks it resumes as `packed`). Only training and in-training
     validation windows are affected: generation sees one document. Works under every layout: a pipeline passes
     the window's ids from stage to stage with the activations, sequence parallelism gathers the slices' ids
-    (lifecycle.tasks.train.parallel.pp, sp). Default `packed`: document attention did not help the demo's model
-    (bench.recipe: 1.008x packed's validation loss); set `document` to use it."""
+    (lifecycle.tasks.train.parallel.pp, sp). Default `document` (issue 47: over 120 steps at 3 seeds it ended below
+    `packed` on the demo's model, docs/benchmarks.md "Recipe"); `packed` keeps the packing of before."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the norm layers."""
     n_kv_head: int | None = Field(None, ge=1)

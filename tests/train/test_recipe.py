@@ -139,10 +139,11 @@ def test_document_attention_under_tp2_matches_the_dense_model(tmp_path):
         torch.testing.assert_close(got[0][:, -5:], got[1][:, -5:], rtol=0, atol=1e-5)  # the last document
 
 
-def test_attention_defaults_to_packed_runs_under_pp_and_sp_and_old_runs_stay_packed():
-    assert TrainConfig().model.attention == "packed"
+def test_attention_defaults_to_document_under_every_layout_and_old_runs_stay_packed():
+    assert TrainConfig().model.attention == "document"
     pp = {"parallel": {"pp": 2}, "engine": {"zero_stage": 1}}
-    assert TrainConfig.model_validate(pp).model.attention == "packed"
+    assert TrainConfig.model_validate(pp).model.attention == "document"
+    assert TrainConfig.model_validate({**pp, "model": {"attention": "packed"}}).model.attention == "packed"
     # pipeline and sequence parallelism compute it (tests/train/test_parallel_pp.py, test_parallel_sp.py)
     assert TrainConfig.model_validate({**pp, "model": {"attention": "document"}}).model.attention == "document"
     assert TrainConfig.model_validate({"parallel": {"sp": 2}, "model": {"attention": "document"}}
@@ -150,7 +151,7 @@ def test_attention_defaults_to_packed_runs_under_pp_and_sp_and_old_runs_stay_pac
     new = {"train": TrainConfig.model_validate({"model": {"attention": "document"}}).model_dump(mode="json")}
     old = {"train": {**new["train"], "model": {k: v for k, v in new["train"]["model"].items() if k != "attention"}}}
     assert attention(new) == "document" and attention(old) == "packed"
-    assert TrainConfig().run_key()["model"]["attention"] == "packed"
+    assert TrainConfig().run_key()["model"]["attention"] == "document"  # in the fingerprint: a packed run is another
 
 
 # --------------------------------------------------------------------------------------------------
