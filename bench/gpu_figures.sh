@@ -11,6 +11,9 @@
 #            not in the default --only: a lease of 15 minutes has no room for it after the three above)
 #   recovery python -m bench.recovery 1 --model 350m --accelerator cuda --ranks 1 --precision bf16 --spare --json
 #            (issue 21: relaunch from memory, from disk, and a hot spare's takeover; not in the default --only)
+#   dali     python -m bench.image_loader --device cuda --json  (issue 48: the CLIP loader's stall per step, workers
+#            against DALI's nvJPEG; DALI is too big for gpu_wheels.sh, so only where it is installed, else a JSON line
+#            saying it is not)
 # Exit status 1 when a step failed (a skipped step is not a failure).
 # Logs go to DIR (default ./gpu-figures), one per step, and a summary of the JSON lines to DIR/summary.jsonl.
 # --cpu-check runs the same steps on this machine's CPU with the tiny shape and one kill (no GPU, no nvidia-smi):
@@ -20,7 +23,7 @@ cd "$(dirname "$0")/.."
 PY=python3
 OUT_DIR=gpu-figures
 BUDGET=540
-ONLY=gemm,mfu124,resume,mfu350
+ONLY=gemm,mfu124,resume,mfu350,dali
 CPU_CHECK=0
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -29,7 +32,7 @@ while [ $# -gt 0 ]; do
         --budget) BUDGET=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
         --cpu-check) CPU_CHECK=1; shift ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) echo "gpu_figures.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -68,6 +71,7 @@ if [ "$CPU_CHECK" = 1 ]; then
     LARGE_ARGS=()
     LEVER_ARGS=(--device cpu --peer-steps 4 --warmup 1 --json)
     GEMM_ARGS=(--cpu-check)
+    DALI_ARGS=(--device cpu --steps 6 --rounds 1 --json)
     echo "cpu check: tiny shapes on the CPU" | tee "$OUT_DIR/gpu.txt"
 else
     # saves every 15 steps at 124M (~2-4 s apart: the persist of ~2 GB fits), every 20 at 350M
@@ -77,6 +81,7 @@ else
     LARGE_ARGS=(--steps 50 --every 20)
     LEVER_ARGS=(--peer-steps 20 --warmup 6 --json)
     GEMM_ARGS=(--json)
+    DALI_ARGS=(--device cuda --steps 60 --rounds 2 --json)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 fi
 "$PY" -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
@@ -89,5 +94,6 @@ step resume 90 200 "$PY" -m bench.kill_resume "${RESUME[@]}"
 step mfu350 150 300 "$PY" -m bench.gpu_mfu --model "$MODEL_LARGE" "${MFU_ARGS[@]}" ${LARGE_ARGS[@]+"${LARGE_ARGS[@]}"}
 step levers 120 400 "$PY" -m bench.gpu_mfu --model "$MODEL_SMALL" --levers all "${LEVER_ARGS[@]}"
 step recovery 120 400 "$PY" -m bench.recovery "${RECOVERY[@]}"
+step dali 30 150 "$PY" -m bench.image_loader "${DALI_ARGS[@]}"
 echo "== done in $(( $(date +%s) - START ))s${FAILED:+; failed:$FAILED}" | tee -a "$OUT_DIR/summary.txt"
 [ -z "$FAILED" ]

@@ -31,7 +31,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # (pyarrow's cloudpickle, deepspeed's tabulate and its wcwidth; not deepspeed's mlflow nor pyarrow's pandas), tokenizers (the test
 # corpus of bench.gpu_mfu/kill_resume is tokenized; its huggingface-hub requirement is never imported there),
 # pytest's closure (that corpus comes from tests/train/test_train.py), and cheap ones (pyyaml, safetensors,
-# filelock). A 3.12 folder is about 14 MB.
+# filelock). A 3.12 folder is about 14 MB. Not NVIDIA DALI (clip_train.loader: dali, bench/gpu_figures.sh's `dali`
+# step): its wheel alone is 199 MB, far over what a GPU lease carries (64 MiB); `full`, every pin of the CUDA lock, has it.
 TRAIN=(
     deepspeed hjson einops msgpack ninja packaging psutil py-cpuinfo tqdm
     pydantic pydantic-core annotated-types typing-inspection typing-extensions

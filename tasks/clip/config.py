@@ -5,6 +5,7 @@ zero-shot retrieval evaluation (`ClipEvalConfig`, `clip_evaluate`). Torch-free: 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -102,10 +103,16 @@ class ClipTrainConfig(BaseModel):
     """Commit a checkpoint every this many steps (and at the last step); a rerun resumes from the newest."""
     keep_last: int = Field(2, ge=1)
     """Committed checkpoints kept."""
+    loader: Literal["workers", "dali"] = "workers"
+    """The image loader's backend. `workers`: Pillow decodes and crops in `workers` processes per rank. `dali`: an
+    NVIDIA DALI pipeline (the `dali` extra) fed the same encoded bytes in the same order: decode, the same crop
+    boxes, resize and normalise in DALI, on its CPU operators on the CPU and nvJPEG ("mixed") and GPU operators
+    under `accelerator: cuda`; the same batches up to the resize filters' rounding (docs/data.md)."""
     workers: int = Field(1, ge=0)
-    """Decode-and-augment worker processes per rank; 0 decodes in the training loop itself."""
+    """Decode-and-augment worker processes per rank; 0 decodes in the training loop itself. Under `loader: dali`,
+    DALI's CPU threads per rank (at least 1)."""
     prefetch: int = Field(2, ge=1)
-    """Batches handed to the workers ahead of the step that needs them."""
+    """Batches handed to the workers ahead of the step that needs them (DALI's prefetch queue depth)."""
     cache_mb: float = Field(64.0, ge=0)
     """Per-rank cache of encoded images (CoorDL's policy: kept once cached, never evicted); a rank caches only the
     samples it owns."""
@@ -119,6 +126,9 @@ class ClipTrainConfig(BaseModel):
             raise ValueError(f"crop_scale {self.crop_scale}: need 0 < low <= high <= 1")
         if self.accelerator not in ("cpu", "cuda"):
             raise ValueError(f"accelerator {self.accelerator!r}: cpu or cuda")
+        if self.loader == "dali" and not dali_installed():
+            raise ValueError("loader 'dali': NVIDIA DALI is not installed (pip install -c constraints.txt "
+                             "-e '.[dali]', or loader: workers)")
         return self
 
 
@@ -131,6 +141,14 @@ class ClipEvalConfig(BaseModel):
     """Recall@k reported, image->text and text->image."""
     batch: int = Field(128, ge=1)
     """Pairs encoded at once."""
+
+
+def dali_installed() -> bool:
+    """Whether `nvidia.dali` can be imported (found, not imported: the config check stays quick)."""
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:  # no `nvidia` package at all
+        return False
 
 
 def held_out(image_id: str, fraction: float) -> bool:

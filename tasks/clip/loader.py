@@ -86,9 +86,9 @@ def step_rows(owned: list[int], seed: int, step: int, rank: int, batch: int) -> 
     return out
 
 
-class Loader:
-    """Batches of (images, tokens) for one rank, `prefetch` steps ahead on `workers` processes (spawned, so they
-    share nothing with the rank's threads or its process group's sockets)."""
+class Reads:
+    """What both loader backends share: the rank's owned rows, its cache, a step's rows and their encoded bytes
+    (read in the training loop's process, through the cache), and the caption tokens."""
 
     def __init__(self, pairs: Pairs, train_rows: list[int], cfg: ClipTrainConfig, rank: int, ranks: int,
                  steps: int):
@@ -97,12 +97,31 @@ class Loader:
         if not self.owned:
             raise ValueError(f"rank {rank} of {ranks} owns no training pair ({len(train_rows)} in all)")
         self.cache = NoEvictCache(int(cfg.cache_mb * 2**20))
+
+    def reads(self, step: int) -> tuple[list[int], list[bytes]]:
+        """The index rows of `step` and their JPEG bytes."""
+        rows = step_rows(self.owned, self.cfg.seed, step, self.rank, self.cfg.micro_batch)
+        return rows, [self.cache.get(self.pairs.ids[r], lambda r=r: self.pairs.read(r)) for r in rows]
+
+    def tokens(self, rows: list[int]) -> torch.Tensor:
+        return caption_tokens([self.pairs.tokens[r] for r in rows], self.cfg.model)
+
+    def close(self) -> None:
+        self.pairs.close()
+
+
+class Loader(Reads):
+    """Batches of (images, tokens) for one rank, `prefetch` steps ahead on `workers` processes (spawned, so they
+    share nothing with the rank's threads or its process group's sockets)."""
+
+    def __init__(self, pairs: Pairs, train_rows: list[int], cfg: ClipTrainConfig, rank: int, ranks: int,
+                 steps: int):
+        super().__init__(pairs, train_rows, cfg, rank, ranks, steps)
         self.pool = multiprocessing.get_context("spawn").Pool(cfg.workers) if cfg.workers else None
         self.pending: dict[int, tuple[list[int], Any]] = {}
 
     def _job(self, step: int) -> tuple[list[int], Any]:
-        rows = step_rows(self.owned, self.cfg.seed, step, self.rank, self.cfg.micro_batch)
-        blobs = [self.cache.get(self.pairs.ids[r], lambda r=r: self.pairs.read(r)) for r in rows]
+        rows, blobs = self.reads(step)
         job = (blobs, self.cfg.model.image_size, tuple(self.cfg.crop_scale), (self.cfg.seed, step, self.rank))
         return rows, (self.pool.apply_async(decode_batch, (job,)) if self.pool is not None else job)
 
@@ -114,11 +133,21 @@ class Loader:
                 self.pending[s] = self._job(s)
         rows, job = self.pending.pop(step)
         images = job.get() if self.pool is not None else decode_batch(job)
-        tokens = caption_tokens([self.pairs.tokens[r] for r in rows], self.cfg.model)
-        return torch.from_numpy(images), tokens, time.perf_counter() - t0
+        return torch.from_numpy(images), self.tokens(rows), time.perf_counter() - t0
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
-        self.pairs.close()
+        super().close()
+
+
+def open_loader(pairs: Pairs, train_rows: list[int], cfg: ClipTrainConfig, rank: int, ranks: int, steps: int,
+                device_id: int | None = None) -> Loader | Any:
+    """The backend `cfg.loader` names: worker processes (`workers`) or a DALI pipeline (`dali`, on the GPU
+    `device_id` when there is one)."""
+    if cfg.loader == "dali":
+        from lifecycle.tasks.clip.dali import DaliLoader
+
+        return DaliLoader(pairs, train_rows, cfg, rank, ranks, steps, device_id)
+    return Loader(pairs, train_rows, cfg, rank, ranks, steps)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.tasks.clip.config import ClipTrainConfig
-from lifecycle.tasks.clip.loader import Loader, Pairs, split
+from lifecycle.tasks.clip.loader import Pairs, open_loader, split
 from lifecycle.tasks.clip.model import CLIP
 from lifecycle.tasks.train import commit
 from lifecycle.tasks.train.engine import keep_mlflow_out, stub_muon
@@ -87,8 +87,9 @@ def train(spec: dict) -> None:
     engine = build(cfg, ranks)
     start = restore(engine, root)
     pairs = Pairs(spec["dataset"])
-    loader = Loader(pairs, split(pairs.ids, cfg.holdout)[0], cfg, rank, ranks, cfg.steps)
     device = next(engine.module.parameters()).device
+    loader = open_loader(pairs, split(pairs.ids, cfg.holdout)[0], cfg, rank, ranks, cfg.steps,
+                         device.index if device.type == "cuda" else None)
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     try:
         for step in range(start, cfg.steps):
