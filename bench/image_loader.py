@@ -1,7 +1,8 @@
 """The CLIP loader's stall fraction per step, worker processes against DALI (issue 48):
 `python -m bench.image_loader [--steps 60] [--rounds 2] [--device cpu|cuda] [--dataset DIR] [--json]`
 (the last step of bench/gpu_figures.sh with `--device cuda`; without DALI it prints one JSON line saying so);
-`--pixels`: how far apart the two backends' pixels are, per DALI interpolation.
+`--pixels`: how far apart the two backends' pixels are, per DALI interpolation (the stall run reports cubic's, on
+its device: on a GPU that is nvJPEG's decode and DALI's GPU resize against Pillow).
 
 One rank's training loop at the demo's shape (deploy/configs/clip-demo.yaml's clip_train: the default model at 64
 px, 32 pairs a step, AdamW, one torch thread as each of the demo's 2 ranks has on this 2-core machine) fed by each
@@ -88,9 +89,10 @@ def run_arm(dataset: str, loader: str, steps: int, device: str) -> list[tuple[fl
     return stalls[1:]
 
 
-def pixels(dataset: str, steps: int, interps: list[str]) -> dict:
+def pixels(dataset: str, steps: int, interps: list[str], device_id: int | None = None) -> dict:
     """Per DALI interpolation: mean and max absolute difference, in levels of 255, between the two backends'
-    batches of rank 0's first `steps` steps (the demo's crop_scale), and the fraction of values more than 1 apart."""
+    batches of rank 0's first `steps` steps (the demo's crop_scale), and the fraction of values more than 1 apart
+    (DALI on the GPU `device_id`, nvJPEG, when given)."""
     import torch
 
     from lifecycle.tasks.clip.augment import STD
@@ -106,8 +108,8 @@ def pixels(dataset: str, steps: int, interps: list[str]) -> dict:
     ours.close()
     out = {}
     for interp in interps:
-        dali = DaliLoader(Pairs(dataset), train, cfg, 0, 2, steps, interp=interp)
-        diff = torch.cat([((dali.next(s)[0] - reference[s]) * levels).abs().flatten() for s in range(steps)])
+        dali = DaliLoader(Pairs(dataset), train, cfg, 0, 2, steps, device_id, interp=interp)
+        diff = torch.cat([((dali.next(s)[0].cpu() - reference[s]) * levels).abs().flatten() for s in range(steps)])
         dali.close()
         out[interp] = {"mean": diff.mean().item(), "max": diff.max().item(), "over_1": (diff > 1.01).float().mean().item()}
     return out
@@ -129,6 +131,7 @@ def stall(dataset: str, args: argparse.Namespace) -> dict:
     out = {"bench": "image_loader", "device": args.device, "steps": args.steps, "rounds": args.rounds,
            **{arm: summarise(v) for arm, v in per_step.items()}}
     out["ratio_mean"] = out["dali"]["mean"] / out["workers"]["mean"]
+    out["pixels_cubic"] = pixels(dataset, 8, ["INTERP_CUBIC"], 0 if args.device == "cuda" else None)["INTERP_CUBIC"]
     if args.json:
         print(json.dumps(out))
         return out
@@ -137,7 +140,8 @@ def stall(dataset: str, args: argparse.Namespace) -> dict:
     for arm in per_step:
         s = out[arm]
         print(f"| {arm} | {s['mean']:.4f} | {s['median']:.4f} | {s['p90']:.4f} | {s['max']:.4f} | {s['step_s']:.3f} |")
-    print(f"dali / workers, mean stall: {out['ratio_mean']:.2f}")
+    print(f"dali / workers, mean stall: {out['ratio_mean']:.2f}; pixels, DALI's cubic against Pillow's bicubic: "
+          f"mean {out['pixels_cubic']['mean']:.3f}, max {out['pixels_cubic']['max']:.0f} levels of 255")
     return out
 
 

@@ -118,6 +118,7 @@ def test_gpu_figures_last_step_measures_both_loaders_or_says_dali_is_missing(tmp
     for arm in ("workers", "dali"):
         assert 0 <= got[arm]["median"] <= got[arm]["p90"] <= got[arm]["max"] < 1 and got[arm]["steps"] == 5
     assert got["ratio_mean"] == pytest.approx(got["dali"]["mean"] / got["workers"]["mean"])
+    assert 0 < got["pixels_cubic"]["mean"] < 0.5 and got["pixels_cubic"]["max"] <= 16
     proc = without_dali("bench.image_loader", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "DALI not installed" in json.loads(proc.stdout.strip().splitlines()[-1])["skipped"]
