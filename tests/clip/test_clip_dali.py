@@ -1,10 +1,12 @@
 """clip_train.loader: dali, with real NVIDIA DALI on its CPU operators (the `dali` extra, in dev): the same samples
-in the same order as the worker processes' backend, pixels within the stated tolerance, exact resume from any step,
-and the config check where DALI is not installed."""
+in the same order as the worker processes' backend, pixels within the stated tolerance, exact resume from any step
+(the loader alone, and one launched 2-rank run), the config check where DALI is not installed, and
+bench/gpu_figures.sh's `dali` step."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -122,3 +124,21 @@ def test_gpu_figures_last_step_measures_both_loaders_or_says_dali_is_missing(tmp
     proc = without_dali("bench.image_loader", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "DALI not installed" in json.loads(proc.stdout.strip().splitlines()[-1])["skipped"]
+
+
+def test_two_launched_ranks_train_on_dali_and_a_resumed_run_ends_on_the_same_weights(shards, tmp_path):
+    """clip_train with `loader: dali` in 2 real DeepSpeed ranks (gloo, ZeRO-1): a rerun after a crash past step 2's
+    commit (step 4's commit and the dataset gone) resumes there and ends with the same bytes."""
+    from lifecycle.core.fs import sha256_file
+    from lifecycle.tasks.clip.train.stage import run_clip_train
+    from lifecycle.tasks.train import commit
+
+    run = cfg(loader="dali", steps=4, save_every=2, ranks=2, threads_per_rank=1, holdout=0.25,
+              model=TINY.model_copy(update={"vocab_size": 0}))
+    first = run_clip_train(shards, run, str(tmp_path))
+    weights, root = sha256_file(first.dir / "model.safetensors"), first.manifest()["checkpoint"].rsplit("/", 1)[0]
+    assert first.manifest()["metrics"]["steps"] == 4 and 0 <= first.manifest()["metrics"]["stall_fraction"] < 1
+    commit.remove(f"{root}/{commit.tag_name(4)}")
+    shutil.rmtree(first.dir)
+    again = run_clip_train(shards, run, str(tmp_path))
+    assert again.manifest()["resumed_from"] == 2 and sha256_file(again.dir / "model.safetensors") == weights
