@@ -145,13 +145,15 @@ def muon_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
     names with "embed"/"lm_head"."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+    from lifecycle.tasks.train.muon_convert import uses_muon
+
     opt = cfg.optimizer
     hidden, matrices, flat = [], [], []
     dense = model.dense_names() if hasattr(model, "dense_names") else {}  # a pipeline stage's GPT names
     for name, p in model.named_parameters():
         name = dense.get(name, name)
         shape = tuple(getattr(p, "ds_shape", p.shape))  # a layer's shape also under ZeRO-3's partitioning
-        p.use_muon = name.startswith("blocks.") and len(shape) >= 2
+        p.use_muon = uses_muon(name, shape)
         (hidden if p.use_muon else matrices if len(shape) >= 2 else flat).append(p)
     groups = [{"params": hidden, "use_muon": True, "lr": opt.muon_lr, "momentum": opt.muon_momentum,
                "weight_decay": opt.weight_decay},

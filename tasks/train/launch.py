@@ -43,7 +43,7 @@ from lifecycle.tasks.data.tokenize.stage import token_shards
 from lifecycle.tasks.train.config import TrainConfig
 from lifecycle.tasks.train.heartbeats import Heartbeats, SupervisorBeat
 from lifecycle.tasks.train.launcher import Launch, launcher_cmd, local_rank_envs, rank_threads
-from lifecycle.tasks.train.layout import (Sibling, batch_for_siblings, describe, layout_of, siblings,
+from lifecycle.tasks.train.layout import (Sibling, batch_for_siblings, describe, layout_of, refusal, siblings,
                                          trajectory_key)
 from lifecycle.tasks.train.layout import convert as convert_layout
 from lifecycle.tasks.train.supervise import Ownership, Supervision, World, prebuild_shm_op
@@ -336,12 +336,12 @@ def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig
     this run's checkpoints; a sibling whose supervisor is running is passed over. Logs the change in train.log and
     `<run_dir>/layout_change.json` (TrainResult.layout_change, the MLflow tag). Returns the converted tag dir."""
     dst = layout_of(cfg)
-    if cfg.optimizer.name == "muon":  # checked before any sibling is touched
-        src = newer[0]
+    if cfg.optimizer.name == "muon" and (why := refusal(newer[0].layout, dst, "muon")) is not None:
+        src = newer[0]  # refused before any sibling is touched
         raise ValueError(f"train.optimizer.name=muon: a run of this trajectory under layout {describe(src.layout)} "
-                         f"committed step {src.step} ({src.tag_dir}), and no layout converter carries Muon's momentum "
-                         "(DeepSpeed's ds_to_universal keeps fp32, exp_avg and exp_avg_sq only): rerun with that "
-                         "layout, or set train.resume_across_layouts: false to start a new run")
+                         f"committed step {src.step} ({src.tag_dir}), and no converter carries Muon's state to "
+                         f"layout {describe(dst)} ({why}): rerun with that layout, or set "
+                         "train.resume_across_layouts: false to start a new run")
     for src in newer:
         with open(src.run_dir / ".lock", "a") as other:
             try:
@@ -353,7 +353,7 @@ def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig
             if (why := ckpt.verify(src.tag_dir)) is not None:  # `siblings` checked sizes only
                 log.warning("not resuming from %s (layout %s): %s", src.tag_dir, describe(src.layout), why)
                 continue
-            tag_dir, _ = convert_layout(src, ckpt_root, dst)
+            tag_dir, _ = convert_layout(src, ckpt_root, dst, cfg.optimizer.name)
         change = f"{describe(src.layout)} -> {describe(dst)} at step {src.step}"
         line = f"layout change: {change}, converted {src.tag_dir} -> {tag_dir}"
         log.info("%s", line)

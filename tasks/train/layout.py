@@ -297,6 +297,18 @@ def _replicas_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dic
     return {"format": "deepspeed"}
 
 
+def _muon_reason(src: dict, dst: dict) -> str | None:
+    from lifecycle.tasks.train import muon_convert
+
+    return muon_convert.reason(src, dst)
+
+
+def _muon_convert(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
+    from lifecycle.tasks.train import muon_convert
+
+    return muon_convert.convert(src_tag, dst_tag, src, dst)
+
+
 CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reason, _universal_convert),
                                Converter("pipeline-to-dense", _pipeline_reason, _pipeline_convert),
                                Converter("pipeline-replicas", _replicas_reason, _replicas_convert)]
@@ -304,15 +316,19 @@ CONVERTERS: list[Converter] = [Converter("deepspeed-universal", _universal_reaso
 stages or not, experts too) to a dense ZeRO-0 one (lifecycle.tasks.train.parallel.pp_convert.to_dense), and a ZeRO-0 pipeline to more
 or fewer data-parallel replicas of it."""
 
+MUON_CONVERTERS: list[Converter] = [Converter("muon", _muon_reason, _muon_convert),
+                                    Converter("pipeline-replicas", _replicas_reason, _replicas_convert)]
+"""The converters of a Muon run (`train.optimizer.name: muon`): the others carry Adam's moments only. Any Muon
+layout to plain data parallelism at ZeRO 0-2 (lifecycle.tasks.train.muon_convert), and a ZeRO-0 pipeline's files,
+copied whole."""
 
-def convert(src: Sibling, dst_root: Path, dst_layout: dict) -> tuple[Path, dict]:
+
+def convert(src: Sibling, dst_root: Path, dst_layout: dict, optimizer: str = "adamw") -> tuple[Path, dict]:
     """Convert `src`'s commit into `<dst_root>/step_<n>` for `dst_layout` and commit it there (marker last, with
     the layouts and where it came from); returns (tag dir, marker). ValueError, with every converter's reason,
-    when none can."""
-    reasons = []
-    for conv in CONVERTERS:
-        if (why := conv.reason(src.layout, dst_layout)) is not None:
-            reasons.append(f"{conv.name}: {why}")
+    when none can. `optimizer`: the run's `train.optimizer.name` (Muon's state has converters of its own)."""
+    for conv in converters(optimizer):
+        if conv.reason(src.layout, dst_layout) is not None:
             continue
         dst_tag = dst_root / ckpt.tag_name(src.step)
         if dst_tag.exists():
@@ -329,6 +345,22 @@ def convert(src: Sibling, dst_root: Path, dst_layout: dict) -> tuple[Path, dict]
             ckpt.remove(dst_tag)
             raise
         return dst_tag, marker
-    raise ValueError(f"no converter takes a checkpoint of layout {describe(src.layout)} ({src.tag_dir}) to layout "
-                     f"{describe(dst_layout)}: " + "; ".join(reasons)
-                     + " (set train.resume_across_layouts: false to start a new run instead)")
+    raise ValueError(f"no converter takes a{' Muon' if optimizer == 'muon' else ''} checkpoint of layout "
+                     f"{describe(src.layout)} ({src.tag_dir}) to layout {describe(dst_layout)}: "
+                     f"{refusal(src.layout, dst_layout, optimizer)} (set train.resume_across_layouts: false to "
+                     "start a new run instead)")
+
+
+def converters(optimizer: str) -> list[Converter]:
+    """The converters for a run whose `train.optimizer.name` is `optimizer`, in the order they are tried."""
+    return MUON_CONVERTERS if optimizer == "muon" else CONVERTERS
+
+
+def refusal(src: dict, dst: dict, optimizer: str = "adamw") -> str | None:
+    """Every converter's reason not to take layout `src` to `dst` ("name: reason; ..."), or None when one can."""
+    reasons = []
+    for conv in converters(optimizer):
+        if (why := conv.reason(src, dst)) is None:
+            return None
+        reasons.append(f"{conv.name}: {why}")
+    return "; ".join(reasons)

@@ -41,7 +41,7 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _local_to_dense(cfg: ModelConfig, local: str) -> str:
+def local_to_dense(cfg: ModelConfig, local: str) -> str:
     """A PipelineModule parameter name (`3.attn.qkv.weight`, `tied_modules.wte.wte.weight`) as GPT's."""
     head, _, rest = local.partition(".")
     if head == "tied_modules":
@@ -133,7 +133,7 @@ def _unflatten(cfg: ModelConfig, parts: list, g: int, shapes: dict, ep_rank: int
     offset = 0
     for name, shape in shapes.items():
         n = math.prod(shape)
-        name = dense_name(_local_to_dense(cfg, name), ep_rank, local)
+        name = dense_name(local_to_dense(cfg, name), ep_rank, local)
         weights[name] = fp32[offset:offset + n].view(tuple(shape)).clone()
         moments[name] = (step, *(flat[k][offset:offset + n].view(tuple(shape)).clone() for k in ("exp_avg", "exp_avg_sq")))
         offset += n
@@ -212,8 +212,6 @@ def to_dense(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
 
     The `Converter` signature of lifecycle.tasks.train.layout: plugs in there as
     `Converter("pipeline-to-dense", pp_convert.dense_reason, pp_convert.to_dense)`."""
-    import shutil
-
     from lifecycle.tasks.train import commit as ckpt
 
     if (why := dense_reason(src, dst)) is not None:
@@ -221,8 +219,17 @@ def to_dense(src_tag: Path, dst_tag: Path, src: dict, dst: dict) -> dict:
     src_tag, dst_tag = Path(src_tag), Path(dst_tag)
     cfg = ModelConfig.model_validate_json((src_tag / ckpt.MODEL_CONFIG).read_text())
     state, files = _dense_state(cfg, src_tag, src, dst)
-    with ckpt.hashed_atomic_file(dst_tag / "mp_rank_00_model_states.pt") as w:
-        torch.save(state, w)
+    return write_converted(src_tag, dst_tag, {"mp_rank_00_model_states.pt": state, **files})
+
+
+def write_converted(src_tag: Path, dst_tag: Path, files: dict[str, dict]) -> dict:
+    """Save each of `files` ({name: content}) in `dst_tag` (hashed as written), copy the source's consolidated
+    weights and architecture beside them (evaluate and export read those), and return the marker fields of a
+    checkpoint the engine's own `load_checkpoint` reads: {"format": "deepspeed"}."""
+    import shutil
+
+    from lifecycle.tasks.train import commit as ckpt
+
     for name, content in files.items():
         with ckpt.hashed_atomic_file(dst_tag / name) as w:
             torch.save(content, w)
@@ -261,15 +268,24 @@ def _dense_state(cfg: ModelConfig, src_tag: Path, src: dict, dst: dict) -> tuple
     if cfg.tie_embeddings:
         module["lm_head.weight"] = module["wte.weight"]
 
-    state = dict(stages[0])
+    state = dense_model_states(stages[0], module, optimizer, sched, dst)
+    if cfg.moe is not None:  # one entry per MoE layer (a list: DeepSpeed's current MoE file layout)
+        state["num_experts"] = [cfg.moe.num_experts] * len(moe_convert.moe_layers(cfg))
+    return state, files
+
+
+def dense_model_states(base: dict, module: dict, optimizer: dict, sched: dict, dst: dict) -> dict:
+    """The ZeRO-0 model-states file of layout `dst` (pp = tp = 1): the source's model-states file `base` with
+    GPT's state dict `module`, the torch optimizer and LR scheduler states, no ZeRO shapes, the world sizes, and
+    the client_state's sampler rewritten for the destination's ranks, micro-batch and grad_accum (RNG states of
+    ranks the destination has)."""
+    state = dict(base)
     world = dst["dp"]
     state.update(module=module, optimizer=optimizer, lr_scheduler=sched, param_shapes=None, shared_params=None,
                  frozen_param_shapes=None, frozen_param_fragments=None, dp_world_size=world, mp_world_size=1)
-    if cfg.moe is not None:  # one entry per MoE layer (a list: DeepSpeed's current MoE file layout)
-        state["num_experts"] = [cfg.moe.num_experts] * len(moe_convert.moe_layers(cfg))
     if "checkpoint_parallel_dimensions" in state:
         state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
     state["sampler"] = {**state["sampler"], "world_size": world, "micro_batch_size": dst["micro"],
                         "grad_accum": dst["accum"]}
     state["rng"] = [state["rng"][r % len(state["rng"])] for r in range(world)]
-    return state, files
+    return state
