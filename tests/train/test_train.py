@@ -285,8 +285,11 @@ def test_deepspeed_zero2_train_resume_and_reuse(tokens, tmp_path, monkeypatch):
     [rb] = _records(r1.metrics_path, "rollback")
     assert rb["step"] == 10 and rb["bad_step"] == 14 and rb["reason"] == "nan" and rb["skipped_data_steps"] == [13]
     assert all(math.isfinite(r["loss"]) for r in train)
-    for r in train:  # throughput, MFU and the loader's stall fraction are logged with every train record
-        assert 0 <= r["stall_frac"] < 1 and r["data_wait"] >= 0 and 0 < r["mfu"] < 1.5 and r["tokens_per_s"] > 0
+    # throughput, MFU and the loader's stall fraction are logged with every train record. On the CPU the MFU's peak
+    # is a matmul measured at launch, which reads low while other processes load the cores (MFU 2.3 was seen under
+    # load 7 on 2 cores): the bound catches a unit error (x1000), not the machine's load
+    for r in train:
+        assert 0 <= r["stall_frac"] < 1 and r["data_wait"] >= 0 and 0 < r["mfu"] < 10 and r["tokens_per_s"] > 0
         assert r["flops_per_token"] == r1.flops_per_token and r["params"] == r1.model_params
     assert ckpt.read_marker(r1.checkpoint_dir)["loss"] == train[-1]["loss"]
     assert [(r["kind"], r["step"]) for r in seen] == [(r["kind"], r["step"]) for r in map(json.loads, open(r1.metrics_path))]
