@@ -125,7 +125,5 @@ class DaliLoader(Reads):
 
     def close(self) -> None:
         self.reader.shutdown(cancel_futures=True)
-        if self.pipe is not None:
-            del self.pipe  # its threads stop with it
-            self.pipe = None
+        self.pipe = None  # the pipeline and its threads go with the last reference
         super().close()

@@ -1,6 +1,7 @@
 """The image path's loader: image_preprocess's JPEG tar shards, read through `index.parquet` (each JPEG's shard,
-byte offset and size: one `pread` per image), decoded and augmented in worker processes, in batches that are a
-function of (seed, step, rank, ranks).
+byte offset and size: one `pread` per image), decoded and augmented in worker processes (`Loader`), or by an
+NVIDIA DALI pipeline (`clip_train.loader: dali`, lifecycle.tasks.clip.dali, on the same `Reads`), in batches that
+are a function of (seed, step, rank, ranks).
 
 Sampling: the pairs not held out (`split`) are the training list; rank r owns positions p with p % ranks == r
 (`cache.owner`) and walks its own samples in random epochs, one permutation per epoch drawn from
