@@ -359,8 +359,9 @@ class TrainConfig(BaseModel):
         if self.optimizer.name != "muon":
             return
         par, why, fix = self.parallel, None, "use train.optimizer.name=adamw"
-        if par.tp > 1:
-            why = f"tp={par.tp}: a tp rank holds a slice of each matrix, and Newton-Schulz of a slice is not of the matrix"
+        if par.tp > 1 and par.pp > 1:
+            why = (f"tp={par.tp} inside pipeline stages (pp={par.pp}): Newton-Schulz of the whole matrix from the tp "
+                   "slices (muon_tp) is verified for tp without pipeline stages only")
         elif self.moe.num_experts:
             why = (f"experts={self.moe.num_experts}: DeepSpeed's Muon orthogonalises expert matrices in expert groups "
                    "of its own (muon_update's is_expert_group), which this trainer does not set or verify")

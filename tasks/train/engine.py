@@ -160,7 +160,12 @@ def muon_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
               {"params": matrices, "use_muon": False, "lr": opt.lr, "betas": opt.betas, "eps": 1e-8,
                "weight_decay": opt.weight_decay},
               {"params": flat, "use_muon": False, "lr": opt.lr, "betas": opt.betas, "eps": 1e-8, "weight_decay": 0.0}]
-    return MuonWithAuxAdam([g for g in groups if g["params"]], adam_optimizer=None, adam_w_mode=True)
+    optimizer = MuonWithAuxAdam([g for g in groups if g["params"]], adam_optimizer=None, adam_w_mode=True)
+    if getattr(model, "tp", None) is not None:  # tp slices: Newton-Schulz of the whole matrices (muon_tp)
+        from lifecycle.tasks.train import muon_tp
+
+        muon_tp.tag(model)
+    return optimizer
 
 
 def build_engine(cfg: TrainConfig, launch: dict, par, rank: int, run_dir, say, t_start: float) -> Built:

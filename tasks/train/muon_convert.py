@@ -144,7 +144,8 @@ def read_state(cfg: ModelConfig, src_tag: Path, src: dict, shapes: dict) -> tupl
 def reason(src: dict, dst: dict) -> str | None:
     """Why `convert` cannot take a Muon checkpoint of layout `src` to layout `dst` (None: it can)."""
     if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("tp", "ep")):
-        return "Muon does not train with tp or experts (TrainConfig refuses them), so there is no such checkpoint"
+        return ("a tp checkpoint's Muon momentum is sliced per tp rank (tasks/train/muon_tp), which this converter "
+                "does not merge or split; Muon does not train with experts")
     if any(dst.get(axis, 1) != 1 for axis in ("pp", "sp")):
         return ("writes plain data-parallel state (pp = sp = 1); a pipeline or sequence-parallel destination "
                 "lays the state out per stage or over dp × sp")
