@@ -335,11 +335,10 @@ class TrainConfig(BaseModel):
     def _check(self) -> "TrainConfig":
         rules.check(self)  # each parallelism's own (lifecycle.tasks.train.parallel.rules)
         eng = self.engine
-        if eng.optimizer_states == "bf16" and (eng.precision != "bf16" or eng.zero_stage == 0 or self.parallel.pp > 1):
+        if eng.optimizer_states == "bf16" and (eng.precision != "bf16" or eng.zero_stage == 0):
             raise ValueError(f"train.engine.optimizer_states=bf16 needs train.engine.precision=bf16 (got {eng.precision})"
                              f" and train.engine.zero_stage 1-3 (got {eng.zero_stage}; DeepSpeed keeps bf16 master "
-                             "weights and moments in its ZeRO optimizers only, runtime/config.py) without pipeline "
-                             f"stages (pp={self.parallel.pp})")
+                             "weights and moments in its ZeRO optimizers only, runtime/config.py)")
         if self.model.norm == "none" and self.parallel.tp_sequence_parallel:
             raise ValueError("train.model.norm=none with train.parallel.tp_sequence_parallel: Megatron's sequence "
                              "parallelism splits the norms' activations along the sequence, and this model has no "

@@ -1,5 +1,5 @@
 """bf16 optimizer states (`train.engine.optimizer_states: bf16`): DeepSpeed's bf16 master weights and Adam moments
-under ZeRO 1-3, what the planner counts for them, and what is refused."""
+under ZeRO 1-3, with pipeline stages too, what the planner counts for them, and what is refused."""
 
 import glob
 
@@ -14,12 +14,13 @@ from lifecycle.tasks.train.zero_memory import PRECISIONS, model_states
 @pytest.mark.parametrize("engine, pp, message", [
     ({"precision": "fp32"}, 1, "needs train.engine.precision=bf16"),
     ({"precision": "bf16", "zero_stage": 0}, 1, "zero_stage 1-3"),
-    ({"precision": "bf16", "zero_stage": 1}, 2, "without pipeline"),
+    ({"precision": "bf16", "zero_stage": 0}, 2, "zero_stage 1-3"),
 ])
-def test_bf16_states_need_bf16_weights_zero_and_no_pipeline(engine, pp, message):
+def test_bf16_states_need_bf16_weights_and_zero(engine, pp, message):
     data = {"engine": {"optimizer_states": "bf16", **engine}, "parallel": {"pp": pp}, "batch": {"num_ranks": pp}}
     with pytest.raises(ValueError, match=message):
         TrainConfig.model_validate(data)
+    TrainConfig.model_validate({**data, "engine": {**data["engine"], "precision": "bf16", "zero_stage": 1}})
 
 
 def test_ds_config_asks_for_bf16_masters_and_moments_and_the_planner_halves_the_states():
@@ -46,3 +47,26 @@ def test_a_bf16_states_run_learns_and_its_checkpoint_holds_bf16_moments(tmp_path
     state = base["state"][0] if isinstance(base, dict) else base[0]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
     assert all(t.dtype == torch.bfloat16 for t in part["single_partition_of_fp32_groups"])
+
+
+@pytest.mark.slow  # one launch of 2 ranks
+def test_a_pipeline_bf16_states_run_learns_and_each_stage_holds_bf16_moments(tmp_path):
+    """pp=2 at ZeRO-1: DeepSpeed's pipeline engine with bf16 weights (gradients accumulated in bf16, its default)
+    takes the ZeRO-1 optimizer, not BF16_Optimizer (engine.py `_do_optimizer_sanity_check`), and that one keeps
+    bf16 masters and moments when asked: each stage's partition holds them."""
+    from lifecycle.tasks.train.launch import run_train
+    from tests.train.test_parallel_pp import pp_config
+    from tests.train.test_train import _records, make_tokens
+
+    cfg = pp_config(max_steps=30, **{"engine.precision": "bf16", "engine.optimizer_states": "bf16",
+                                     "checkpoint.every": 30})
+    r = run_train(make_tokens(tmp_path / "tok", 600), cfg, str(tmp_path / "w"))
+    losses = [x["loss"] for x in _records(r.metrics_path, "train")]
+    assert len(losses) == 30 and losses[-1] < 0.6 * losses[0]
+    files = sorted(glob.glob(f"{r.checkpoint_dir}/*optim_states.pt"))
+    assert [f.rsplit("_mp_rank_", 1)[1] for f in files] == ["00_optim_states.pt", "01_optim_states.pt"]  # a stage each
+    for f in files:
+        part = torch.load(f, weights_only=False)["optimizer_state_dict"]
+        state = part["base_optimizer_state"]["state"][0]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert all(t.dtype == torch.bfloat16 for t in part["single_partition_of_fp32_groups"])
