@@ -357,11 +357,8 @@ class TrainConfig(BaseModel):
         """Where DeepSpeed's Muon would not compute what `optimizer.name: muon` says, refused with the reason."""
         if self.optimizer.name != "muon":
             return
-        par, why, fix = self.parallel, None, "use train.optimizer.name=adamw"
-        if par.tp > 1 and par.pp > 1:
-            why = (f"tp={par.tp} inside pipeline stages (pp={par.pp}): Newton-Schulz of the whole matrix from the tp "
-                   "slices (muon_tp) is verified for tp without pipeline stages only")
-        elif self.moe.num_experts:
+        why, fix = None, "use train.optimizer.name=adamw"
+        if self.moe.num_experts:
             why = (f"experts={self.moe.num_experts}: DeepSpeed's Muon orthogonalises expert matrices in expert groups "
                    "of its own (muon_update's is_expert_group), which this trainer does not set or verify")
         elif self.engine.zero_stage == 3 and self.init_from.startswith("hf:"):

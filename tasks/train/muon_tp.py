@@ -8,7 +8,8 @@ DeepSpeed's function, which for a `TPSplit` all-gathers the tp group's slices of
 runs DeepSpeed's own update on the whole matrix (one rank's momentum step, Newton-Schulz and aspect-ratio scale)
 and keeps this rank's slice of the momentum and of the update (parallel.tp `merge_tensors` / `shard_tensor`). The
 tp ranks of a group hold slices of the same shapes in the same order, so they reach each matrix's all-gather
-together; the data-parallel ranks of a ZeRO partition do so within their own tp groups."""
+together; the data-parallel ranks of a ZeRO partition do so within their own tp groups. Inside pipeline stages
+(tp × pp) a stage's tp ranks hold the same layers, so the same holds within each stage."""
 
 from __future__ import annotations
 
@@ -69,9 +70,16 @@ def install() -> None:
 
 
 def tag(model) -> None:
-    """Mark each tp-split Muon matrix of a TensorParallelGPT `model` with its `TPSplit`, and install."""
+    """Mark each tp-split Muon matrix of `model` with its `TPSplit`, and install. `model`: a TensorParallelGPT, or
+    a pipeline stage split over its tp group (parallel.pp `GPTPipe`: its parameters go by their GPT names,
+    `dense_names`, and its tp group is DeepSpeed's slice group of the stage)."""
     tp = model.tp
+    dense = model.dense_names() if hasattr(model, "dense_names") else {}
+    tagged = 0
     for name, p in model.named_parameters():
-        if getattr(p, "use_muon", False) and (spec := split_spec(model.cfg, name)) is not None:
+        if getattr(p, "use_muon", False) and (spec := split_spec(model.cfg, dense.get(name, name))) is not None:
             p.is_expert_group = TPSplit(spec, tp.group, tp.size, tp.rank)
+            tagged += 1
+    if not tagged and any(getattr(p, "use_muon", False) for p in model.parameters()):
+        raise RuntimeError("muon_tp.tag: no Muon matrix of this tp model maps to a tp split (parameter names?)")
     install()

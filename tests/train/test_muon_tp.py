@@ -1,7 +1,7 @@
 """Muon under tensor parallelism (lifecycle.tasks.train.muon_tp): DeepSpeed's own muon_update on the whole
 matrix, gathered from the tp ranks' slices, on 2 gloo processes (fast); then launched runs (slow): 20 steps of
-Muon at tp=2 (ZeRO-1 and ZeRO-2) track the one-rank Muon run within the tolerance of the AdamW tp runs
-(test_parallel_tp.LOSS_RTOL)."""
+Muon at tp=2 (ZeRO-1 and ZeRO-2) and at tp2 × pp2 (ZeRO-1 and ZeRO-0) track the one-rank Muon run within the
+tolerance of the AdamW tp runs (test_parallel_tp.LOSS_RTOL)."""
 
 import json
 
@@ -78,4 +78,23 @@ def test_muon_tp2_trains_the_single_rank_loss_curve(tokens, tmp_path, zero):
     assert len(a) == len(b) == 20 and a[-1] < 0.8 * a[0]
     rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
     print(f"Muon tp=2 ZeRO-{zero} vs one rank, 20 steps: max relative loss difference {rel:.3g}")
+    assert rel < LOSS_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 0])
+def test_muon_tp2_inside_pipeline_stages_trains_the_single_rank_loss_curve(tokens, tmp_path, zero):
+    """tp2 × pp2 (4 ranks; ZeRO-1 and ZeRO-0, what DeepSpeed's pipeline engine runs): each stage's tp-split
+    matrices are tagged by their GPT names (the stage's dense_names) and gathered over the stage's tp group
+    (DeepSpeed's slice group); 20 steps follow one rank with the same weights and global batches."""
+    from lifecycle.tasks.train.launch import run_train
+    from tests.train.test_parallel_3d import tp_pp_config
+    from tests.train.test_parallel_pp import pp_config
+
+    dense = run_train(tokens, pp_config(ranks=1, pp=1, zero=zero, **MUON), str(tmp_path / "one"))
+    tp_pp = run_train(tokens, tp_pp_config(zero=zero, **MUON), str(tmp_path / "tp2pp2"))
+    a, b = _losses(dense.metrics_path), _losses(tp_pp.metrics_path)
+    assert len(a) == len(b) == 20 and a[-1] < 0.8 * a[0]
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    print(f"Muon tp=2 x pp=2 ZeRO-{zero} vs one rank, 20 steps: max relative loss difference {rel:.3g}")
     assert rel < LOSS_RTOL
