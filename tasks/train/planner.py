@@ -304,7 +304,7 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     numels = muon_numels(m) if optimizer == "muon" else []  # the matrices Muon steps (none: AdamW)
     muon = psi_rank * sum(numels) / param_count(m).total if numels else 0.0
     ms = model_states(psi_rank, lay.zero, nd, prec, lay.offload, muon)
-    mu = muon_buffers(numels, lay.zero, nd, prec, psi_rank, muon)
+    mu = muon_buffers(numels, lay.zero, nd, prec, psi_rank, muon, lay.tp)
     am = am or ActivationModel.for_model(m, prec.act, fused_attention)
     s_rank = s / lay.sp
     t = lay.tp
@@ -338,6 +338,7 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
     backward = bucket + buf["pending_grad"] + gathered + prefetch + loss_bwd + mu["gather_cache"]
     step = opt_step + buf["step_fp32_grads"] - buf["step_grads_released"] + (bucket if lay.zero == 3 else 0.0)
     step = max(step - mu["step_grads_not_made"], mu["whole_grads"]) + mu["gather_cache"]  # zero_memory.muon_buffers
+    step += mu["tp_gather"]  # tp under Muon: one whole matrix's gradient and momentum (zero_memory.muon_tp_gather)
     temp = max(backward, step - acts)  # total = states + max(activations + backward, step)
     return Estimate(lay, sum(ms.values()), acts, temp,
                     {**{f"{k}_bytes": x for k, x in ms.items()}, "activation_per_layer_bytes": layer,
@@ -347,6 +348,7 @@ def memory(m: ModelConfig, lay: Layout, precision: str = "bf16", seq_len: int | 
                      "step_fp32_grad_bytes": buf["step_fp32_grads"],
                      "step_grads_released_bytes": buf["step_grads_released"],
                      "muon_gather_cache_bytes": mu["gather_cache"], "muon_whole_grads_bytes": mu["whole_grads"],
+                     "muon_tp_gather_bytes": mu["tp_gather"],
                      "backward_buffers_bytes": backward, "step_buffers_bytes": step})
 
 

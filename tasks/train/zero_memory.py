@@ -145,18 +145,34 @@ def muon_gather_cache(numels: list[int], nd: int, elem: int = FP32) -> float:
     return min(MUON_GATHER_CACHE, float(sum(entries)))
 
 
-def muon_buffers(numels: list[int], zero: int, nd: int, prec: Precision, psi: float, muon: float) -> dict:
+def muon_tp_gather(numels: list[int], tp: int, zero: int, prec: Precision) -> float:
+    """Tensor parallelism under Muon (lifecycle.tasks.train.muon_tp): to orthogonalise a tp-split matrix whole, a
+    rank all-gathers its tp group's slices of the gradient and of the momentum into whole matrices for the one
+    update, then keeps its slices: the largest matrix's gradient and momentum, whole, bytes per rank, transient
+    during the step (one matrix at a time). Their dtype: the gradients' at ZeRO-1/2 (the momentum is kept in it,
+    `muon_states`), fp32 at ZeRO-0 (the step's fp32 gradients, the fp32 momentum). `numels`: the whole (dense)
+    sizes of the Muon matrices, every one of which tp splits (the blocks' q/k/v, o, MLP matrices)."""
+    if tp <= 1 or not numels:
+        return 0.0
+    return 2.0 * max(numels) * (FP32 if zero == 0 else prec.grad)
+
+
+def muon_buffers(numels: list[int], zero: int, nd: int, prec: Precision, psi: float, muon: float,
+                 tp: int = 1) -> dict:
     """DeepSpeed's buffers under Muon beside its states, bytes per rank: ZeRO-3's `gather_cache`
     (`muon_gather_cache`, held for good) and, at ZeRO-2, the gradients beyond the rank's partition, `whole_grads`:
     Newton-Schulz needs whole matrices, so the gradients are whole once backward ends (`averaged_gradients`;
     measured, bench.zero_states). Stage 3 makes the step's fp32 gradients one sub-group at a time, and Muon's
-    matrices are a group of their own: `step_grads_not_made` is what the larger of the two leaves out. `numels`:
-    the sizes of the Muon matrices (their distinct sizes matter); `muon`: how many of the rank's Ψ they hold."""
+    matrices are a group of their own: `step_grads_not_made` is what the larger of the two leaves out. Under
+    tensor parallelism the step gathers one whole matrix's gradient and momentum (`tp_gather`, `muon_tp_gather`).
+    `numels`: the sizes of the Muon matrices (their distinct sizes matter); `muon`: how many of the rank's Ψ
+    they hold."""
     if not muon:
-        return {"gather_cache": 0.0, "whole_grads": 0.0, "step_grads_not_made": 0.0}
+        return {"gather_cache": 0.0, "whole_grads": 0.0, "step_grads_not_made": 0.0, "tp_gather": 0.0}
     return {"gather_cache": muon_gather_cache(numels, nd, prec.grad) if zero == 3 else 0.0,
             "whole_grads": prec.grad * (psi - psi / nd) if zero == 2 else 0.0,
-            "step_grads_not_made": prec.master * (psi - max(muon, psi - muon)) / nd if zero == 3 else 0.0}
+            "step_grads_not_made": prec.master * (psi - max(muon, psi - muon)) / nd if zero == 3 else 0.0,
+            "tp_gather": muon_tp_gather(numels, tp, zero, prec)}
 
 
 def engine_bytes(psi: float, zero: int, nd: int, prec: Precision, largest: float, **kw) -> dict:
