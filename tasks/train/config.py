@@ -358,10 +358,7 @@ class TrainConfig(BaseModel):
         if self.optimizer.name != "muon":
             return
         why, fix = None, "use train.optimizer.name=adamw"
-        if self.moe.num_experts:
-            why = (f"experts={self.moe.num_experts}: DeepSpeed's Muon orthogonalises expert matrices in expert groups "
-                   "of its own (muon_update's is_expert_group), which this trainer does not set or verify")
-        elif self.engine.zero_stage == 3 and self.init_from.startswith("hf:"):
+        if self.engine.zero_stage == 3 and self.init_from.startswith("hf:"):
             why = ("ZeRO-3 with a base model (built under zero.Init, where DeepSpeed's own Muon tagging reads the "
                    "partitioned 1-D shapes and silently trains every parameter with AdamW; not verified here)")
         elif self.engine.optimizer_states == "bf16":

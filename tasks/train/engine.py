@@ -137,12 +137,13 @@ def adamw_optimizer(cfg: TrainConfig, model, par) -> torch.optim.Optimizer:
     return torch.optim.AdamW(par.param_groups(groups), lr=opt.lr, betas=opt.betas, **fused)
 
 
-def muon_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+def muon_optimizer(cfg: TrainConfig, model, par=None) -> torch.optim.Optimizer:
     """DeepSpeed's MuonWithAuxAdam as the client optimizer: Muon on the blocks' 2-D weights, AdamW (DeepSpeed's
     inline update) on the embeddings, head, norms and biases. Each parameter carries `use_muon`, which DeepSpeed's
     ZeRO optimizers read to orthogonalise the whole matrix before partitioning its update; the tagging is ours
     (by the layer's shape and our module names, a pipeline stage's mapped to GPT's), since DeepSpeed's own reads
-    names with "embed"/"lm_head"."""
+    names with "embed"/"lm_head". MoE experts (`par`'s groups apart) are 2-D matrices held whole on their ep rank,
+    each orthogonalised on its own as any other Muon matrix (DeepSpeed's MoE layer sets no `is_expert_group`)."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     from lifecycle.tasks.train.muon_convert import uses_muon
@@ -160,6 +161,8 @@ def muon_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
               {"params": matrices, "use_muon": False, "lr": opt.lr, "betas": opt.betas, "eps": 1e-8,
                "weight_decay": opt.weight_decay},
               {"params": flat, "use_muon": False, "lr": opt.lr, "betas": opt.betas, "eps": 1e-8, "weight_decay": 0.0}]
+    if par is not None:
+        groups = par.param_groups(groups)
     optimizer = MuonWithAuxAdam([g for g in groups if g["params"]], adam_optimizer=None, adam_w_mode=True)
     if getattr(model, "tp", None) is not None:  # tp slices: Newton-Schulz of the whole matrices (muon_tp)
         from lifecycle.tasks.train import muon_tp
@@ -180,7 +183,7 @@ def build_engine(cfg: TrainConfig, launch: dict, par, rank: int, run_dir, say, t
     n_matmul, flops_per_token = model.num_params(exclude_embeddings=True), model.flops_per_token()
     model = par.wrap_model(model)
     opt = cfg.optimizer
-    optimizer = muon_optimizer(cfg, model) if opt.name == "muon" else adamw_optimizer(cfg, model, par)
+    optimizer = muon_optimizer(cfg, model, par) if opt.name == "muon" else adamw_optimizer(cfg, model, par)
     schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: cfg.lr_at(s) / opt.lr)  # noqa: E731
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                    config=ds_config(cfg), mpu=par.mesh)
