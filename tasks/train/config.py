@@ -361,8 +361,6 @@ class TrainConfig(BaseModel):
         if self.engine.zero_stage == 3 and self.init_from.startswith("hf:"):
             why = ("ZeRO-3 with a base model (built under zero.Init, where DeepSpeed's own Muon tagging reads the "
                    "partitioned 1-D shapes and silently trains every parameter with AdamW; not verified here)")
-        elif self.engine.optimizer_states == "bf16":
-            why = "train.engine.optimizer_states=bf16: DeepSpeed's bf16 optimizer states are not verified with Muon here"
         elif self.engine.zero_stage >= 1 and self.optimizer.grad_clip > 0:
             why = (f"train.optimizer.grad_clip={self.optimizer.grad_clip} under ZeRO-{self.engine.zero_stage}: DeepSpeed's "
                    "ZeRO optimizers put Muon's orthogonalised update where the gradient was before they take the "

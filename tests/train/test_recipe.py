@@ -182,7 +182,6 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"engine": {"precision": "bf16", "optimizer_states": "bf16"}}, "bf16 optimizer states"),
     ({"engine": {"zero_stage": 2}}, r"grad_clip=1.0 under ZeRO-2: .*set train.optimizer.grad_clip=0"),
 ])
 def test_muon_is_refused_where_it_is_not_verified(over, message):
