@@ -5,8 +5,10 @@ own, as the single rank holding all experts does (engine.muon_optimizer puts the
 Fast: one engine step at ZeRO-0 and ZeRO-2 moves every expert matrix by DeepSpeed's muon_update of that matrix's
 own gradient (not AdamW's step, not an update orthogonalised over several matrices together).
 
-Slow: 20 steps of the MoE model of test_parallel_moe with Muon, ep=2 over 2 ranks and ep=1 dp=2, against one
-rank; loss curves agree to relative 1e-5."""
+Slow: 20 steps of the MoE model of test_parallel_moe with Muon, ep=2 over 2 ranks and ep=1 dp=2 (ZeRO-2), and of
+test_parallel_moe_pp's with pipeline stages (pp=2, ZeRO-1) and with ep=2 at ZeRO-0, each against one rank at its
+stage; loss curves agree to relative 1e-5. An ep=2 run resumed from its step-10 commit repeats the uninterrupted
+run's losses bit for bit."""
 
 import json
 import os
@@ -112,3 +114,33 @@ def test_one_step_moves_each_expert_matrix_by_muon_of_its_own_gradient(tmp_path)
         assert r["n"] == 2 * 4 * 2  # 2 layers × 4 experts × (up: SwiGLU's gate and up fused, down)
         assert r["groups"] == [[True, True]]  # every expert matrix: Muon, in DeepSpeed's expert group
         assert r["err"] < 1e-3 and r["adam_err"] > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"ranks": 2, "pp": 2}, {"ranks": 2, "pp": 1, "moe.ep": 2, "zero": 0}],
+                         ids=["pp2-zero1", "ep2-zero0"])
+def test_muon_with_experts_in_pipeline_stages_and_at_zero0_trains_the_single_rank_curve(tokens, tmp_path, layout):
+    from lifecycle.tasks.train.launch import run_train
+    from tests.train.test_parallel_moe_pp import moe_pp_config
+
+    muon = {"optimizer.name": "muon", "optimizer.muon_lr": 0.02, "optimizer.grad_clip": 0.0}
+    zero = {"zero": layout["zero"]} if "zero" in layout else {}
+    one = _losses(run_train(tokens, moe_pp_config(ranks=1, pp=1, **zero, **muon), str(tmp_path / "one")).metrics_path)
+    got = _losses(run_train(tokens, moe_pp_config(**layout, **muon), str(tmp_path / "got")).metrics_path)
+    assert len(got) == len(one) == 20
+    rel = max(abs(x - y) / abs(y) for x, y in zip(got, one))
+    print(f"Muon with experts, {layout} vs 1 rank, 20 steps: max relative loss difference {rel:.3g}")
+    assert rel <= 1e-5 and got[-1] < 0.8 * got[0]
+
+
+@pytest.mark.slow
+def test_muon_with_experts_resumes_exactly(tokens, tmp_path):
+    """ep=2 over 2 ranks, ZeRO-2: stopped at its step-10 commit and run on to 20, the losses of steps 11-20 are the
+    uninterrupted run's bit for bit (each ep rank's expert momentum is in its checkpoint)."""
+    from lifecycle.tasks.train.launch import run_train
+
+    straight = _losses(run_train(tokens, _cfg(2, 2), str(tmp_path / "straight")).metrics_path)
+    assert run_train(tokens, _cfg(2, 2).model_copy(update={"max_steps": 10}), str(tmp_path / "w")).steps == 10
+    rest = run_train(tokens, _cfg(2, 2), str(tmp_path / "w"))
+    got = {r["step"]: r["loss"] for r in map(json.loads, open(rest.metrics_path)) if r["kind"] == "train"}
+    assert rest.resumed_from == 10 and [got[s] for s in range(11, 21)] == straight[10:]
