@@ -59,7 +59,8 @@ def run_arm(dataset: str, loader: str, steps: int, device: str) -> list[tuple[fl
     import torch
 
     from lifecycle.tasks.clip.config import ClipTrainConfig
-    from lifecycle.tasks.clip.loader import Pairs, open_loader, split
+    from lifecycle.tasks.clip.backend import open_loader
+    from lifecycle.tasks.clip.loader import Pairs, split
     from lifecycle.tasks.clip.model import CLIP
 
     pairs = Pairs(dataset)

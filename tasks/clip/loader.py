@@ -141,14 +141,3 @@ class Loader(Reads):
             self.pool.terminate()
             self.pool.join()
         super().close()
-
-
-def open_loader(pairs: Pairs, train_rows: list[int], cfg: ClipTrainConfig, rank: int, ranks: int, steps: int,
-                device_id: int | None = None) -> Loader | Any:
-    """The backend `cfg.loader` names: worker processes (`workers`) or a DALI pipeline (`dali`, on the GPU
-    `device_id` when there is one)."""
-    if cfg.loader == "dali":
-        from lifecycle.tasks.clip.dali import DaliLoader
-
-        return DaliLoader(pairs, train_rows, cfg, rank, ranks, steps, device_id)
-    return Loader(pairs, train_rows, cfg, rank, ranks, steps)

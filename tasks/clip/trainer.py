@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from lifecycle.tasks.clip.config import ClipTrainConfig
-from lifecycle.tasks.clip.loader import Pairs, open_loader, split
+from lifecycle.tasks.clip.backend import open_loader
+from lifecycle.tasks.clip.loader import Pairs, split
 from lifecycle.tasks.clip.model import CLIP
 from lifecycle.tasks.train import commit
 from lifecycle.tasks.train.engine import keep_mlflow_out, stub_muon

@@ -32,8 +32,9 @@ class OptimizerConfig(Section):
     """`adamw`: torch AdamW on every parameter. `muon`: DeepSpeed's `MuonWithAuxAdam`
     (deepspeed/runtime/zero/muon; Jordan et al. 2024): Muon (momentum, then a Newton-Schulz orthogonalised
     update) on the blocks' 2-D weights at `muon_lr`, AdamW at `lr` (betas, weight_decay) on the embeddings, the
-    head, norms and biases, as modded-nanogpt and nanochat split it; the schedule scales both. ZeRO 0-3 with data
-    parallelism only: refused with tp, pp, sp, experts, and ZeRO-3 with a base model (zero.Init)."""
+    head, norms and biases, as modded-nanogpt and nanochat split it; the schedule scales both. Under ZeRO 0-3 and
+    every layout (tp, pp, sp, experts and their compositions; docs/training.md, Recipe); refused with ZeRO-3 and a
+    base model (zero.Init) and, under ZeRO 1-3, with `grad_clip` > 0 (`_check_muon` says why)."""
     muon_lr: float = Field(0.02, gt=0)
     """`muon`: peak learning rate of the Muon half (its update has unit spectral scale, hence the larger value)."""
     muon_momentum: float = Field(0.95, ge=0, lt=1)

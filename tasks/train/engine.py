@@ -146,7 +146,7 @@ def muon_optimizer(cfg: TrainConfig, model, par=None) -> torch.optim.Optimizer:
     each orthogonalised on its own as any other Muon matrix (DeepSpeed's MoE layer sets no `is_expert_group`)."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from lifecycle.tasks.train.muon_convert import uses_muon
+    from lifecycle.tasks.train.sizing import uses_muon
 
     opt = cfg.optimizer
     hidden, matrices, flat = [], [], []

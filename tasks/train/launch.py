@@ -336,7 +336,11 @@ def _resume_other_layout(newer: list[Sibling], ckpt_root: Path, cfg: TrainConfig
     this run's checkpoints; a sibling whose supervisor is running is passed over. Logs the change in train.log and
     `<run_dir>/layout_change.json` (TrainResult.layout_change, the MLflow tag). Returns the converted tag dir."""
     dst = layout_of(cfg)
-    if cfg.optimizer.name == "muon" and (why := refusal(newer[0].layout, dst, "muon")) is not None:
+    why = None
+    if cfg.optimizer.name == "muon":
+        why = ("a run with experts: the Muon converter does not carry the experts' state (moe_convert carries "
+               "AdamW's)" if cfg.moe.num_experts else refusal(newer[0].layout, dst, "muon"))
+    if why is not None:
         src = newer[0]  # refused before any sibling is touched
         raise ValueError(f"train.optimizer.name=muon: a run of this trajectory under layout {describe(src.layout)} "
                          f"committed step {src.step} ({src.tag_dir}), and no converter carries Muon's state to "

@@ -21,11 +21,7 @@ from pathlib import Path
 import torch
 
 from lifecycle.tasks.train.config import ModelConfig, TrainConfig
-
-
-def uses_muon(name: str, shape) -> bool:
-    """Whether GPT parameter `name` trains with Muon: the blocks' 2-D weights (engine.muon_optimizer)."""
-    return name.startswith("blocks.") and len(shape) >= 2
+from lifecycle.tasks.train.sizing import uses_muon
 
 
 def group_names(names: list[str], shapes: dict) -> list[list[str]]:
@@ -144,8 +140,8 @@ def read_state(cfg: ModelConfig, src_tag: Path, src: dict, shapes: dict) -> tupl
 def reason(src: dict, dst: dict) -> str | None:
     """Why `convert` cannot take a Muon checkpoint of layout `src` to layout `dst` (None: it can)."""
     if any(layout.get(axis, 1) != 1 for layout in (src, dst) for axis in ("tp", "ep")):
-        return ("a tp checkpoint's Muon momentum is sliced per tp rank (tasks/train/muon_tp), which this converter "
-                "does not merge or split; Muon does not train with experts")
+        return ("a tp checkpoint's Muon momentum is sliced per tp rank (tasks/train/muon_tp), and an ep one's "
+                "experts are spread over the ep ranks: this converter neither merges nor splits them")
     if any(dst.get(axis, 1) != 1 for axis in ("pp", "sp")):
         return ("writes plain data-parallel state (pp = sp = 1); a pipeline or sequence-parallel destination "
                 "lays the state out per stage or over dp × sp")

@@ -243,6 +243,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def uses_muon(name: str, shape) -> bool:
+    """Whether GPT parameter `name` trains with Muon: the blocks' 2-D weights (engine.muon_optimizer)."""
+    return name.startswith("blocks.") and len(shape) >= 2
+
+
 def muon_numels(m: ModelConfig) -> list[int]:
     """Elements of each matrix `train.optimizer.name: muon` steps with Muon: the blocks' matrices (every block
     parameter but the norms and biases; lifecycle.tasks.train.engine.muon_optimizer tags the same)."""

@@ -61,6 +61,8 @@ def test_compiled_ranks_train_like_eager_ones_and_save_plain_checkpoints(tmp_pat
     # the eager loss of step 1: the same initial weights (seed), the same batch
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model.model_copy(update={"vocab_size": token_shards(tokens).vocab_size}))
+    if cfg.model.attention == "document":  # as engine.build sets it (the default attention)
+        model.doc_sep = token_shards(tokens).eot_id
     with torch.no_grad():
         eager = model(*get_batch(token_shards(tokens), cfg, 0, 0, 0))[1].item()
     assert first["loss"] == pytest.approx(eager, rel=1e-4)

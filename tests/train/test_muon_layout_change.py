@@ -64,6 +64,13 @@ def test_a_muon_layout_change_no_converter_takes_is_refused_before_any_sibling_i
                                          r"ZeRO-0 .*resume_across_layouts: false"):
         _resume_other_layout([src], tmp_path / "ckpt", cfg, tmp_path / "run")
     assert not (tmp_path / "ckpt").exists()
+    # with experts (even at ep=1, where the layouts look dense) the Muon converter is not tried
+    moe = TrainConfig.model_validate({"optimizer": {"name": "muon", "grad_clip": 0.0}, "batch": {"num_ranks": 1},
+                                      "engine": {"zero_stage": 0}, "moe": {"num_experts": 2}})
+    with pytest.raises(ValueError, match=r"to layout dp=1,zero=0,micro=16,accum=1 .a run with experts: the Muon converter does not "
+                                         r"carry the experts' state"):
+        _resume_other_layout([src], tmp_path / "ckpt", moe, tmp_path / "run")
+    assert not (tmp_path / "ckpt").exists()
 
 
 # --------------------------------------------------------------------------------------------------
