@@ -38,14 +38,6 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _from_torch_state(opt: dict, order: list[str]) -> dict:
-    """{name: state} from a torch state dict of MuonWithAuxAdam whose parameters are `order`."""
-    ids = [i for g in opt["param_groups"] for i in g["params"]]
-    if len(ids) != len(order):
-        raise ValueError(f"the optimizer state lists {len(ids)} parameters, the model has {len(order)}")
-    return {name: dict(opt["state"][i]) for i, name in zip(ids, order) if i in opt["state"]}
-
-
 def _zero12_partition(count: int, numels: list[int], pads: list[int], d: int) -> list[int]:
     """Indices of the parameters that reach into rank `d`'s partition of a flat group of `numels` (with
     DeepSpeed's per-parameter alignment `pads`, the flat padded to 2·count), as get_partition_info finds them."""
@@ -116,7 +108,7 @@ def read_state(cfg: ModelConfig, src_tag: Path, src: dict, shapes: dict) -> tupl
     """({GPT name: Muon or AdamW state}, the model-states file of each stage) of the committed Muon checkpoint
     `src_tag` (layout `src`; `shapes`: GPT's parameter shapes). Tied copies: the first stage's wins."""
     from lifecycle.tasks.train.parallel.pp import stage_param_names
-    from lifecycle.tasks.train.parallel.pp_convert import local_to_dense
+    from lifecycle.tasks.train.parallel.pp_convert import local_to_dense, states_by_name
 
     stages = [_load(f) for f in _model_states_files(src_tag, src)]
     pp, out = src.get("pp", 1), {}
@@ -124,7 +116,7 @@ def read_state(cfg: ModelConfig, src_tag: Path, src: dict, shapes: dict) -> tupl
         names = stage_param_names(cfg, pp, m) if pp > 1 else list(shapes)
         if src["zero"] == 0:
             order = [n for g in group_names(names, shapes) for n in g]
-            out.update(_from_torch_state(stages[m]["optimizer"], order))
+            out.update(states_by_name(stages[m]["optimizer"], order))
             continue
         files = sorted(src_tag.glob(f"zero_pp_rank_*_mp_rank_{m:02d}_optim_states.pt"),
                        key=lambda f: int(f.name.split("_")[3]))

@@ -58,19 +58,20 @@ def optimizer_order(names: list[str], shapes: dict) -> list[str]:
             if (expert_id(n) is not None) == expert and (len(shapes[n]) >= 2) == decay]
 
 
-def _moments_zero0(opt: dict, names: list[str], shapes: dict) -> dict:
-    """{GPT name: (step, exp_avg, exp_avg_sq)} from a ZeRO-0 rank's torch optimizer state dict `opt` over the
-    parameters `names` (in the rank's parameter order)."""
-    order = optimizer_order(names, shapes)
+def states_by_name(opt: dict, order: list[str]) -> dict:
+    """{name: state} from a ZeRO-0 rank's torch optimizer state dict `opt` whose parameters are `order` (the
+    rank's parameters in the order of its optimizer groups; AdamW's or MuonWithAuxAdam's)."""
     ids = [i for g in opt["param_groups"] for i in g["params"]]
     if len(ids) != len(order):
         raise ValueError(f"optimizer state lists {len(ids)} parameters, the stage has {len(order)}")
-    out = {}
-    for i, name in zip(ids, order):
-        s = opt["state"].get(i)
-        if s is not None:
-            out[name] = (float(s["step"]), s["exp_avg"].float(), s["exp_avg_sq"].float())
-    return out
+    return {name: dict(opt["state"][i]) for i, name in zip(ids, order) if i in opt["state"]}
+
+
+def _moments_zero0(opt: dict, names: list[str], shapes: dict) -> dict:
+    """{GPT name: (step, exp_avg, exp_avg_sq)} from a ZeRO-0 rank's torch optimizer state dict `opt` over the
+    parameters `names` (in the rank's parameter order)."""
+    return {name: (float(s["step"]), s["exp_avg"].float(), s["exp_avg_sq"].float())
+            for name, s in states_by_name(opt, optimizer_order(names, shapes)).items()}
 
 
 def _stage_moments_zero0(cfg: ModelConfig, src_tag: Path, src: dict, stage_state: dict, m: int, shapes: dict) -> dict:
